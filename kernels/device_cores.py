@@ -1,0 +1,41 @@
+"""How many programs a persistent grid launches on a device.
+
+Triton's driver reports the core count: ``multiprocessor_count`` on CUDA, ``num_vectorcore``
+(or ``num_aicore``) on Ascend through triton-ascend. The count is read once per device.
+"""
+
+import functools
+
+import torch
+
+# Programs per core. Ascend wants about one program per vector core, each taking a contiguous
+# chunk of rows. On CUDA one program (one CTA) per SM leaves memory bandwidth unused, so several
+# CTAs share an SM; this is the only CUDA-specific tuning and it lives here, not in the kernels.
+_PROGRAMS_PER_CORE = {"cuda": 4, "npu": 1}
+_FALLBACK_CORES = 16  # interpreter on CPU, or a driver that reports nothing
+
+
+@functools.lru_cache(maxsize=None)
+def core_count(device_type: str, device_index: int) -> int:
+    if device_type == "cpu":
+        return _FALLBACK_CORES
+    try:
+        import triton
+
+        props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    except Exception:  # noqa: BLE001 - any driver without the query falls back
+        props = {}
+    for key in ("multiprocessor_count", "num_vectorcore", "num_aicore"):
+        if props.get(key):
+            return int(props[key])
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return _FALLBACK_CORES
+
+
+def num_programs(device: torch.device, n_rows: int) -> int:
+    index = device.index if device.index is not None else 0
+    if device.type == "cuda" and device.index is None:
+        index = torch.cuda.current_device()
+    cores = core_count(device.type, index)
+    return max(1, min(n_rows, cores * _PROGRAMS_PER_CORE.get(device.type, 1)))

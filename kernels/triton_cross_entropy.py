@@ -1,0 +1,170 @@
+"""Triton kernels: per-shard softmax partials (forward) and the in-place gradient (backward).
+
+One source for NVIDIA (``triton``) and Ascend (``triton-ascend``). Both kernels launch a
+persistent grid (``device_cores.num_programs``): program ``p`` takes the contiguous rows
+``[p*rows_per_program, (p+1)*rows_per_program)`` and walks each row's vocab slice in
+``BLOCK_V`` columns, so a block's working set is a few ``BLOCK_V`` vectors (<= 64 KiB in fp32,
+inside Ascend's ~192 KiB unified buffer). Row offsets are int64 (N*V may pass 2**31). Nothing
+here reads tensor values on the host, so forward + backward capture in a CUDA graph.
+
+Forward reads the logits once (online softmax: running max, sum-exp rescaled when the max
+grows). Backward reads them once more and writes the gradient, in place when the caller
+passes the logits' own buffer as ``grad``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .device_cores import num_programs
+
+# Columns per block. 4096 bf16 values are 8 KiB of loads and 16 KiB in fp32 registers /
+# unified buffer; enough per iteration to keep the memory system busy on both vendors.
+MAX_BLOCK_V = 4096
+_NUM_WARPS = 8
+
+
+@triton.jit
+def _shard_partials_kernel(
+    logits_ptr,
+    logits_row_stride,
+    target_ptr,
+    partials_ptr,  # fp32 [NUM_PARTIALS, n_rows], contiguous
+    n_rows,
+    n_cols,
+    rows_per_program,
+    vocab_start,
+    global_vocab,
+    ignore_index,
+    BLOCK_V: tl.constexpr,
+    WITH_LOGIT_SUM: tl.constexpr,
+):
+    row_begin = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
+    row_end = tl.minimum(row_begin + rows_per_program, n_rows)
+    cols = tl.arange(0, BLOCK_V)
+    for row in range(row_begin, row_end):
+        row_ptr = logits_ptr + row * logits_row_stride
+        running_max = -float("inf")
+        running_sum = 0.0
+        logit_sum = 0.0
+        for col_start in range(0, n_cols, BLOCK_V):
+            offs = col_start + cols
+            mask = offs < n_cols
+            x = tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            running_max = new_max
+            if WITH_LOGIT_SUM:
+                logit_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
+
+        target = tl.load(target_ptr + row).to(tl.int64)
+        local = target - vocab_start
+        owned = (local >= 0) & (local < n_cols)
+        picked = tl.load(row_ptr + local, mask=owned, other=0.0).to(tl.float32)
+        invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
+        picked = tl.where(invalid, float("nan"), picked)
+
+        tl.store(partials_ptr + row, running_max)
+        tl.store(partials_ptr + n_rows + row, running_sum)
+        tl.store(partials_ptr + 2 * n_rows + row, picked)
+        if WITH_LOGIT_SUM:
+            tl.store(partials_ptr + 3 * n_rows + row, logit_sum)
+
+
+@triton.jit
+def _grad_kernel(
+    logits_ptr,
+    logits_row_stride,
+    grad_ptr,  # may equal logits_ptr: every element is read before it is written, by one program
+    grad_row_stride,
+    target_ptr,
+    lse_ptr,
+    grad_scale_ptr,  # fp32 [n_rows]: upstream gradient, 0 on ignored rows
+    n_rows,
+    n_cols,
+    rows_per_program,
+    vocab_start,
+    z_loss_coeff,
+    target_weight,  # 1 - label_smoothing
+    smoothing_per_col,  # label_smoothing / global_vocab
+    BLOCK_V: tl.constexpr,
+):
+    row_begin = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
+    row_end = tl.minimum(row_begin + rows_per_program, n_rows)
+    cols = tl.arange(0, BLOCK_V)
+    for row in range(row_begin, row_end):
+        x_row = logits_ptr + row * logits_row_stride
+        g_row = grad_ptr + row * grad_row_stride
+        lse = tl.load(lse_ptr + row)
+        g = tl.load(grad_scale_ptr + row)
+        softmax_scale = g * (1.0 + 2.0 * z_loss_coeff * lse)
+        shift = g * smoothing_per_col
+        onehot = g * target_weight
+        local = tl.load(target_ptr + row).to(tl.int64) - vocab_start
+        for col_start in range(0, n_cols, BLOCK_V):
+            offs = col_start + cols
+            mask = offs < n_cols
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            dx = softmax_scale * tl.exp(x - lse) - shift
+            dx = tl.where(offs == local, dx - onehot, dx)
+            tl.store(g_row + offs, dx.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_v(n_cols: int) -> int:
+    return min(MAX_BLOCK_V, triton.next_power_of_2(max(n_cols, 16)))
+
+
+def _grid(logits):
+    n_rows = logits.shape[0]
+    programs = num_programs(logits.device, n_rows)
+    return programs, triton.cdiv(n_rows, programs)
+
+
+def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, with_logit_sum):
+    n_rows, n_cols = logits.shape
+    partials = torch.empty(4 if with_logit_sum else 3, n_rows, dtype=torch.float32, device=logits.device)
+    if n_rows == 0:
+        return partials
+    programs, rows_per_program = _grid(logits)
+    _shard_partials_kernel[(programs,)](
+        logits,
+        logits.stride(0),
+        target,
+        partials,
+        n_rows,
+        n_cols,
+        rows_per_program,
+        vocab_start,
+        global_vocab,
+        ignore_index,
+        BLOCK_V=_block_v(n_cols),
+        WITH_LOGIT_SUM=with_logit_sum,
+        num_warps=_NUM_WARPS,
+    )
+    return partials
+
+
+def write_grad(logits, grad, target, lse, grad_scale, vocab_start, z_loss_coeff, label_smoothing, global_vocab):
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return grad
+    programs, rows_per_program = _grid(logits)
+    _grad_kernel[(programs,)](
+        logits,
+        logits.stride(0),
+        grad,
+        grad.stride(0),
+        target,
+        lse,
+        grad_scale,
+        n_rows,
+        n_cols,
+        rows_per_program,
+        vocab_start,
+        float(z_loss_coeff),
+        1.0 - float(label_smoothing),
+        float(label_smoothing) / global_vocab,
+        BLOCK_V=_block_v(n_cols),
+        num_warps=_NUM_WARPS,
+    )
+    return grad

@@ -1,0 +1,216 @@
+"""Vocab-parallel cross entropy + z-loss as one autograd Function.
+
+Per token, with each tensor-parallel rank holding the vocab slice
+``[rank*v_local, (rank+1)*v_local)``:
+
+    m   = allreduce_max(local max)
+    s   = allreduce_sum(local sum-exp * exp(local max - m))    } one SUM all-reduce of
+    t   = allreduce_sum(target logit on the owning rank)       } the stacked partials
+    lse = m + log(s)
+    loss = lse - (1-a)*t - a*mean(x over the global vocab) + c*lse**2
+    dx   = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)   (no collective)
+
+The backends in ``mindspeed_cez.kernels`` compute the per-shard partials and the gradient;
+everything else (validation, collectives, the loss) lives here once.
+"""
+
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_cez import kernels
+
+_checked_shard_widths = {}
+
+
+def _default_tp_group():
+    # Megatron's parallel state is in sys.modules whenever Megatron initialized it; importing
+    # megatron.core here just to find out would cost seconds for users without Megatron.
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    return None
+
+
+def _group_rank_and_size(tp_group):
+    if tp_group is None or not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def _check_arguments(logits, target, z_loss_coeff, label_smoothing):
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor (bf16/fp16/fp32), got {getattr(logits, 'dtype', type(logits))}")
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"target must be an integer tensor of vocab ids, got {getattr(target, 'dtype', type(target))}")
+    if logits.dim() < 2 or tuple(logits.shape[:-1]) != tuple(target.shape):
+        raise ValueError(
+            f"logits must be target's shape plus a vocab dimension: logits {tuple(logits.shape)}, target {tuple(target.shape)}"
+        )
+    if logits.shape[-1] == 0:
+        raise ValueError("logits has an empty vocab dimension")
+    if logits.device != target.device:
+        raise ValueError(f"logits ({logits.device}) and target ({target.device}) are on different devices")
+    if not (isinstance(z_loss_coeff, (int, float)) and math.isfinite(z_loss_coeff) and z_loss_coeff >= 0):
+        raise ValueError(f"z_loss_coeff must be a finite number >= 0, got {z_loss_coeff!r}")
+    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0):
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+
+
+def _check_target_range(target, global_vocab, ignore_index):
+    """CPU: a Python exception. CUDA: an asynchronous device-side assert (no host sync).
+
+    Elsewhere (Ascend) the kernels turn an out-of-range target into a NaN loss."""
+    valid = (target == ignore_index) | ((target >= 0) & (target < global_vocab))
+    if target.device.type == "cpu":
+        if target.numel() and not bool(valid.all()):
+            bad = target[~valid][0].item()
+            raise ValueError(
+                f"target holds {bad}, outside [0, {global_vocab}) (the global vocab) and not ignore_index={ignore_index}"
+            )
+    elif target.device.type == "cuda":
+        torch._assert_async(valid.all(), "target outside [0, vocab) and not ignore_index")
+
+
+def _check_equal_shards(v_local, tp_group, device):
+    """Ranks must hold slices of equal width. Checked once per (group, width), not per step."""
+    key = (tp_group, v_local)
+    if key in _checked_shard_widths:
+        return
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return  # a graph capture is no place for a host sync; the eager warm-up checked it
+    widths = torch.tensor([v_local, -v_local], dtype=torch.int64, device=device)
+    dist.all_reduce(widths, op=dist.ReduceOp.MAX, group=tp_group)
+    widest, narrowest = int(widths[0]), -int(widths[1])
+    if widest != narrowest:
+        raise ValueError(
+            f"logits: tensor-parallel ranks hold vocab shards of unequal width (from {narrowest} to {widest}); "
+            "pad the vocab so it divides evenly by the tensor-parallel size"
+        )
+    _checked_shard_widths[key] = True
+
+
+def _as_rows(logits):
+    """[..., v] -> [n, v] with a contiguous last dim (a view whenever the layout allows)."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows
+
+
+def _combine_partials(partials, tp_group, world_size):
+    """Reduce the per-shard partials across ranks; returns (log-sum-exp, target logit, logit sum)."""
+    if world_size > 1:
+        local_max = partials[0]
+        global_max = local_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
+        partials[1].mul_(torch.exp(local_max - global_max))
+        dist.all_reduce(partials[1:], op=dist.ReduceOp.SUM, group=tp_group)
+    else:
+        global_max = partials[0]
+    lse = global_max + torch.log(partials[1])
+    logit_sum = partials[3] if partials.shape[0] > 3 else None
+    return lse, partials[2], logit_sum
+
+
+class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group):
+        rank, world_size = _group_rank_and_size(tp_group)
+        v_local = logits.shape[-1]
+        global_vocab = v_local * world_size
+        if world_size > 1:
+            _check_equal_shards(v_local, tp_group, logits.device)
+        _check_target_range(target, global_vocab, ignore_index)
+
+        rows = _as_rows(logits)
+        flat_target = target.reshape(-1)
+        vocab_start = rank * v_local
+        backend = kernels.backend_for(rows.device)
+        partials = backend.shard_partials(
+            rows, flat_target, vocab_start, global_vocab, ignore_index, with_logit_sum=label_smoothing > 0
+        )
+        lse, target_logit, logit_sum = _combine_partials(partials, tp_group, world_size)
+
+        ignored = flat_target == ignore_index
+        z_loss = z_loss_coeff * lse * lse
+        loss = lse - (1.0 - label_smoothing) * target_logit + z_loss
+        if logit_sum is not None:
+            loss = loss - (label_smoothing / global_vocab) * logit_sum
+        zero = torch.zeros((), dtype=loss.dtype, device=loss.device)
+        loss = torch.where(ignored, zero, loss)
+        z_loss = torch.where(ignored, zero, z_loss)
+
+        # The gradient goes into the logits' own buffer when they are an intermediate of the
+        # graph; a leaf's buffer would become its own .grad, so leaves get a fresh tensor.
+        ctx.in_place = logits.grad_fn is not None
+        ctx.logits_shape = logits.shape
+        ctx.vocab_start = vocab_start
+        ctx.global_vocab = global_vocab
+        ctx.z_loss_coeff = float(z_loss_coeff)
+        ctx.label_smoothing = float(label_smoothing)
+        ctx.save_for_backward(rows, flat_target, lse, ignored)
+        ctx.mark_non_differentiable(z_loss)
+        return loss.view(target.shape), z_loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_z_loss):
+        rows, flat_target, lse, ignored = ctx.saved_tensors
+        if grad_loss is None:
+            grad_scale = torch.zeros_like(lse)
+        else:
+            grad_scale = grad_loss.reshape(-1).float().masked_fill(ignored, 0.0)
+        grad = rows if ctx.in_place else torch.empty_like(rows)
+        kernels.backend_for(rows.device).write_grad(
+            rows,
+            grad,
+            flat_target,
+            lse,
+            grad_scale,
+            ctx.vocab_start,
+            ctx.z_loss_coeff,
+            ctx.label_smoothing,
+            ctx.global_vocab,
+        )
+        if ctx.in_place:
+            # The logits now hold their gradient: any later use of them in backward must fail loudly.
+            torch.autograd.graph.increment_version(rows)
+        return grad.view(ctx.logits_shape), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy_zloss(
+    logits,
+    target,
+    z_loss_coeff=0.0,
+    label_smoothing=0.0,
+    ignore_index=-100,
+    tp_group=None,
+):
+    """Fused cross entropy + z-loss on this rank's vocab slice of the logits.
+
+    Args:
+        logits: ``[s, b, v_local]`` or ``[n, v_local]``, bf16/fp16/fp32; this rank's vocab slice
+            (rank ``r`` of ``tp_group`` holds ids ``[r*v_local, (r+1)*v_local)``).
+        target: ``[s, b]`` / ``[n]`` integer global vocab ids; may hold ``ignore_index``.
+        z_loss_coeff: ``c >= 0``; the z-loss is ``c * logsumexp(logits)**2`` per token.
+        label_smoothing: ``0 <= a < 1``; ``(1-a)*CE + a*mean(-log p)`` over the global vocab.
+        ignore_index: target value whose tokens get loss 0 and gradient 0.
+        tp_group: the tensor-parallel process group; ``None`` takes Megatron's TP group when
+            ``megatron.core.parallel_state`` is initialized, else a single rank.
+
+    Returns:
+        ``(loss, z_loss)``, fp32, shape of ``target``: ``loss = CE + c*lse**2`` per token and the
+        detached ``z_loss = c*lse**2`` (for logging), both 0 where ``target == ignore_index``.
+
+    Backward writes d(loss)/d(logits) in the logits' dtype; when ``logits`` is an intermediate
+    of the autograd graph (the usual case: the output layer's result) the gradient reuses the
+    logits' buffer, so the logits must not be read after backward.
+    """
+    _check_arguments(logits, target, z_loss_coeff, label_smoothing)
+    if tp_group is None:
+        tp_group = _default_tp_group()
+    return VocabParallelCrossEntropyZLoss.apply(
+        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group
+    )
