@@ -144,16 +144,19 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         z_loss = torch.where(ignored, zero, z_loss)
 
         # The gradient goes into the logits' own buffer when they are an intermediate of the
-        # graph; a leaf's buffer would become its own .grad, so leaves get a fresh tensor.
-        ctx.in_place = logits.grad_fn is not None
+        # graph (the output layer's result). A leaf's buffer, or a view into one, holds
+        # parameters or user data, so those get a fresh gradient tensor.
+        base = logits._base if logits._base is not None else logits
+        ctx.in_place = logits.grad_fn is not None and base.grad_fn is not None
         ctx.logits_shape = logits.shape
         ctx.vocab_start = vocab_start
         ctx.global_vocab = global_vocab
         ctx.z_loss_coeff = float(z_loss_coeff)
         ctx.label_smoothing = float(label_smoothing)
         ctx.save_for_backward(rows, flat_target, lse, ignored)
+        z_loss = z_loss.view(target.shape)
         ctx.mark_non_differentiable(z_loss)
-        return loss.view(target.shape), z_loss.view(target.shape)
+        return loss.view(target.shape), z_loss
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss):
