@@ -1,0 +1,75 @@
+"""Bad input gets a clear error naming the argument, never a silent wrong loss."""
+
+import math
+
+import pytest
+import torch
+
+from mindspeed_cez import vocab_parallel_cross_entropy_zloss
+
+
+def _inputs(n=6, vocab=20):
+    return torch.randn(n, vocab), torch.randint(0, vocab, (n,))
+
+
+@pytest.mark.parametrize("bad", [20, 25, -1, -101])
+def test_target_out_of_range(bad):
+    logits, target = _inputs()
+    target[2] = bad
+    with pytest.raises(ValueError, match=rf"target holds {bad}, outside \[0, 20\)"):
+        vocab_parallel_cross_entropy_zloss(logits, target)
+
+
+def test_shape_mismatch_names_both():
+    logits, target = _inputs()
+    with pytest.raises(ValueError, match="logits must be target's shape plus a vocab dimension"):
+        vocab_parallel_cross_entropy_zloss(logits, target[:-1])
+    with pytest.raises(ValueError, match="logits"):
+        vocab_parallel_cross_entropy_zloss(logits[0], target[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+def test_logits_must_be_floating_point(dtype):
+    logits, target = _inputs()
+    with pytest.raises(TypeError, match="logits must be a floating-point tensor"):
+        vocab_parallel_cross_entropy_zloss(logits.to(dtype), target)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_target_must_be_integer(dtype):
+    logits, target = _inputs()
+    with pytest.raises(TypeError, match="target must be an integer tensor"):
+        vocab_parallel_cross_entropy_zloss(logits, target.to(dtype))
+
+
+@pytest.mark.parametrize("coeff", [-1e-4, math.nan, math.inf, "1e-4"])
+def test_bad_z_loss_coeff(coeff):
+    logits, target = _inputs()
+    with pytest.raises(ValueError, match="z_loss_coeff must be a finite number >= 0"):
+        vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=coeff)
+
+
+@pytest.mark.parametrize("alpha", [-0.1, 1.0, 1.5, math.nan])
+def test_bad_label_smoothing(alpha):
+    logits, target = _inputs()
+    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\)"):
+        vocab_parallel_cross_entropy_zloss(logits, target, label_smoothing=alpha)
+
+
+def test_empty_vocab():
+    with pytest.raises(ValueError, match="empty vocab"):
+        vocab_parallel_cross_entropy_zloss(torch.randn(3, 0), torch.zeros(3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kernels_turn_an_out_of_range_target_into_nan(backend):
+    """Accelerators have no Python range check on the hot path: the partials poison the loss."""
+    from mindspeed_cez import kernels
+
+    if backend == "triton" and not kernels.triton_available():
+        pytest.skip("triton is not installed")
+    logits = torch.randn(4, 30)
+    target = torch.tensor([3, 30, -5, -100])
+    partials = kernels.get_backend(backend).shard_partials(logits, target, 0, 30, -100, False)
+    assert torch.isnan(partials[2, 1]) and torch.isnan(partials[2, 2])
+    assert torch.isfinite(partials[2, [0, 3]]).all() and partials[2, 0] == logits[0, 3]

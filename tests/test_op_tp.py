@@ -1,0 +1,86 @@
+"""Tensor parallel over real gloo processes: each rank's vocab shard gives the unsharded result."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from backends import GRAD_TOLERANCE, LOSS_TOLERANCE, random_logits
+from distributed import run_on_ranks
+from float64_reference import loss_and_grad_float64, relative_error
+from mindspeed_cez import kernels, vocab_parallel_cross_entropy_zloss
+
+
+def _sharded_matches_unsharded(rank, world_size, backend, dtype, z_loss_coeff, label_smoothing, vocab):
+    gen = torch.Generator().manual_seed(1234)  # every rank draws the same full problem
+    full = random_logits((5, 7, vocab), dtype, "cpu", gen)
+    target = torch.randint(0, vocab, (5, 7), generator=gen)
+    target[torch.rand(target.shape, generator=gen) < 0.15] = -100
+    target[0, 0], target[0, 1] = 0, vocab - 1  # first and last id: owned by the first and last rank
+    upstream = torch.randn(target.shape, generator=gen)
+    exp_loss, exp_z, exp_grad = loss_and_grad_float64(
+        full, target, upstream, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing
+    )
+    v_local = vocab // world_size
+    shard = slice(rank * v_local, (rank + 1) * v_local)
+    leaf = full[..., shard].clone().requires_grad_(True)
+    with kernels.use_backend(backend):
+        loss, z_loss = vocab_parallel_cross_entropy_zloss(
+            leaf * 1,
+            target,
+            z_loss_coeff=z_loss_coeff,
+            label_smoothing=label_smoothing,
+            tp_group=dist.group.WORLD,
+        )
+        loss.backward(upstream)
+    assert relative_error(loss, exp_loss) < LOSS_TOLERANCE
+    assert relative_error(z_loss, exp_z) < LOSS_TOLERANCE
+    assert relative_error(leaf.grad, exp_grad[..., shard]) < GRAD_TOLERANCE[dtype]
+
+
+CASES = [
+    ("torch", 2, torch.float32, 1e-3, 0.0),
+    ("torch", 2, torch.bfloat16, 1e-2, 0.1),
+    ("torch", 4, torch.float32, 1e-4, 0.2),
+    ("torch", 4, torch.bfloat16, 1e-3, 0.0),
+    ("torch", 1, torch.float16, 1e-3, 0.1),
+    ("triton", 2, torch.bfloat16, 1e-3, 0.1),
+    ("triton", 4, torch.float32, 1e-2, 0.0),
+]
+
+
+@pytest.mark.parametrize("backend,world_size,dtype,z_loss_coeff,label_smoothing", CASES)
+def test_tensor_parallel_shards(backend, world_size, dtype, z_loss_coeff, label_smoothing):
+    if backend == "triton" and not kernels.triton_available():
+        pytest.skip("triton is not installed")
+    vocab = 4 * 257  # shards of 1028 / 514 / 257 columns: none a multiple of the block
+    run_on_ranks(world_size, _sharded_matches_unsharded, backend, dtype, z_loss_coeff, label_smoothing, vocab)
+
+
+def _unequal_shards(rank, world_size):
+    logits = torch.randn(4, 10 + 2 * rank)
+    target = torch.randint(0, 10, (4,))
+    try:
+        vocab_parallel_cross_entropy_zloss(logits, target, tp_group=dist.group.WORLD)
+    except ValueError as exc:
+        assert "logits: tensor-parallel ranks hold vocab shards of unequal width (from 10 to 12)" in str(exc)
+    else:
+        raise AssertionError("unequal shards were accepted")
+
+
+def test_unequal_shards_are_refused():
+    run_on_ranks(2, _unequal_shards)
+
+
+def _target_beyond_global_vocab(rank, world_size):
+    logits = torch.randn(3, 8)
+    target = torch.tensor([0, 15, 16])  # 16 is outside the global vocab of 2 * 8
+    try:
+        vocab_parallel_cross_entropy_zloss(logits, target, tp_group=dist.group.WORLD)
+    except ValueError as exc:
+        assert "target holds 16, outside [0, 16)" in str(exc)
+    else:
+        raise AssertionError("a target outside the global vocab was accepted")
+
+
+def test_target_checked_against_the_global_vocab():
+    run_on_ranks(2, _target_beyond_global_vocab)
