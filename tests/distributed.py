@@ -1,4 +1,7 @@
-"""Run a function on N real processes joined by a gloo process group (no mocked collectives)."""
+"""Run a function on N real processes joined by a process group (no mocked collectives).
+
+gloo on the CPU; NCCL on GPUs (rank r uses cuda:r).
+"""
 
 import os
 import socket
@@ -14,9 +17,13 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, errors):
+def _worker(rank, world_size, port, backend, fn, args, errors):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
@@ -25,12 +32,12 @@ def _worker(rank, world_size, port, fn, args, errors):
         dist.destroy_process_group()
 
 
-def run_on_ranks(world_size, fn, *args, timeout=300):
+def run_on_ranks(world_size, fn, *args, timeout=300, backend="gloo"):
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; re-raise any rank's failure."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors)) for r in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:

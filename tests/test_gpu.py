@@ -1,0 +1,128 @@
+"""CUDA at real sizes: run through the device tool (CI has no GPU; these skip there).
+
+    python -m pytest tests -m gpu        # on a GPU machine; TP=2 needs two GPUs
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_on_ranks
+from float64_reference import cross_entropy_zloss_float64
+from mindspeed_cez import kernels, vocab_parallel_cross_entropy_zloss
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _oracle_chunked(logits, target, upstream, z_loss_coeff, label_smoothing, rows=512):
+    """Float64 loss and gradient, a few hundred rows at a time (the full float64 copy would be huge)."""
+    losses, grads = [], []
+    for start in range(0, logits.shape[0], rows):
+        x = logits[start : start + rows].double().requires_grad_(True)
+        loss, _, _ = cross_entropy_zloss_float64(
+            x, target[start : start + rows], z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing
+        )
+        (grad,) = torch.autograd.grad(loss, x, upstream[start : start + rows].double())
+        losses.append(loss.detach())
+        grads.append(grad)
+    return torch.cat(losses), grads
+
+
+def _grad_error(grad, exp_grads, rows=512):
+    num = den = 0.0
+    for i, exp in enumerate(exp_grads):
+        got = grad[i * rows : i * rows + exp.shape[0]].double()
+        num += (got - exp).norm().item() ** 2
+        den += exp.norm().item() ** 2
+    return (num / den) ** 0.5
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize(
+    "n,vocab,label_smoothing",
+    [(8192, 151936, 0.0), (14200, 151936, 0.1)],  # the second has n*vocab = 2.16e9 > 2**31
+    ids=["8192x151936", "int64-offsets-14200x151936"],
+)
+def test_real_sizes_bf16(n, vocab, label_smoothing):
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    base = (torch.randn(n, vocab, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    target[torch.rand(n, device="cuda", generator=gen) < 0.1] = -100
+    target[-1] = vocab - 1  # the very last element of the tensor is a target
+    upstream = torch.randn(n, device="cuda", generator=gen)
+    exp_loss, exp_grads = _oracle_chunked(base, target, upstream, 1e-4, label_smoothing)
+    leaf = base.clone().requires_grad_(True)
+    logits = leaf * 1
+    loss, z_loss = vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=1e-4, label_smoothing=label_smoothing)
+    assert _rel(loss, exp_loss) < 1e-5
+    (grad,) = torch.autograd.grad(loss, logits, upstream)
+    assert grad.data_ptr() == logits.data_ptr()  # written in place
+    assert _grad_error(grad, exp_grads) < 8e-3
+    last = grad[-1, -1].double().item()
+    assert abs(last - exp_grads[-1][-1, -1].item()) < 1e-2 * abs(exp_grads[-1][-1, -1].item()) + 1e-6
+
+
+def test_cuda_graph_captures_forward_and_backward():
+    n, vocab = 512, 32000
+    static_logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    static_target = torch.randint(0, vocab, (n,), device="cuda")
+    static_upstream = torch.randn(n, device="cuda")
+
+    def step():
+        leaf = static_logits.detach().requires_grad_(True)
+        loss, z_loss = vocab_parallel_cross_entropy_zloss(leaf * 1, static_target, z_loss_coeff=1e-3)
+        (grad,) = torch.autograd.grad(loss, leaf, static_upstream)
+        return loss, z_loss, grad
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()  # warm-up: compiles kernels, checks shard widths eagerly
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        static_logits.copy_(torch.randn(n, vocab, device="cuda") * 3)
+        static_target.copy_(torch.randint(0, vocab, (n,), device="cuda"))
+        static_upstream.copy_(torch.randn(n, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for replayed, expected in zip(out, eager):
+            assert torch.equal(replayed, expected)
+
+
+def _tp_nccl(rank, world_size, n, vocab):
+    gen = torch.Generator(device="cuda").manual_seed(77)
+    full = (torch.randn(n, vocab, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    target[::7] = -100
+    upstream = torch.randn(n, device="cuda", generator=gen)
+    exp_loss, exp_grads = _oracle_chunked(full, target, upstream, 1e-4, 0.1)
+    v_local = vocab // world_size
+    shard = slice(rank * v_local, (rank + 1) * v_local)
+    logits = full[:, shard].contiguous().requires_grad_(True)
+    loss, _ = vocab_parallel_cross_entropy_zloss(
+        logits * 1, target, z_loss_coeff=1e-4, label_smoothing=0.1, tp_group=dist.group.WORLD
+    )
+    loss.backward(upstream)
+    assert _rel(loss, exp_loss) < 1e-5
+    assert _grad_error(logits.grad, [g[:, shard] for g in exp_grads]) < 8e-3
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensor_parallel_2_over_nccl():
+    run_on_ranks(2, _tp_nccl, 4096, 151936, backend="nccl")
+
+
+def test_triton_is_the_cuda_backend():
+    assert kernels.backend_for(torch.device("cuda")) is kernels.get_backend("triton")
