@@ -64,10 +64,11 @@ def test_empty_vocab():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_kernels_turn_an_out_of_range_target_into_nan(backend):
     """Accelerators have no Python range check on the hot path: the partials poison the loss."""
+    from backends import triton_runs_on_cpu
     from mindspeed_cez import kernels
 
-    if backend == "triton" and not kernels.triton_available():
-        pytest.skip("triton is not installed")
+    if backend == "triton" and not triton_runs_on_cpu():
+        pytest.skip("the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
     logits = torch.randn(4, 30)
     target = torch.tensor([3, 30, -5, -100])
     partials = kernels.get_backend(backend).shard_partials(logits, target, 0, 30, -100, False)

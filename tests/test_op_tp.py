@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from backends import GRAD_TOLERANCE, LOSS_TOLERANCE, random_logits
+from backends import GRAD_TOLERANCE, LOSS_TOLERANCE, random_logits, triton_runs_on_cpu
 from distributed import run_on_ranks
 from float64_reference import loss_and_grad_float64, relative_error
 from mindspeed_cez import kernels, vocab_parallel_cross_entropy_zloss
@@ -50,8 +50,8 @@ CASES = [
 
 @pytest.mark.parametrize("backend,world_size,dtype,z_loss_coeff,label_smoothing", CASES)
 def test_tensor_parallel_shards(backend, world_size, dtype, z_loss_coeff, label_smoothing):
-    if backend == "triton" and not kernels.triton_available():
-        pytest.skip("triton is not installed")
+    if backend == "triton" and not triton_runs_on_cpu():
+        pytest.skip("the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
     vocab = 4 * 257  # shards of 1028 / 514 / 257 columns: none a multiple of the block
     run_on_ranks(world_size, _sharded_matches_unsharded, backend, dtype, z_loss_coeff, label_smoothing, vocab)
 
