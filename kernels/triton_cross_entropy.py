@@ -47,15 +47,18 @@ def _shard_partials_kernel(
         running_max = -float("inf")
         running_sum = 0.0
         logit_sum = 0.0
-        for col_start in range(0, n_cols, BLOCK_V):
+        # Software prefetch: the next block's load is issued before this block's reductions.
+        x = tl.load(row_ptr + cols, mask=cols < n_cols, other=-float("inf"))
+        for col_start in range(BLOCK_V, n_cols + BLOCK_V, BLOCK_V):
             offs = col_start + cols
-            mask = offs < n_cols
-            x = tl.load(row_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            x_next = tl.load(row_ptr + offs, mask=offs < n_cols, other=-float("inf"))
+            xf = x.to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(xf, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(xf - new_max), axis=0)
             running_max = new_max
             if WITH_LOGIT_SUM:
-                logit_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
+                logit_sum += tl.sum(tl.where(offs - BLOCK_V < n_cols, xf, 0.0), axis=0)
+            x = x_next
 
         target = tl.load(target_ptr + row).to(tl.int64)
         local = target - vocab_start
@@ -101,13 +104,15 @@ def _grad_kernel(
         shift = g * smoothing_per_col
         onehot = g * target_weight
         local = tl.load(target_ptr + row).to(tl.int64) - vocab_start
+        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0)
         for col_start in range(0, n_cols, BLOCK_V):
             offs = col_start + cols
-            mask = offs < n_cols
-            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            dx = softmax_scale * tl.exp(x - lse) - shift
+            next_offs = offs + BLOCK_V
+            x_next = tl.load(x_row + next_offs, mask=next_offs < n_cols, other=0.0)
+            dx = softmax_scale * tl.exp(x.to(tl.float32) - lse) - shift
             dx = tl.where(offs == local, dx - onehot, dx)
-            tl.store(g_row + offs, dx.to(grad_ptr.dtype.element_ty), mask=mask)
+            tl.store(g_row + offs, dx.to(grad_ptr.dtype.element_ty), mask=offs < n_cols)
+            x = x_next
 
 
 def _block_v(n_cols: int) -> int:
