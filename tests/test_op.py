@@ -175,5 +175,5 @@ def test_int32_targets(backend_device):
     target = torch.randint(0, 33, (7,), generator=gen).to(device)
     loss64, _ = vocab_parallel_cross_entropy_zloss(base, target, z_loss_coeff=1e-3)
     loss32, _ = vocab_parallel_cross_entropy_zloss(base, target.int(), z_loss_coeff=1e-3)
-    exp_loss, _, _ = loss_and_grad_float64(base, target, torch.ones(7), z_loss_coeff=1e-3)
+    exp_loss, _, _ = loss_and_grad_float64(base, target, torch.ones(7, device=device), z_loss_coeff=1e-3)
     assert torch.equal(loss64, loss32) and relative_error(loss32, exp_loss) < LOSS_TOLERANCE
