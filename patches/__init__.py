@@ -1,0 +1,167 @@
+"""Patch Megatron-Core so its language-model loss is the fused cross entropy + z-loss.
+
+For scripts built on megatron-core alone::
+
+    import mindspeed_cez.patches
+    mindspeed_cez.patches.apply(z_loss_coeff=1e-4)   # before or after building the model
+    ...
+    mindspeed_cez.patches.remove()                   # Megatron's own functions again
+
+Both are idempotent; calling ``apply`` again only changes the settings. With MindSpeed installed,
+``import mindspeed_cez.megatron_adaptor`` registers the same wrappers through MindSpeed's patch
+manager instead (see :mod:`mindspeed_cez.mindspeed_feature`).
+
+What is patched is listed in :data:`PATCH_TARGETS`; :mod:`mindspeed_cez.patches.megatron_core`
+describes each wrapper. Functions are replaced in their defining module *and* in every loaded
+module that bound a copy (``from x import f``); modules imported later pick up the patched
+attribute. Targets that this megatron-core does not have are skipped.
+"""
+
+import importlib
+import sys
+
+from mindspeed_cez.patches import settings as _settings
+from mindspeed_cez.patches.settings import Settings
+
+__all__ = ["apply", "remove", "is_applied", "active_settings", "Settings", "PATCH_TARGETS"]
+
+
+def _targets():
+    from mindspeed_cez import metrics
+    from mindspeed_cez.patches import megatron_core as mc
+
+    lm = "megatron.core.models.common.language_module.language_module"
+    targets = [
+        (f"{lm}.LanguageModule.compute_language_model_loss", mc.compute_language_model_loss_wrapper),
+        ("megatron.core.models.gpt.gpt_model.GPTModel.forward", mc.gpt_model_forward_wrapper),
+        ("megatron.core.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy", mc.vocab_parallel_cross_entropy_wrapper),
+        ("megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy", mc.fused_vocab_parallel_cross_entropy_wrapper),
+        (f"{lm}.te_parallel_cross_entropy", mc.te_parallel_cross_entropy_wrapper),
+    ]
+    if importlib.util.find_spec("megatron.core.transformer.moe.moe_logging") is not None:
+        targets.append(("megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report", metrics.moe_metrics_report_wrapper))
+    else:
+        targets.append(("megatron.core.transformer.moe.moe_utils.track_moe_metrics", metrics.moe_metrics_report_wrapper))
+    if importlib.util.find_spec("megatron.training") is not None:
+        targets.append(("megatron.training.training.training_log", metrics.training_log_wrapper))
+    return targets
+
+
+def __getattr__(name):
+    if name == "PATCH_TARGETS":
+        return _targets()
+    raise AttributeError(name)
+
+
+def _resolve(path):
+    """``a.b.mod.Cls.attr`` -> (owner object, attribute name, owner-is-a-class)."""
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        modname = ".".join(parts[:split])
+        try:
+            owner = importlib.import_module(modname)
+        except ImportError:
+            continue
+        for attr in parts[split:-1]:
+            owner = getattr(owner, attr)
+        return owner, parts[-1], isinstance(owner, type)
+    raise ImportError(path)
+
+
+# path -> (owner, attr, original, replacement, [(module, attr) copies replaced])
+_APPLIED = {}
+
+
+def _install(path, wrapper):
+    try:
+        owner, attr, is_class = _resolve(path)
+    except (ImportError, AttributeError):
+        return False  # this megatron-core version has no such target (e.g. megatron.training absent)
+    if not is_class and not hasattr(owner, attr):
+        return False
+    original = owner.__dict__.get(attr) if is_class else getattr(owner, attr)
+    if is_class and original is None:
+        return False
+    replacement = wrapper(original)
+    setattr(owner, attr, replacement)
+    copies = []
+    if not is_class and original is not None:
+        for modname, module in list(sys.modules.items()):
+            if module is None or module is owner or modname.startswith("mindspeed_cez"):
+                continue
+            for name, value in list(getattr(module, "__dict__", {}).items()):
+                if value is original:
+                    setattr(module, name, replacement)
+                    copies.append((module, name))
+    _APPLIED[path] = (owner, attr, original, replacement, copies)
+    return True
+
+
+def _uninstall(path):
+    owner, attr, original, replacement, copies = _APPLIED.pop(path)
+    if (owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)) is replacement:
+        setattr(owner, attr, original)
+    for module, name in copies:
+        if getattr(module, name, None) is replacement:
+            setattr(module, name, original)
+    # modules imported while patched bound the replacement: restore those too
+    if not isinstance(owner, type):
+        for modname, module in list(sys.modules.items()):
+            if module is None or modname.startswith("mindspeed_cez"):
+                continue
+            for name, value in list(getattr(module, "__dict__", {}).items()):
+                if value is replacement:
+                    setattr(module, name, original)
+
+
+def install_patches():
+    """Install every wrapper (idempotent); they stay pass-through until settings are active."""
+    for path, wrapper in _targets():
+        if path not in _APPLIED:
+            _install(path, wrapper)
+    return sorted(_APPLIED)
+
+
+def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False):
+    """Use the fused op for Megatron's LM loss, with ``CE + z_loss_coeff * lse**2`` per token.
+
+    Args:
+        z_loss_coeff: ``c >= 0``; 0 uses the fused kernel without z-loss.
+        label_smoothing: Megatron's convention; None takes ``config.label_smoothing`` if the
+            model config has that field (megatron-core 0.16/0.19 do not), else 0.
+        log_z_loss: record ``lm_z_loss`` in Megatron's MoE metrics tracker (when ``c > 0``).
+        log_lse: also record the mean log-sum-exp as ``lm_lse``.
+
+    Returns the active :class:`Settings`. Idempotent: a second call only replaces the settings.
+    """
+    settings = Settings(z_loss_coeff=float(z_loss_coeff), label_smoothing=label_smoothing,
+                        log_z_loss=log_z_loss, log_lse=log_lse)
+    if not _mindspeed_owns_patches():
+        install_patches()
+    _settings.set_active(settings)
+    return settings
+
+
+def remove():
+    """Restore Megatron's original functions and deactivate the adaptor (idempotent)."""
+    _settings.set_active(None)
+    for path in list(_APPLIED):
+        _uninstall(path)
+
+
+def is_applied():
+    return _settings.get_active() is not None
+
+
+def active_settings():
+    return _settings.get_active()
+
+
+def installed_targets():
+    """The patch targets currently installed directly (not through MindSpeed)."""
+    return sorted(_APPLIED)
+
+
+def _mindspeed_owns_patches():
+    feature = sys.modules.get("mindspeed_cez.mindspeed_feature")
+    return feature is not None and feature.registered_with_mindspeed()

@@ -1,0 +1,59 @@
+"""The adaptor's run-time settings, shared by the patched Megatron functions.
+
+The patched functions read :data:`ACTIVE` on every call: ``None`` means "behave exactly like
+Megatron" (the original function runs), a :class:`Settings` means "use the fused op with these
+settings". :func:`mindspeed_cez.patches.apply` and the argument hooks set it; ``remove`` clears it.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+LM_Z_LOSS = "lm_z_loss"
+LM_LSE = "lm_lse"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the patched loss computes.
+
+    z_loss_coeff: ``c >= 0``; the per-token loss is ``CE + c * lse**2``.
+    label_smoothing: in *Megatron's* convention (``tensor_parallel.vocab_parallel_cross_entropy``);
+        ``None`` takes ``config.label_smoothing`` when the model config has such a field, else 0.
+    log_z_loss: record ``lm_z_loss`` in Megatron's MoE metrics tracker (only when ``c > 0``).
+    log_lse: also record the mean log-sum-exp as ``lm_lse`` (one extra pass over the logits).
+    """
+
+    z_loss_coeff: float = 0.0
+    label_smoothing: Optional[float] = None
+    log_z_loss: bool = True
+    log_lse: bool = False
+
+    def __post_init__(self):
+        c = self.z_loss_coeff
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+            raise ValueError(f"z_loss_coeff must be a finite number >= 0, got {c!r}")
+        a = self.label_smoothing
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a < 1.0):
+            raise ValueError(f"label_smoothing must be None or in [0, 1), got {a!r}")
+
+    def metric_names(self):
+        """The tracker names this run reports; identical on every rank (collectives depend on it)."""
+        names = []
+        if self.log_z_loss and self.z_loss_coeff > 0:
+            names.append(LM_Z_LOSS)
+        if self.log_lse:
+            names.append(LM_LSE)
+        return names
+
+
+ACTIVE: Optional[Settings] = None
+
+
+def set_active(settings: Optional[Settings]):
+    global ACTIVE
+    ACTIVE = settings
+
+
+def get_active() -> Optional[Settings]:
+    return ACTIVE
