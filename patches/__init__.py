@@ -114,6 +114,11 @@ def _uninstall(path):
                     setattr(module, name, original)
 
 
+def install_target(path, wrapper):
+    """Install one extra wrapper (e.g. the argument hooks of ``mindspeed_cez.megatron_adaptor``)."""
+    return path in _APPLIED or _install(path, wrapper)
+
+
 def install_patches():
     """Install every wrapper (idempotent); they stay pass-through until settings are active."""
     for path, wrapper in _targets():
@@ -136,14 +141,20 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
     """
     settings = Settings(z_loss_coeff=float(z_loss_coeff), label_smoothing=label_smoothing,
                         log_z_loss=log_z_loss, log_lse=log_lse)
-    if not _mindspeed_owns_patches():
+    feature = sys.modules.get("mindspeed_cez.mindspeed_feature")
+    if feature is not None and feature.registered_with_mindspeed():
+        feature.register_patches_now()  # MindSpeed's patch manager owns the patching
+    else:
         install_patches()
     _settings.set_active(settings)
     return settings
 
 
 def remove():
-    """Restore Megatron's original functions and deactivate the adaptor (idempotent)."""
+    """Restore Megatron's original functions and deactivate the adaptor (idempotent).
+
+    Patches installed through MindSpeed's patch manager stay in place but pass through to the
+    functions they wrap (MindSpeed owns them); only the settings are cleared."""
     _settings.set_active(None)
     for path in list(_APPLIED):
         _uninstall(path)
@@ -161,7 +172,3 @@ def installed_targets():
     """The patch targets currently installed directly (not through MindSpeed)."""
     return sorted(_APPLIED)
 
-
-def _mindspeed_owns_patches():
-    feature = sys.modules.get("mindspeed_cez.mindspeed_feature")
-    return feature is not None and feature.registered_with_mindspeed()

@@ -1,0 +1,119 @@
+"""Command-line flags for Megatron's argument parser, and their validation.
+
+Flags (one argument group, shown in ``--help``):
+
+``--lm-z-loss-coeff C``  (default 0)
+    ``C > 0``: the LM loss is the fused kernel's ``CE + C * logsumexp(logits)**2`` per token and
+    ``lm_z_loss`` is logged. Distinct from Megatron's router ``--moe-z-loss-coeff``.
+``--lm-fused-ce``
+    Use the fused kernel even with ``C = 0`` (plain cross entropy through the fused op).
+``--no-lm-fused-ce``
+    Opt out: Megatron's own cross entropy, whatever else is set (``C > 0`` is then an error).
+``--lm-z-loss-log-lse``
+    Also log the mean log-sum-exp as ``lm_lse``.
+
+Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider`` and
+:func:`validate_lm_z_loss_args` as a validation hook (it raises ``ValueError`` naming the flag).
+"""
+
+import math
+from argparse import Namespace
+
+FLAG_COEFF = "--lm-z-loss-coeff"
+FLAG_FUSED = "--lm-fused-ce"
+FLAG_NO_FUSED = "--no-lm-fused-ce"
+FLAG_LOG_LSE = "--lm-z-loss-log-lse"
+GROUP_TITLE = "mindspeed_cez: fused LM cross entropy + z-loss"
+
+__all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate_lm_z_loss_args", "settings_from_args", "has_lm_z_loss_args"]
+
+
+def add_lm_z_loss_args(parser):
+    """Add the flags to ``parser`` and return it (Megatron's ``extra_args_provider`` contract)."""
+    group = parser.add_argument_group(title=GROUP_TITLE)
+    group.add_argument(
+        FLAG_COEFF, type=float, default=0.0, dest="lm_z_loss_coeff", metavar="C",
+        help="Coefficient of the LM-head z-loss C*logsumexp(logits)^2 added to every token's cross "
+             "entropy by the fused vocab-parallel kernel; C > 0 turns the fused kernel on and logs "
+             "lm_z_loss. Not the router z-loss (--moe-z-loss-coeff). Default 0 (off).",
+    )
+    group.add_argument(
+        FLAG_FUSED, action="store_const", const=True, default=None, dest="lm_fused_ce",
+        help="Compute the LM cross entropy with the fused kernel even without z-loss.",
+    )
+    group.add_argument(
+        FLAG_NO_FUSED, action="store_const", const=False, dest="lm_fused_ce",
+        help="Use Megatron's own LM cross entropy (the fused kernel stays off).",
+    )
+    group.add_argument(
+        FLAG_LOG_LSE, action="store_true", default=False, dest="lm_z_loss_log_lse",
+        help="Also log the mean log-sum-exp of the logits as lm_lse (one extra pass over the logits).",
+    )
+    return parser
+
+
+extra_args_provider = add_lm_z_loss_args
+
+
+def has_lm_z_loss_args(args):
+    """True when ``args`` went through :func:`add_lm_z_loss_args` (not, e.g., a TransformerConfig)."""
+    return hasattr(args, "lm_z_loss_coeff")
+
+
+def validate_lm_z_loss_args(args, defaults=None):
+    """Check the flags; raise ``ValueError`` naming the offending flag. Returns ``args``.
+
+    Usable as a validation hook (``validate(args)`` or ``validate(args, defaults)``); objects
+    without the flags (e.g. a TransformerConfig handed to MindSpeed's feature hooks) pass through.
+    """
+    if not has_lm_z_loss_args(args):
+        return args
+    c = args.lm_z_loss_coeff
+    if isinstance(c, bool) or not isinstance(c, (int, float)):
+        raise ValueError(f"{FLAG_COEFF} must be a number, got {c!r}")
+    if math.isnan(c):
+        raise ValueError(f"{FLAG_COEFF} must be a finite number >= 0, got nan")
+    if not math.isfinite(c) or c < 0:
+        raise ValueError(f"{FLAG_COEFF} must be a finite number >= 0, got {c!r}")
+    fused = getattr(args, "lm_fused_ce", None)
+    if fused not in (None, True, False):
+        raise ValueError(f"{FLAG_FUSED}/{FLAG_NO_FUSED}: expected a flag, got {fused!r}")
+    if fused is False and c > 0:
+        raise ValueError(
+            f"{FLAG_COEFF}={c} needs the fused kernel, but {FLAG_NO_FUSED} turns it off; drop one of them"
+        )
+    if fused is False and getattr(args, "lm_z_loss_log_lse", False):
+        raise ValueError(f"{FLAG_LOG_LSE} needs the fused kernel, but {FLAG_NO_FUSED} turns it off")
+    return args
+
+
+def fused_ce_enabled(args):
+    """Whether the flags turn the fused kernel on."""
+    fused = getattr(args, "lm_fused_ce", None)
+    if fused is False:
+        return False
+    return bool(fused) or args.lm_z_loss_coeff > 0 or bool(getattr(args, "lm_z_loss_log_lse", False))
+
+
+def settings_from_args(args):
+    """``mindspeed_cez.patches.Settings`` for validated ``args``, or None when the kernel is off."""
+    from mindspeed_cez.patches.settings import Settings
+
+    validate_lm_z_loss_args(args)
+    if not fused_ce_enabled(args):
+        return None
+    return Settings(
+        z_loss_coeff=float(args.lm_z_loss_coeff),
+        label_smoothing=getattr(args, "label_smoothing", None),
+        log_z_loss=True,
+        log_lse=bool(getattr(args, "lm_z_loss_log_lse", False)),
+    )
+
+
+def parse_lm_z_loss_args(argv):
+    """Parse only these flags from ``argv`` (unknown ones ignored); for tools without Megatron."""
+    import argparse
+
+    parser = add_lm_z_loss_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    args, _ = parser.parse_known_args(argv)
+    return validate_lm_z_loss_args(args) if isinstance(args, Namespace) else args

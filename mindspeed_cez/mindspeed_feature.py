@@ -1,0 +1,100 @@
+"""Registration as a MindSpeed feature (used when MindSpeed is installed).
+
+Written against the MindSpeed API at Ascend/MindSpeed commit
+028de58ca629d035185b00ff7d1eb7eff4f7fd48 (2026-07-21):
+
+* ``mindspeed/features_manager/feature.py``: ``MindSpeedFeature(feature_name,
+  optimization_level)`` with ``register_args(parser)``, ``pre_validate_args`` /
+  ``validate_args`` / ``post_validate_args(args)``, ``register_patches(patch_manager, args)``
+  and ``is_need_apply(args)`` (``optimization_level == 0`` marks a default feature that is always
+  applied). ``validate_args`` is also called with a ``TransformerConfig`` from MindSpeed's
+  ``TransformerConfig.__post_init__`` wrapper, so it must ignore objects without our flags.
+* ``mindspeed/features_manager/features_manager.py``: ``MindSpeedFeaturesManager.FEATURES_LIST``
+  (a class-level list the parse/validate wrappers and ``apply_features_patches`` iterate).
+* ``mindspeed/patch_utils.py``: ``MindSpeedPatchesManager.register_patch(orig_func_name,
+  new_func)`` (a ``new_func`` whose ``__name__`` ends in ``wrapper``/``decorator`` *decorates*
+  the current function, and registering the same wrapper twice is a no-op) and
+  ``apply_patches()`` (also rebinds copies in every loaded module).
+
+Our feature is a default feature: its wrappers are always registered and pass through to
+Megatron until the flags (``validate_args``) or ``mindspeed_cez.patches.apply`` activate them.
+Its flags reach Megatron's ``--help`` through MindSpeed's ``parse_args`` wrapper.
+"""
+
+import sys
+
+MINDSPEED_COMMIT = "028de58ca629d035185b00ff7d1eb7eff4f7fd48"
+FEATURE_NAME = "lm-z-loss"
+
+_REGISTERED = None  # the feature instance once registered with MindSpeed
+
+
+def make_feature_class(base):
+    """Our feature as a subclass of MindSpeed's ``MindSpeedFeature`` (``base``)."""
+
+    class LmZLossFeature(base):
+        """Fused vocab-parallel LM cross entropy + z-loss (mindspeed_cez)."""
+
+        def __init__(self):
+            super().__init__(FEATURE_NAME, optimization_level=0)
+
+        def register_args(self, parser):
+            from mindspeed_cez.arguments import add_lm_z_loss_args
+
+            add_lm_z_loss_args(parser)
+
+        def validate_args(self, args):
+            from mindspeed_cez import arguments
+            from mindspeed_cez.patches import settings as _settings
+
+            if not arguments.has_lm_z_loss_args(args):
+                return  # e.g. MindSpeed validating a TransformerConfig
+            _settings.set_active(arguments.settings_from_args(args))
+
+        def register_patches(self, patch_manager, args):
+            from mindspeed_cez.patches import PATCH_TARGETS
+
+            for path, wrapper in PATCH_TARGETS:
+                patch_manager.register_patch(path, wrapper)
+
+    return LmZLossFeature
+
+
+def _mindspeed_api():
+    from mindspeed.features_manager.feature import MindSpeedFeature
+    from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
+    from mindspeed.patch_utils import MindSpeedPatchesManager
+
+    return MindSpeedFeature, MindSpeedFeaturesManager, MindSpeedPatchesManager
+
+
+def register():
+    """Add our feature to MindSpeed's feature list and apply its patches (idempotent).
+
+    MindSpeed's ``megatron_adaptor`` may already have applied its features (it was imported
+    first), so the patches are registered and applied here too; MindSpeed ignores a wrapper
+    registered twice, so a later ``apply_features_patches`` is harmless.
+    Returns the feature instance.
+    """
+    global _REGISTERED
+    base, features_manager, patch_manager = _mindspeed_api()
+    if _REGISTERED is None:
+        cls = make_feature_class(base)
+        existing = [f for f in features_manager.FEATURES_LIST if type(f).__name__ == cls.__name__]
+        _REGISTERED = existing[0] if existing else cls()
+        if not existing:
+            features_manager.FEATURES_LIST.append(_REGISTERED)
+    _REGISTERED.register_patches(patch_manager, None)
+    patch_manager.apply_patches()
+    return _REGISTERED
+
+
+def register_patches_now():
+    """(Re)register and apply our wrappers through MindSpeed's patch manager."""
+    _, _, patch_manager = _mindspeed_api()
+    _REGISTERED.register_patches(patch_manager, None)
+    patch_manager.apply_patches()
+
+
+def registered_with_mindspeed():
+    return _REGISTERED is not None and "mindspeed" in sys.modules
