@@ -9,7 +9,9 @@ here reads tensor values on the host, so forward + backward capture in a CUDA gr
 
 Forward reads the logits once (online softmax: running max, sum-exp rescaled when the max
 grows). Backward reads them once more and writes the gradient, in place when the caller
-passes the logits' own buffer as ``grad``.
+passes the logits' own buffer as ``grad``. Each program walks its rows as one stream of
+(row, column-block) tiles and loads the next tile before working on the current one, so the
+start of a row does not stall the memory pipe.
 """
 
 import torch
@@ -39,39 +41,49 @@ def _shard_partials_kernel(
     BLOCK_V: tl.constexpr,
     WITH_LOGIT_SUM: tl.constexpr,
 ):
-    row_begin = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
-    row_end = tl.minimum(row_begin + rows_per_program, n_rows)
+    # The program's rows are walked as one stream of (row, column-block) tiles; the next tile
+    # is loaded before the current one is reduced, also across a row boundary.
+    row = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
+    row_end = tl.minimum(row + rows_per_program, n_rows)
+    n_tiles = (row_end - row) * tl.cdiv(n_cols, BLOCK_V)
     cols = tl.arange(0, BLOCK_V)
-    for row in range(row_begin, row_end):
-        row_ptr = logits_ptr + row * logits_row_stride
-        running_max = -float("inf")
-        running_sum = 0.0
-        logit_sum = 0.0
-        # Software prefetch: the next block's load is issued before this block's reductions.
-        x = tl.load(row_ptr + cols, mask=cols < n_cols, other=-float("inf"))
-        for col_start in range(BLOCK_V, n_cols + BLOCK_V, BLOCK_V):
-            offs = col_start + cols
-            x_next = tl.load(row_ptr + offs, mask=offs < n_cols, other=-float("inf"))
-            xf = x.to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(xf, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(xf - new_max), axis=0)
-            running_max = new_max
-            if WITH_LOGIT_SUM:
-                logit_sum += tl.sum(tl.where(offs - BLOCK_V < n_cols, xf, 0.0), axis=0)
-            x = x_next
+    col = tl.full([], 0, tl.int32)
+    first_mask = cols < tl.where(row < row_end, n_cols, 0)
+    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=first_mask, other=-float("inf"))
+    running_max = -float("inf")
+    running_sum = 0.0
+    logit_sum = 0.0
+    for _ in range(0, n_tiles):
+        row_done = col + BLOCK_V >= n_cols
+        next_row = tl.where(row_done, row + 1, row)
+        next_col = tl.where(row_done, 0, col + BLOCK_V)
+        next_mask = cols < tl.where(next_row < row_end, n_cols - next_col, 0)  # columns left in the row
+        next_ptr = logits_ptr + next_row * logits_row_stride + next_col
+        x_next = tl.load(next_ptr + cols, mask=next_mask, other=-float("inf"))
 
-        target = tl.load(target_ptr + row).to(tl.int64)
+        xf = x.to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(xf, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(xf - new_max), axis=0)
+        running_max = new_max
+        if WITH_LOGIT_SUM:
+            logit_sum += tl.sum(tl.where(col + cols < n_cols, xf, 0.0), axis=0)
+
+        # Row finished: its target logit, then the partials (masked stores, no branch).
+        target = tl.load(target_ptr + row, mask=row_done, other=ignore_index).to(tl.int64)
         local = target - vocab_start
-        owned = (local >= 0) & (local < n_cols)
-        picked = tl.load(row_ptr + local, mask=owned, other=0.0).to(tl.float32)
+        owned = (local >= 0) & (local < n_cols) & row_done
+        picked = tl.load(logits_ptr + row * logits_row_stride + local, mask=owned, other=0.0).to(tl.float32)
         invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
         picked = tl.where(invalid, float("nan"), picked)
-
-        tl.store(partials_ptr + row, running_max)
-        tl.store(partials_ptr + n_rows + row, running_sum)
-        tl.store(partials_ptr + 2 * n_rows + row, picked)
+        tl.store(partials_ptr + row, running_max, mask=row_done)
+        tl.store(partials_ptr + n_rows + row, running_sum, mask=row_done)
+        tl.store(partials_ptr + 2 * n_rows + row, picked, mask=row_done)
         if WITH_LOGIT_SUM:
-            tl.store(partials_ptr + 3 * n_rows + row, logit_sum)
+            tl.store(partials_ptr + 3 * n_rows + row, logit_sum, mask=row_done)
+            logit_sum = tl.where(row_done, 0.0, logit_sum)
+        running_max = tl.where(row_done, -float("inf"), running_max)
+        running_sum = tl.where(row_done, 0.0, running_sum)
+        row, col, x = next_row, next_col, x_next
 
 
 @triton.jit
@@ -92,27 +104,30 @@ def _grad_kernel(
     smoothing_per_col,  # label_smoothing / global_vocab
     BLOCK_V: tl.constexpr,
 ):
-    row_begin = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
-    row_end = tl.minimum(row_begin + rows_per_program, n_rows)
+    # Same tile stream as the forward kernel; the next tile's logits load before this tile's math.
+    row = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
+    row_end = tl.minimum(row + rows_per_program, n_rows)
+    n_tiles = (row_end - row) * tl.cdiv(n_cols, BLOCK_V)
     cols = tl.arange(0, BLOCK_V)
-    for row in range(row_begin, row_end):
-        x_row = logits_ptr + row * logits_row_stride
-        g_row = grad_ptr + row * grad_row_stride
+    col = tl.full([], 0, tl.int32)
+    first_mask = cols < tl.where(row < row_end, n_cols, 0)
+    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=first_mask, other=0.0)
+    for _ in range(0, n_tiles):
+        row_done = col + BLOCK_V >= n_cols
+        next_row = tl.where(row_done, row + 1, row)
+        next_col = tl.where(row_done, 0, col + BLOCK_V)
+        next_mask = cols < tl.where(next_row < row_end, n_cols - next_col, 0)  # columns left in the row
+        next_ptr = logits_ptr + next_row * logits_row_stride + next_col
+        x_next = tl.load(next_ptr + cols, mask=next_mask, other=0.0)
+
         lse = tl.load(lse_ptr + row)
         g = tl.load(grad_scale_ptr + row)
-        softmax_scale = g * (1.0 + 2.0 * z_loss_coeff * lse)
-        shift = g * smoothing_per_col
-        onehot = g * target_weight
         local = tl.load(target_ptr + row).to(tl.int64) - vocab_start
-        x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0)
-        for col_start in range(0, n_cols, BLOCK_V):
-            offs = col_start + cols
-            next_offs = offs + BLOCK_V
-            x_next = tl.load(x_row + next_offs, mask=next_offs < n_cols, other=0.0)
-            dx = softmax_scale * tl.exp(x.to(tl.float32) - lse) - shift
-            dx = tl.where(offs == local, dx - onehot, dx)
-            tl.store(g_row + offs, dx.to(grad_ptr.dtype.element_ty), mask=offs < n_cols)
-            x = x_next
+        offs = col + cols
+        dx = g * (1.0 + 2.0 * z_loss_coeff * lse) * tl.exp(x.to(tl.float32) - lse) - g * smoothing_per_col
+        dx = tl.where(offs == local, dx - g * target_weight, dx)
+        tl.store(grad_ptr + row * grad_row_stride + offs, dx.to(grad_ptr.dtype.element_ty), mask=offs < n_cols)
+        row, col, x = next_row, next_col, x_next
 
 
 def _block_v(n_cols: int) -> int:
