@@ -1,0 +1,289 @@
+"""Pretrain a GPT (dense or MoE) with Megatron's own training loop and the fused CE + z-loss.
+
+The one line that matters is the first import: it patches Megatron so that ``--lm-z-loss-coeff C``
+(and ``--lm-fused-ce`` / ``--no-lm-fused-ce``) are parsed, validated and applied, and the metric
+``lm_z_loss`` shows up in Megatron's training log line. The rest is a short Megatron entry script
+(model provider, forward step / loss with ``loss_mask``, mock or real GPT data), written for
+megatron-core 0.19.x with ``megatron.training`` (``parse_and_validate_args`` ->
+``pretrain_cfg_container_from_args`` -> ``pretrain(cfg, ...)``) and for the classic Megatron-LM
+flow (``pretrain(datasets_provider, model_provider, ...)`` parsing the arguments itself).
+
+GPU: ``torchrun --nproc-per-node 2 examples/pretrain_gpt_cez.py <Megatron args>`` (NCCL).
+CPU (CI): the same with ``--distributed-backend gloo``; without a GPU the CPU shims
+(``examples/megatron_cpu_shims.py`` if present, then ``examples/megatron_training_cpu_shims.py``)
+steer Megatron's hard-coded CUDA calls to the CPU. See ``examples/run_megatron_lm_moe.sh``.
+
+Test hook: with ``CEZ_DUMP_LOGITS_DIR`` set, the output layer's logits (this rank's vocab shard),
+labels and loss mask of iteration ``CEZ_DUMP_ITERATION`` (default 1) are written to
+``$CEZ_DUMP_LOGITS_DIR/logits_iter{N}_tp{rank}.pt`` by a forward hook.
+"""
+
+import mindspeed_cez.megatron_adaptor  # noqa: F401  (the one-line integration)
+
+import dataclasses
+import inspect
+import os
+import sys
+from functools import partial
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if not torch.cuda.is_available():
+    # CPU only (CI): steer Megatron's CUDA calls to the CPU before Megatron runs anything.
+    sys.path.insert(0, _HERE)
+    try:
+        import megatron_cpu_shims  # megatron.core (the adaptor's shared shims)
+    except ImportError:
+        megatron_cpu_shims = None
+    if megatron_cpu_shims is not None and hasattr(megatron_cpu_shims, "apply"):
+        megatron_cpu_shims.apply()
+    import megatron_training_cpu_shims  # megatron.training's loop
+
+    megatron_training_cpu_shims.apply()
+
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
+
+try:  # megatron-core 0.19.x
+    from megatron.training.argument_utils import core_transformer_config_from_args
+except ImportError:  # classic Megatron-LM
+    from megatron.training.arguments import core_transformer_config_from_args
+
+try:
+    from megatron.training.utils import get_blend_and_blend_per_split
+except ImportError:
+    get_blend_and_blend_per_split = None
+
+from mindspeed_cez import arguments as cez_arguments
+
+
+# ----------------------------------------------------------------------------------- arguments
+def extra_args_provider(parser):
+    """The adaptor's flags, unless the adaptor already put them into Megatron's parser."""
+    if cez_arguments.FLAG_COEFF not in parser._option_string_actions:
+        parser = cez_arguments.extra_args_provider(parser)
+    return parser
+
+
+ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
+
+
+# --------------------------------------------------------------------------------------- model
+class SequenceParallelTorchNorm:
+    """torch LayerNorm/RMSNorm whose parameters are marked for sequence parallelism.
+
+    Megatron's ``WrappedTorchNorm`` refuses ``--sequence-parallel`` (which MoE with TP > 1
+    requires) because it does not tag its parameters; tagged, Megatron all-reduces their grads
+    over the TP group like those of its fused norms. Used when neither TE nor Apex is installed.
+    """
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", config.sequence_parallel)
+        return norm
+
+
+def _layer_spec(args, config):
+    use_te = args.transformer_impl == "transformer_engine"
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
+            qk_layernorm=args.qk_layernorm,
+        )
+        return spec
+    spec = get_gpt_layer_local_spec(
+        num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
+        qk_layernorm=args.qk_layernorm, normalization=args.normalization,
+    )
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if not getattr(gpt_layer_specs, "HAVE_APEX", False):
+        submodules = dataclasses.replace(
+            spec.submodules, input_layernorm=SequenceParallelTorchNorm,
+            pre_mlp_layernorm=SequenceParallelTorchNorm,
+        )
+        spec = dataclasses.replace(spec, submodules=submodules)
+        return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=SequenceParallelTorchNorm)
+    return spec
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None, **kwargs):
+    """Build a GPTModel (MoE when --num-experts is set) from Megatron's parsed arguments."""
+    args = get_args()
+    print_rank_0("building GPT model ...")
+    config = core_transformer_config_from_args(args)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(args, config),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+    )
+    if post_process and os.environ.get("CEZ_DUMP_LOGITS_DIR"):
+        model.output_layer.register_forward_hook(_dump_logits_hook)
+    return model
+
+
+# ------------------------------------------------------------------------ test hook: dump logits
+_CURRENT_BATCH = {}
+
+
+def _dump_logits_hook(module, inputs, output):
+    args = get_args()
+    iteration = int(os.environ.get("CEZ_DUMP_ITERATION", "1"))
+    # args.iteration counts completed iterations; during iteration N's forward it is N - 1.
+    if not module.training or getattr(args, "curr_iteration", -1) != iteration - 1:
+        return
+    logits = output[0] if isinstance(output, tuple) else output
+    out_dir = os.environ["CEZ_DUMP_LOGITS_DIR"]
+    os.makedirs(out_dir, exist_ok=True)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    torch.save(
+        {
+            "logits": logits.detach().float().cpu(),  # [s, b, vocab / tp], this rank's shard
+            "labels": _CURRENT_BATCH["labels"].detach().cpu(),  # [b, s]
+            "loss_mask": _CURRENT_BATCH["loss_mask"].detach().float().cpu(),  # [b, s]
+            "tp_rank": tp_rank,
+            "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "iteration": iteration,
+            "lm_z_loss_coeff": getattr(args, "lm_z_loss_coeff", None),
+        },
+        os.path.join(out_dir, f"logits_iter{iteration}_tp{tp_rank}.pt"),
+    )
+
+
+# ---------------------------------------------------------------------------- batch and loss
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def get_batch(data_iterator):
+    """TP rank 0 reads the micro-batch; it is broadcast to the other ranks of its TP group."""
+    args = get_args()
+    bs = (args.micro_batch_size, args.seq_length)
+    fields = {
+        "tokens": (bs, torch.int64),
+        "labels": (bs, torch.int64),
+        "loss_mask": (bs, torch.float32),
+        "position_ids": (bs, torch.int64),
+    }
+    if args.create_attention_mask_in_dataloader:
+        fields["attention_mask"] = ((args.micro_batch_size, 1, args.seq_length, args.seq_length), torch.bool)
+    device = _device()
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
+        data = next(data_iterator)
+        batch = {k: data[k].to(device=device, dtype=dtype) for k, (_, dtype) in fields.items()}
+    else:
+        batch = {k: torch.empty(shape, dtype=dtype, device=device) for k, (shape, dtype) in fields.items()}
+    src = parallel_state.get_tensor_model_parallel_src_rank()
+    group = parallel_state.get_tensor_model_parallel_group()
+    for k in fields:
+        torch.distributed.broadcast(batch[k], src, group=group)
+    batch.setdefault("attention_mask", None)
+    return batch
+
+
+def loss_func(loss_mask, output_tensor):
+    """Sum of the per-token LM loss over the unmasked tokens, and their count (Megatron's contract)."""
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    return loss, num_tokens, report
+
+
+def forward_step(data_iterator, model):
+    batch = get_batch(data_iterator)
+    _CURRENT_BATCH.update(batch)
+    output_tensor = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"],
+        labels=batch["labels"], loss_mask=batch["loss_mask"],
+    )
+    return output_tensor, partial(loss_func, batch["loss_mask"])
+
+
+# -------------------------------------------------------------------------------------- data
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    args = get_args()
+    if get_blend_and_blend_per_split is not None:
+        blend, blend_per_split = get_blend_and_blend_per_split(args)
+    else:
+        blend, blend_per_split = None, None
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        path_to_cache=args.data_cache_path,
+    )
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    return BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples,
+        lambda: parallel_state.get_tensor_model_parallel_rank() == 0, config,
+    ).build()
+
+
+train_valid_test_datasets_provider.is_distributed = True
+
+
+def _skip_dataset_helpers_build_if_prebuilt():
+    """The megatron-core wheel ships the compiled ``helpers_cpp`` but no Makefile, and
+    ``initialize_megatron`` runs ``make`` in that directory (exiting on failure)."""
+    import importlib.util
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
+        dataset_utils.compile_helpers = lambda: None
+
+
+# -------------------------------------------------------------------------------------- main
+def main():
+    _skip_dataset_helpers_build_if_prebuilt()
+    params = inspect.signature(pretrain).parameters
+    if "cfg_container" in params:
+        # megatron-core 0.19.x: parse + validate, build the config container, then pretrain.
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        from megatron.training.arguments import parse_and_validate_args
+
+        args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS)
+        cfg = pretrain_cfg_container_from_args(args)
+        pretrain(
+            cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
+            model_provider=model_provider,
+        )
+    else:
+        # Classic Megatron-LM: pretrain() parses and validates the arguments itself.
+        pretrain(
+            train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+            extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS,
+        )
+
+
+if __name__ == "__main__":
+    main()
