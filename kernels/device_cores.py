@@ -10,8 +10,9 @@ import torch
 
 # Programs per core. Ascend wants about one program per vector core, each taking a contiguous
 # chunk of rows. On CUDA one program (one CTA) per SM leaves memory bandwidth unused, so several
-# CTAs share an SM; this is the only CUDA-specific tuning and it lives here, not in the kernels.
-_PROGRAMS_PER_CORE = {"cuda": 4, "npu": 1}
+# CTAs share an SM (bench/NOTES.md). CUDA-only tuning lives here and in LAUNCH_CONFIG, not in
+# the kernel bodies.
+PROGRAMS_PER_CORE = {"cuda": 16, "npu": 1}
 _FALLBACK_CORES = 16  # interpreter on CPU, or a driver that reports nothing
 
 
@@ -38,4 +39,4 @@ def num_programs(device: torch.device, n_rows: int) -> int:
     if device.type == "cuda" and device.index is None:
         index = torch.cuda.current_device()
     cores = core_count(device.type, index)
-    return max(1, min(n_rows, cores * _PROGRAMS_PER_CORE.get(device.type, 1)))
+    return max(1, min(n_rows, cores * PROGRAMS_PER_CORE.get(device.type, 1)))

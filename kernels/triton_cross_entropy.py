@@ -20,10 +20,16 @@ import triton.language as tl
 
 from .device_cores import num_programs
 
-# Columns per block. 4096 bf16 values are 8 KiB of loads and 16 KiB in fp32 registers /
-# unified buffer; enough per iteration to keep the memory system busy on both vendors.
-MAX_BLOCK_V = 4096
-_NUM_WARPS = 8
+# Columns per block and warps per program, by device type. On Ascend a block's working set
+# (the current and the prefetched bf16 tile plus a few fp32 temporaries of BLOCK_V) must stay
+# well inside the ~192 KiB unified buffer: 4096 columns use about 64 KiB. CUDA prefers larger
+# tiles (bench/NOTES.md has the sweep). EVICTION marks the logits as streamed once.
+LAUNCH_CONFIG = {
+    "cuda": {"max_block_v": 8192, "num_warps": 8},
+    "npu": {"max_block_v": 4096, "num_warps": 4},
+    "cpu": {"max_block_v": 4096, "num_warps": 4},  # the interpreter
+}
+EVICTION = {"cuda": "evict_first", "npu": "evict_first", "cpu": ""}
 
 
 @triton.jit
@@ -40,6 +46,7 @@ def _shard_partials_kernel(
     ignore_index,
     BLOCK_V: tl.constexpr,
     WITH_LOGIT_SUM: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     # The program's rows are walked as one stream of (row, column-block) tiles; the next tile
     # is loaded before the current one is reduced, also across a row boundary.
@@ -49,7 +56,7 @@ def _shard_partials_kernel(
     cols = tl.arange(0, BLOCK_V)
     col = tl.full([], 0, tl.int32)
     first_mask = cols < tl.where(row < row_end, n_cols, 0)
-    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=first_mask, other=-float("inf"))
+    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=first_mask, other=-float("inf"), eviction_policy=EVICT)
     running_max = -float("inf")
     running_sum = 0.0
     logit_sum = 0.0
@@ -59,7 +66,7 @@ def _shard_partials_kernel(
         next_col = tl.where(row_done, 0, col + BLOCK_V)
         next_mask = cols < tl.where(next_row < row_end, n_cols - next_col, 0)  # columns left in the row
         next_ptr = logits_ptr + next_row * logits_row_stride + next_col
-        x_next = tl.load(next_ptr + cols, mask=next_mask, other=-float("inf"))
+        x_next = tl.load(next_ptr + cols, mask=next_mask, other=-float("inf"), eviction_policy=EVICT)
 
         xf = x.to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(xf, axis=0))
@@ -103,6 +110,7 @@ def _grad_kernel(
     target_weight,  # 1 - label_smoothing
     smoothing_per_col,  # label_smoothing / global_vocab
     BLOCK_V: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     # Same tile stream as the forward kernel; the next tile's logits load before this tile's math.
     row = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
@@ -111,14 +119,14 @@ def _grad_kernel(
     cols = tl.arange(0, BLOCK_V)
     col = tl.full([], 0, tl.int32)
     first_mask = cols < tl.where(row < row_end, n_cols, 0)
-    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=first_mask, other=0.0)
+    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=first_mask, other=0.0, eviction_policy=EVICT)
     for _ in range(0, n_tiles):
         row_done = col + BLOCK_V >= n_cols
         next_row = tl.where(row_done, row + 1, row)
         next_col = tl.where(row_done, 0, col + BLOCK_V)
         next_mask = cols < tl.where(next_row < row_end, n_cols - next_col, 0)  # columns left in the row
         next_ptr = logits_ptr + next_row * logits_row_stride + next_col
-        x_next = tl.load(next_ptr + cols, mask=next_mask, other=0.0)
+        x_next = tl.load(next_ptr + cols, mask=next_mask, other=0.0, eviction_policy=EVICT)
 
         lse = tl.load(lse_ptr + row)
         g = tl.load(grad_scale_ptr + row)
@@ -126,18 +134,19 @@ def _grad_kernel(
         offs = col + cols
         dx = g * (1.0 + 2.0 * z_loss_coeff * lse) * tl.exp(x.to(tl.float32) - lse) - g * smoothing_per_col
         dx = tl.where(offs == local, dx - g * target_weight, dx)
-        tl.store(grad_ptr + row * grad_row_stride + offs, dx.to(grad_ptr.dtype.element_ty), mask=offs < n_cols)
+        grad_row = grad_ptr + row * grad_row_stride
+        tl.store(grad_row + offs, dx.to(grad_ptr.dtype.element_ty), mask=offs < n_cols, eviction_policy=EVICT)
         row, col, x = next_row, next_col, x_next
 
 
-def _block_v(n_cols: int) -> int:
-    return min(MAX_BLOCK_V, triton.next_power_of_2(max(n_cols, 16)))
-
-
-def _grid(logits):
-    n_rows = logits.shape[0]
+def _launch(logits):
+    """Grid size, rows per program and compile-time settings for this device and shape."""
+    n_rows, n_cols = logits.shape
+    config = LAUNCH_CONFIG.get(logits.device.type, LAUNCH_CONFIG["npu"])
     programs = num_programs(logits.device, n_rows)
-    return programs, triton.cdiv(n_rows, programs)
+    block_v = min(config["max_block_v"], triton.next_power_of_2(max(n_cols, 16)))
+    settings = {"BLOCK_V": block_v, "EVICT": EVICTION.get(logits.device.type, ""), "num_warps": config["num_warps"]}
+    return (programs,), triton.cdiv(n_rows, programs), settings
 
 
 def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, with_logit_sum):
@@ -145,8 +154,8 @@ def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, with
     partials = torch.empty(4 if with_logit_sum else 3, n_rows, dtype=torch.float32, device=logits.device)
     if n_rows == 0:
         return partials
-    programs, rows_per_program = _grid(logits)
-    _shard_partials_kernel[(programs,)](
+    grid, rows_per_program, settings = _launch(logits)
+    _shard_partials_kernel[grid](
         logits,
         logits.stride(0),
         target,
@@ -157,9 +166,8 @@ def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, with
         vocab_start,
         global_vocab,
         ignore_index,
-        BLOCK_V=_block_v(n_cols),
         WITH_LOGIT_SUM=with_logit_sum,
-        num_warps=_NUM_WARPS,
+        **settings,
     )
     return partials
 
@@ -168,8 +176,8 @@ def write_grad(logits, grad, target, lse, grad_scale, vocab_start, z_loss_coeff,
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return grad
-    programs, rows_per_program = _grid(logits)
-    _grad_kernel[(programs,)](
+    grid, rows_per_program, settings = _launch(logits)
+    _grad_kernel[grid](
         logits,
         logits.stride(0),
         grad,
@@ -184,7 +192,6 @@ def write_grad(logits, grad, target, lse, grad_scale, vocab_start, z_loss_coeff,
         float(z_loss_coeff),
         1.0 - float(label_smoothing),
         float(label_smoothing) / global_vocab,
-        BLOCK_V=_block_v(n_cols),
-        num_warps=_NUM_WARPS,
+        **settings,
     )
     return grad
