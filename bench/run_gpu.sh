@@ -28,7 +28,9 @@ export PYTHONPATH=$SITE
     nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
     nvidia-smi topo -m
     (cd /tmp && $PY -c 'import mindspeed_cez.kernels as k, torch, triton; print("mindspeed_cez from", k.__file__); print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "gpus", torch.cuda.device_count())')
-    (cd /tmp && $PY -c 'from importlib.metadata import version as v; print(*(f"{n} {v(n)}" for n in ("megatron-core", "liger-kernel", "mindspeed_cez", "numpy", "transformers")), sep="\n")')
+    for pkg in megatron-core liger-kernel mindspeed_cez numpy transformers; do
+        (cd /tmp && $PY -c "import sys; from importlib.metadata import version; print(sys.argv[1], version(sys.argv[1]))" $pkg) 2>/dev/null || echo "$pkg not installed"
+    done
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
