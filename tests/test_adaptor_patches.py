@@ -1,0 +1,203 @@
+"""apply/remove on megatron-core (single process), import-site copies, and the MindSpeed path.
+
+The MindSpeed path runs against a *recording stand-in* for MindSpeed's patch manager and feature
+base (MindSpeed is not on PyPI): it implements only the API surface read at Ascend/MindSpeed
+028de58c (register_patch decorating with '*wrapper' functions, apply_patches, FEATURES_LIST).
+"""
+
+import argparse
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+import mindspeed_cez.patches as patches  # noqa: E402
+from mindspeed_cez.patches import settings as _settings  # noqa: E402
+
+
+def _logits_target(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 3, 40, generator=g, dtype=torch.float64) * 3
+    target = torch.randint(0, 40, (6, 3), generator=g)
+    return logits, target
+
+
+def _ref(logits, target, c, a=0.0):
+    lse = torch.logsumexp(logits, -1)
+    ce = lse - logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    v = logits.shape[-1]
+    s = a * v / (v - 1)  # Megatron's smoothing convention
+    mean_logp = (logits - lse.unsqueeze(-1)).mean(-1)
+    return (1 - s) * ce - s * mean_logp + c * lse**2
+
+
+def test_apply_remove_idempotent_and_import_site_copies():
+    from megatron.core import tensor_parallel
+    from megatron.core.fusions import fused_cross_entropy
+    from megatron.core.models.common.language_module import language_module as lm
+
+    patches.remove()  # start from Megatron's own functions (an adaptor import may have installed them)
+    orig_vp = tensor_parallel.vocab_parallel_cross_entropy
+    orig_fused = lm.fused_vocab_parallel_cross_entropy
+    orig_method = lm.LanguageModule.compute_language_model_loss
+    copy_site = types.ModuleType("cez_fake_import_site")  # a module that did `from x import f`
+    copy_site.vocab_parallel_cross_entropy = orig_vp
+    sys.modules["cez_fake_import_site"] = copy_site
+    try:
+        patches.apply(z_loss_coeff=1e-2)
+        first = tensor_parallel.vocab_parallel_cross_entropy
+        patches.apply(z_loss_coeff=2e-2)  # second apply: same patch objects, new settings
+        assert tensor_parallel.vocab_parallel_cross_entropy is first is not orig_vp
+        assert copy_site.vocab_parallel_cross_entropy is first
+        assert lm.fused_vocab_parallel_cross_entropy is fused_cross_entropy.fused_vocab_parallel_cross_entropy
+        assert lm.fused_vocab_parallel_cross_entropy is not orig_fused
+        assert lm.LanguageModule.compute_language_model_loss is not orig_method
+        assert callable(lm.te_parallel_cross_entropy)
+
+        logits, target = _logits_target(0)
+        for fn in (first, lm.fused_vocab_parallel_cross_entropy, lm.te_parallel_cross_entropy):
+            out = fn(logits.float(), target) if fn is first else fn(logits.float(), target, None)
+            torch.testing.assert_close(out.double(), _ref(logits, target, 2e-2), rtol=1e-5, atol=1e-5)
+        # label smoothing in Megatron's convention
+        out = first(logits.float(), target, label_smoothing=0.1)
+        torch.testing.assert_close(out.double(), _ref(logits, target, 2e-2, 0.1), rtol=1e-5, atol=1e-5)
+    finally:
+        patches.remove()
+        patches.remove()
+        sys.modules.pop("cez_fake_import_site", None)
+    assert tensor_parallel.vocab_parallel_cross_entropy is orig_vp
+    assert copy_site.vocab_parallel_cross_entropy is orig_vp
+    assert lm.fused_vocab_parallel_cross_entropy is orig_fused
+    assert lm.LanguageModule.compute_language_model_loss is orig_method
+    assert lm.te_parallel_cross_entropy is None or not hasattr(lm.te_parallel_cross_entropy, "__cez_wraps__")
+    assert patches.active_settings() is None
+
+
+def test_invalid_apply_arguments():
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="z_loss_coeff"):
+            patches.apply(z_loss_coeff=bad)
+    assert patches.active_settings() is None
+
+
+# ---------------------------------------------------------------- MindSpeed (recording stand-in)
+
+
+class _RecordingPatchManager:
+    """Stand-in for mindspeed.patch_utils.MindSpeedPatchesManager (registration + decorate on apply)."""
+
+    registered = {}
+    applied = {}
+
+    @classmethod
+    def register_patch(cls, orig_func_name, new_func=None, force_patch=False, create_dummy=False):
+        wrappers = cls.registered.setdefault(orig_func_name, [])
+        assert new_func.__name__.endswith("wrapper"), "MindSpeed decorates only with '*wrapper' functions"
+        if new_func not in wrappers:
+            wrappers.append(new_func)
+
+    @classmethod
+    def apply_patches(cls):
+        for name, wrappers in cls.registered.items():
+            if name in cls.applied:
+                continue
+            owner, attr, _ = patches._resolve(name)
+            orig = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
+            func = orig
+            for w in wrappers:
+                func = w(func)
+            setattr(owner, attr, func)
+            if not isinstance(owner, type):  # MindSpeed also rebinds copies in loaded modules
+                for module in list(sys.modules.values()):
+                    if module is not None and module is not owner and getattr(module, attr, None) is orig and orig is not None:
+                        setattr(module, attr, func)
+            cls.applied[name] = (owner, attr, orig, func)
+
+    @classmethod
+    def remove_patches(cls):
+        for owner, attr, orig, func in cls.applied.values():
+            for module in list(sys.modules.values()) + [owner]:
+                if getattr(module, attr, None) is func:
+                    setattr(module, attr, orig)
+            if isinstance(owner, type):
+                setattr(owner, attr, orig)
+        cls.applied.clear()
+        cls.registered.clear()
+
+
+class _Feature:
+    """Stand-in for mindspeed.features_manager.feature.MindSpeedFeature (constructor + is_need_apply)."""
+
+    def __init__(self, feature_name, optimization_level=2):
+        self.feature_name = feature_name.lower().strip().replace("-", "_")
+        self.optimization_level = optimization_level
+        self.default_patches = optimization_level == 0
+
+    def is_need_apply(self, args):
+        return self.default_patches
+
+
+@pytest.fixture
+def fake_mindspeed(monkeypatch):
+    class FeaturesManager:
+        FEATURES_LIST = []
+
+    mods = {
+        "mindspeed": types.ModuleType("mindspeed"),
+        "mindspeed.features_manager": types.ModuleType("mindspeed.features_manager"),
+        "mindspeed.features_manager.feature": types.ModuleType("mindspeed.features_manager.feature"),
+        "mindspeed.features_manager.features_manager": types.ModuleType("mindspeed.features_manager.features_manager"),
+        "mindspeed.patch_utils": types.ModuleType("mindspeed.patch_utils"),
+    }
+    mods["mindspeed.features_manager.feature"].MindSpeedFeature = _Feature
+    mods["mindspeed.features_manager.features_manager"].MindSpeedFeaturesManager = FeaturesManager
+    mods["mindspeed.patch_utils"].MindSpeedPatchesManager = _RecordingPatchManager
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    from mindspeed_cez import mindspeed_feature
+
+    patches.remove()
+    monkeypatch.setattr(mindspeed_feature, "_REGISTERED", None)
+    yield FeaturesManager
+    _RecordingPatchManager.remove_patches()
+    _settings.set_active(None)
+
+
+def test_mindspeed_feature_registers_args_validation_and_patches(fake_mindspeed):
+    from megatron.core.models.common.language_module import language_module as lm
+
+    from mindspeed_cez import mindspeed_feature
+
+    orig = lm.LanguageModule.compute_language_model_loss
+    feature = mindspeed_feature.register()
+    assert mindspeed_feature.register() is feature  # idempotent
+    assert fake_mindspeed.FEATURES_LIST == [feature] and feature.feature_name == "lm_z_loss"
+    assert feature.is_need_apply(argparse.Namespace())  # a default (always applied) feature
+    assert any(n.endswith("LanguageModule.compute_language_model_loss") for n in _RecordingPatchManager.registered)
+    assert lm.LanguageModule.compute_language_model_loss is not orig
+    assert patches.installed_targets() == []  # nothing patched outside MindSpeed's manager
+
+    parser = argparse.ArgumentParser()
+    feature.register_args(parser)
+    args = parser.parse_args(["--lm-z-loss-coeff", "5e-3"])
+    feature.validate_args(argparse.Namespace(hidden_size=4))  # a TransformerConfig-like object
+    assert patches.active_settings() is None
+    feature.validate_args(args)
+    assert patches.active_settings().z_loss_coeff == pytest.approx(5e-3)
+    with pytest.raises(ValueError, match="--lm-z-loss-coeff"):
+        feature.validate_args(parser.parse_args(["--lm-z-loss-coeff=-1"]))
+
+    # through MindSpeed's manager the patched function computes CE + c*lse^2
+    from megatron.core import tensor_parallel
+
+    logits, target = _logits_target(3)
+    out = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target)
+    torch.testing.assert_close(out.double(), _ref(logits, target, 5e-3), rtol=1e-5, atol=1e-5)
+    # patches.apply() in MindSpeed mode goes through the same manager
+    patches.apply(z_loss_coeff=1e-3)
+    assert patches.installed_targets() == []
+    out = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target)
+    torch.testing.assert_close(out.double(), _ref(logits, target, 1e-3), rtol=1e-5, atol=1e-5)

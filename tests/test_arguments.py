@@ -1,0 +1,127 @@
+"""The --lm-* flags: Megatron's own parser (venv with megatron.training) and the validation hook."""
+
+import argparse
+import math
+import subprocess
+import sys
+
+import pytest
+
+from mindspeed_cez import arguments
+
+
+def _parse(argv):
+    parser = arguments.add_lm_z_loss_args(argparse.ArgumentParser(allow_abbrev=False))
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lm-z-loss-coeff=-1e-4"], "--lm-z-loss-coeff"),
+        (["--lm-z-loss-coeff", "nan"], "--lm-z-loss-coeff must be a finite number >= 0, got nan"),
+        (["--lm-z-loss-coeff", "inf"], "--lm-z-loss-coeff"),
+        (["--lm-z-loss-coeff", "1e-4", "--no-lm-fused-ce"], "--no-lm-fused-ce"),
+    ],
+)
+def test_invalid_values_fail_validation_naming_the_flag(argv, message):
+    args = _parse(argv)
+    with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        arguments.validate_lm_z_loss_args(args)
+
+
+def test_settings_from_flags():
+    assert arguments.settings_from_args(_parse([])) is None
+    assert arguments.settings_from_args(_parse(["--no-lm-fused-ce"])) is None
+    s = arguments.settings_from_args(_parse(["--lm-fused-ce"]))
+    assert s is not None and s.z_loss_coeff == 0.0 and s.metric_names() == []
+    s = arguments.settings_from_args(_parse(["--lm-z-loss-coeff", "3e-4", "--lm-z-loss-log-lse"]))
+    assert math.isclose(s.z_loss_coeff, 3e-4) and s.metric_names() == ["lm_z_loss", "lm_lse"]
+    # objects without the flags (MindSpeed hands TransformerConfigs to validate hooks) pass through
+    other = argparse.Namespace(hidden_size=8)
+    assert arguments.validate_lm_z_loss_args(other) is other
+
+
+_MEGATRON_ARGV = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
+]
+
+_SCRIPT = """
+import os, sys, json
+os.environ.setdefault("WORLD_SIZE", "1"); os.environ.setdefault("RANK", "0")
+import mindspeed_cez.megatron_adaptor as adaptor
+from megatron.training import arguments as A
+from mindspeed_cez.patches import active_settings, settings
+results = []
+for argv in json.loads(sys.argv[1]):
+    settings.set_active(None)
+    sys.argv = ["pretrain_gpt.py"] + argv
+    args = A.parse_args()
+    out = {"mode": adaptor.MODE, "lm": args.lm_z_loss_coeff, "moe": args.moe_z_loss_coeff, "fused": args.lm_fused_ce}
+    try:
+        A.validate_args(args, {})
+        s = active_settings()
+        out["active"] = None if s is None else s.z_loss_coeff
+    except ValueError as e:
+        out["error"] = str(e)
+    results.append(out)
+print("RESULT" + json.dumps(results))
+"""
+
+
+def _run_megatron(*extras):
+    import json
+
+    argvs = [_MEGATRON_ARGV + list(extra) for extra in extras]
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(argvs)],
+                          capture_output=True, text=True, timeout=300)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+def test_megatron_parser_takes_the_flags_and_validates():
+    pytest.importorskip("megatron.training")
+    on, nan, clash, off = _run_megatron(
+        ["--lm-z-loss-coeff", "2e-4", "--moe-z-loss-coeff", "1e-3"],
+        ["--lm-z-loss-coeff", "nan"],
+        ["--lm-z-loss-coeff", "1e-4", "--no-lm-fused-ce"],
+        [],
+    )
+    assert on["mode"] == "megatron.training"
+    assert on["lm"] == pytest.approx(2e-4) and on["moe"] == pytest.approx(1e-3)  # no clash
+    assert on["active"] == pytest.approx(2e-4)
+    assert "--lm-z-loss-coeff" in nan["error"]
+    assert "--no-lm-fused-ce" in clash["error"]
+    assert off["active"] is None and off["fused"] is None  # default: Megatron's own CE
+
+
+def test_flags_in_megatron_parser_help(monkeypatch):
+    """Megatron builds the parser; our group is in it and renders in --help.
+
+    (megatron-core 0.19.2's full ``--help`` output itself crashes on one of Megatron's own help
+    strings, so the help of our argument group is rendered with the parser's own formatter.)"""
+    A = pytest.importorskip("megatron.training.arguments")
+    from mindspeed_cez.megatron_adaptor import parse_args_wrapper
+
+    captured = {}
+
+    def provider(parser):
+        captured["parser"] = parser
+        return parser
+
+    monkeypatch.setattr(sys, "argv", ["x"] + _MEGATRON_ARGV + ["--lm-z-loss-coeff", "1e-3"])
+    args = parse_args_wrapper(A.parse_args.__dict__.get("__cez_wraps__", A.parse_args))(provider)
+    assert args.lm_z_loss_coeff == pytest.approx(1e-3)
+    parser = captured["parser"]
+    assert "--moe-z-loss-coeff" in parser._option_string_actions
+    (group,) = [g for g in parser._action_groups if g.title == arguments.GROUP_TITLE]
+    fmt = parser._get_formatter()
+    fmt.start_section(group.title)
+    fmt.add_arguments(group._group_actions)
+    fmt.end_section()
+    text = fmt.format_help()
+    for flag in ("--lm-z-loss-coeff", "--lm-fused-ce", "--no-lm-fused-ce", "--lm-z-loss-log-lse"):
+        assert flag in text, text
