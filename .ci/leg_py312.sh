@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# CI leg 2: Python 3.12 + megatron-core 0.19.2, which brings megatron.training (arguments,
+# initialize, pretrain, training_log). From scratch on a fresh machine with only pip:
+# a venv, pinned torch, megatron-core, this package (editable) and pytest, then the tests that
+# need megatron.training, among them the end-to-end run of Megatron's own training loop
+# (tests/test_e2e_megatron_training.py: torchrun, 2 ranks, TP=2, gloo, mock data).
+#
+#   bash .ci/leg_py312.sh              # venv in .venv312/ (git-ignored), re-used if present
+#   PY312=/path/to/python3.12 VENV=/tmp/v bash .ci/leg_py312.sh
+#
+# Budget: about 25 minutes on 2 cores (venv + torch install 2-3 min; the tests about 3 min).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+# 2 ranks on 2 cores: one thread per rank; Megatron requires this with TP > 1.
+export OMP_NUM_THREADS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+
+PY312="${PY312:-$HOME/.pyenv/versions/3.12.1/bin/python}"
+VENV="${VENV:-.venv312}"
+TORCH_VERSION=2.13.0
+MEGATRON_CORE_VERSION=0.19.2
+
+start=$SECONDS
+stamp() { echo "== leg py312 [$((SECONDS - start))s] $*"; }
+
+stamp "venv $VENV from $PY312"
+[ -x "$VENV/bin/python" ] || "$PY312" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+
+stamp "install torch==$TORCH_VERSION megatron-core==$MEGATRON_CORE_VERSION, the package, pytest"
+"$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
+"$VENV/bin/python" -m pip install -q "megatron-core==$MEGATRON_CORE_VERSION" pytest
+# --no-deps: the pins above stay as they are (the extras would re-resolve megatron-core)
+"$VENV/bin/python" -m pip install -q --no-deps -e .
+"$VENV/bin/python" - <<EOF
+import torch, megatron.core, megatron.training, mindspeed_cez
+from importlib.metadata import version
+assert torch.__version__.split("+")[0] == "$TORCH_VERSION", torch.__version__
+assert version("megatron-core") == "$MEGATRON_CORE_VERSION", version("megatron-core")
+print("python", __import__("sys").version.split()[0], "| torch", torch.__version__,
+      "| megatron-core", version("megatron-core"), "| cuda", torch.cuda.is_available())
+EOF
+
+# The tests that need megatron.training (they skip cleanly on leg 1's megatron-core 0.16.1).
+tests=(tests/test_e2e_megatron_training.py)
+for f in $(grep -l "megatron\.training" tests/test_*.py); do
+    [[ " ${tests[*]} " == *" $f "* ]] || tests+=("$f")
+done
+stamp "pytest ${tests[*]}"
+"$VENV/bin/python" -m pytest -q -rs "${tests[@]}"
+stamp "done"
