@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything that needs GPUs, as one device call from the repository root (carry .whl, see
+# bench/README.md): the op's test suite on CUDA (incl. TP=2 over NCCL), the main job on GPUs,
+# and the Megatron-LM style launch (megatron.training, TP=2, NCCL). Logs land in $OUT.
+#
+#     bash tests/run_gpu_checks.sh
+set -u -o pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}
+SITE=${SITE:-/tmp/site}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+export PYTHONPATH=$SITE
+
+echo "== op tests on CUDA"
+(cd tests && timeout 240 python3 -m pytest -q -p no:cacheprovider test_op.py test_op_errors.py test_gpu.py test_adaptor_gpt.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -15
+
+echo "== main job on GPUs (quick)"
+timeout 150 python3 examples/train_tiny_moe.py --quick 2>&1 | tee "$OUT/train_tiny_moe_gpu.log" | tail -15
+
+echo "== Megatron-LM style launch, TP=2 over NCCL"
+PYTHON=python3 TRAIN_ITERS=10 timeout 200 bash examples/run_megatron_lm_moe.sh 2>&1 | tee "$OUT/megatron_lm_moe_gpu.log" | grep -E "iteration|lm_z_loss|Error|error" | tail -15
