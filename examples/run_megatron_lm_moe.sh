@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Megatron-LM style MoE pretraining launch with the fused LM cross entropy + z-loss.
+#
+# The integration is one line at the top of the pretrain script:
+#
+#     import mindspeed_cez.megatron_adaptor
+#
+# (examples/pretrain_gpt_cez.py has it; in Megatron-LM's own pretrain_gpt.py add it as the first
+# import and set PRETRAIN_SCRIPT=/path/to/Megatron-LM/pretrain_gpt.py) plus the flag
+#
+#     --lm-z-loss-coeff 1e-4        (0 / absent: Megatron's own cross entropy)
+#
+# and `lm_z_loss` appears in Megatron's log line next to `lm loss` and `load_balancing_loss`.
+#
+# 2 GPUs: NCCL, no shims.  No GPU: gloo, and the entry script applies the CPU shims itself.
+#   bash examples/run_megatron_lm_moe.sh                     # tiny MoE, mock data, 20 iterations
+#   Z_LOSS_COEFF=0 bash examples/run_megatron_lm_moe.sh      # baseline, Megatron's own CE
+#   bash examples/run_megatron_lm_moe.sh --train-iters 50    # extra args go to Megatron
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python}"
+PRETRAIN_SCRIPT="${PRETRAIN_SCRIPT:-examples/pretrain_gpt_cez.py}"
+NPROC="${NPROC:-2}"
+TP="${TP:-2}"
+Z_LOSS_COEFF="${Z_LOSS_COEFF:-1e-4}"
+TRAIN_ITERS="${TRAIN_ITERS:-20}"
+LOG="${LOG:-}"  # optional: also write the log here
+
+export CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    BACKEND=nccl
+    echo "GPU found: NCCL over $NPROC GPUs, no CPU shims"
+else
+    BACKEND=gloo
+    echo "no GPU: gloo over $NPROC CPU processes, CPU shims applied by the entry script"
+fi
+
+GPT_ARGS=(
+    --num-layers "${NUM_LAYERS:-2}" --hidden-size "${HIDDEN:-64}" --ffn-hidden-size "${FFN_HIDDEN:-128}"
+    --num-attention-heads "${HEADS:-4}" --seq-length "${SEQ:-32}" --max-position-embeddings "${SEQ:-32}"
+    --micro-batch-size "${MBS:-2}" --global-batch-size "${GBS:-4}"
+    --disable-bias-linear --hidden-dropout 0 --attention-dropout 0
+    --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 2 --clip-grad 1.0 --weight-decay 0.01
+    --train-iters "$TRAIN_ITERS" --log-interval 1 --eval-iters 0 --eval-interval 1000000 --seed 1234
+)
+MOE_ARGS=(
+    --num-experts "${EXPERTS:-4}" --moe-router-topk 2 --moe-router-load-balancing-type aux_loss
+    --moe-aux-loss-coeff 1e-2 --moe-token-dispatcher-type alltoall
+)
+PARALLEL_ARGS=(
+    --tensor-model-parallel-size "$TP" --sequence-parallel --distributed-backend "$BACKEND"
+)
+DATA_ARGS=(
+    --mock-data --tokenizer-type NullTokenizer --vocab-size "${VOCAB:-511}"
+)
+# Megatron-core only (no Transformer Engine / Apex needed), on CPU and GPU alike.
+IMPL_ARGS=(
+    --transformer-impl local --attention-backend unfused --no-gradient-accumulation-fusion
+    --use-cpu-initialization --no-masked-softmax-fusion --no-bias-gelu-fusion
+    --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm
+)
+Z_LOSS_ARGS=()
+if [ "$Z_LOSS_COEFF" != "0" ]; then
+    Z_LOSS_ARGS=(--lm-z-loss-coeff "$Z_LOSS_COEFF")
+fi
+
+cmd=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" --master-addr 127.0.0.1
+     --master-port "${MASTER_PORT:-29517}" "$PRETRAIN_SCRIPT"
+     "${GPT_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${IMPL_ARGS[@]}"
+     "${Z_LOSS_ARGS[@]}" "$@")
+echo "${cmd[*]}"
+if [ -n "$LOG" ]; then
+    "${cmd[@]}" 2>&1 | tee "$LOG"
+else
+    "${cmd[@]}"
+fi
