@@ -26,7 +26,6 @@ import argparse
 import datetime
 import gc
 import inspect
-import math
 import os
 import platform
 import socket

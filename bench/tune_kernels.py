@@ -63,8 +63,6 @@ def main():
                 f"{bwd / (2 * pass_ms):.2f} | {(fwd + bwd) / (3 * pass_ms):.2f} |",
                 flush=True,
             )
-        del x
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

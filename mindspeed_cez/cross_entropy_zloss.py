@@ -25,7 +25,10 @@ from mindspeed_cez import kernels
 _checked_shard_widths = {}
 
 
-def _default_tp_group():
+def resolve_tp_group(tp_group=None):
+    """The given group, else Megatron's TP group when its parallel state is initialized, else None."""
+    if tp_group is not None:
+        return tp_group
     # Megatron's parallel state is in sys.modules whenever Megatron initialized it; importing
     # megatron.core here just to find out would cost seconds for users without Megatron.
     parallel_state = sys.modules.get("megatron.core.parallel_state")
@@ -34,7 +37,8 @@ def _default_tp_group():
     return None
 
 
-def _group_rank_and_size(tp_group):
+def group_rank_and_size(tp_group):
+    """(rank, world size) in ``tp_group``; (0, 1) without a group or without torch.distributed."""
     if tp_group is None or not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
@@ -118,7 +122,7 @@ def _combine_partials(partials, tp_group, world_size):
 class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group):
-        rank, world_size = _group_rank_and_size(tp_group)
+        rank, world_size = group_rank_and_size(tp_group)
         v_local = logits.shape[-1]
         global_vocab = v_local * world_size
         if world_size > 1:
@@ -212,8 +216,7 @@ def vocab_parallel_cross_entropy_zloss(
     logits' buffer, so the logits must not be read after backward.
     """
     _check_arguments(logits, target, z_loss_coeff, label_smoothing)
-    if tp_group is None:
-        tp_group = _default_tp_group()
+    tp_group = resolve_tp_group(tp_group)
     return VocabParallelCrossEntropyZLoss.apply(
         logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group
     )

@@ -21,12 +21,11 @@ Patched (see ``PATCH_TARGETS`` in ``mindspeed_cez.patches``):
 """
 
 import functools
-import sys
 
 import torch
 import torch.distributed as dist
 
-from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
+from mindspeed_cez.cross_entropy_zloss import group_rank_and_size, resolve_tp_group, vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.patches import settings as _settings
 
 
@@ -35,20 +34,8 @@ from mindspeed_cez.patches import settings as _settings
 # ----------------------------------------------------------------------------------------------
 
 
-def resolve_tp_group(tp_group=None):
-    """The given group, else Megatron's TP group when model parallel is initialized, else None."""
-    if tp_group is not None:
-        return tp_group
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is not None and ps.model_parallel_is_initialized():
-        return ps.get_tensor_model_parallel_group()
-    return None
-
-
 def _tp_world_size(tp_group):
-    if tp_group is None or not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(tp_group)
+    return group_rank_and_size(tp_group)[1]
 
 
 def megatron_to_torch_smoothing(label_smoothing, global_vocab):
