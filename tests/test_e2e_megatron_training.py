@@ -91,7 +91,11 @@ def parse_log(text):
     return rows
 
 
-def _launch(tmp_path_factory, name, extra_args):
+_MOE_BEGIN, _MOE_END = TINY_MOE_GPT.index("--num-experts"), TINY_MOE_GPT.index("--disable-bias-linear")
+TINY_DENSE_GPT = TINY_MOE_GPT[:_MOE_BEGIN] + TINY_MOE_GPT[_MOE_END:]  # the same model without experts
+
+
+def _launch(tmp_path_factory, name, extra_args, model_args=TINY_MOE_GPT):
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs, or none (CPU + gloo)")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -100,7 +104,7 @@ def _launch(tmp_path_factory, name, extra_args):
                CEZ_DUMP_LOGITS_DIR=str(out / "dump"), CEZ_DUMP_ITERATION=str(DUMP_ITERATION))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(ENTRY), *TINY_MOE_GPT, "--distributed-backend", backend, *extra_args]
+           str(ENTRY), *model_args, "--distributed-backend", backend, *extra_args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + "\n" + proc.stderr
     (out / "train.log").write_text(log)
@@ -128,6 +132,11 @@ def opt_out_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fused_ce_run(tmp_path_factory):
     return _launch(tmp_path_factory, "fused_ce", ["--lm-fused-ce"])
+
+
+@pytest.fixture(scope="module")
+def dense_run(tmp_path_factory):
+    return _launch(tmp_path_factory, "dense_z_loss", ["--lm-z-loss-coeff", str(Z_COEFF)], TINY_DENSE_GPT)
 
 
 def recompute_from_dump(dump_dir):
@@ -184,6 +193,16 @@ def test_fused_kernel_without_z_loss_matches_megatron(fused_ce_run, plain_run):
     for it in range(1, ITERS + 1):
         assert fused_ce_run["rows"][it]["lm loss"] == pytest.approx(plain_run["rows"][it]["lm loss"], rel=2e-5), it
         assert "lm_z_loss" not in fused_ce_run["rows"][it] or fused_ce_run["rows"][it]["lm_z_loss"] == 0.0
+
+
+def test_dense_model_logs_lm_z_loss(dense_run):
+    """No experts: Megatron prints no MoE metrics, yet lm_z_loss is in the log line."""
+    for it, row in dense_run["rows"].items():
+        assert "load_balancing_loss" not in row, row
+        assert math.isfinite(row["lm_z_loss"]) and row["lm_z_loss"] > 0, (it, row)
+    lse, _, mask = recompute_from_dump(dense_run["dump"])
+    expected_z = Z_COEFF * masked_mean(lse**2, mask)
+    assert dense_run["rows"][DUMP_ITERATION]["lm_z_loss"] == pytest.approx(expected_z, rel=2e-5)
 
 
 # ------------------------------------------------------------------ argument validation (real parser)
