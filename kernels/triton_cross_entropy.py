@@ -33,6 +33,33 @@ EVICTION = {"cuda": "evict_first", "npu": "evict_first", "cpu": ""}
 
 
 @triton.jit
+def _tile_stream_start(logits_ptr, logits_row_stride, n_rows, n_cols, rows_per_program, other: tl.constexpr,
+                       BLOCK_V: tl.constexpr, EVICT: tl.constexpr):
+    """This program's rows as one stream of (row, column-block) tiles: its bounds and first tile."""
+    row = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
+    row_end = tl.minimum(row + rows_per_program, n_rows)
+    n_tiles = (row_end - row) * tl.cdiv(n_cols, BLOCK_V)
+    cols = tl.arange(0, BLOCK_V)
+    col = tl.full([], 0, tl.int32)
+    first_mask = cols < tl.where(row < row_end, n_cols, 0)
+    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=first_mask, other=other, eviction_policy=EVICT)
+    return row, row_end, n_tiles, cols, col, x
+
+
+@triton.jit
+def _tile_stream_next(logits_ptr, logits_row_stride, row, col, row_end, n_cols, cols, other: tl.constexpr,
+                      BLOCK_V: tl.constexpr, EVICT: tl.constexpr):
+    """Whether (row, col) ends its row, the next tile's position, and the next tile's load."""
+    row_done = col + BLOCK_V >= n_cols
+    next_row = tl.where(row_done, row + 1, row)
+    next_col = tl.where(row_done, 0, col + BLOCK_V)
+    next_mask = cols < tl.where(next_row < row_end, n_cols - next_col, 0)  # columns left in the row
+    next_ptr = logits_ptr + next_row * logits_row_stride + next_col
+    x_next = tl.load(next_ptr + cols, mask=next_mask, other=other, eviction_policy=EVICT)
+    return row_done, next_row, next_col, x_next
+
+
+@triton.jit
 def _shard_partials_kernel(
     logits_ptr,
     logits_row_stride,
@@ -48,25 +75,17 @@ def _shard_partials_kernel(
     WITH_LOGIT_SUM: tl.constexpr,
     EVICT: tl.constexpr,
 ):
-    # The program's rows are walked as one stream of (row, column-block) tiles; the next tile
-    # is loaded before the current one is reduced, also across a row boundary.
-    row = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
-    row_end = tl.minimum(row + rows_per_program, n_rows)
-    n_tiles = (row_end - row) * tl.cdiv(n_cols, BLOCK_V)
-    cols = tl.arange(0, BLOCK_V)
-    col = tl.full([], 0, tl.int32)
-    first_mask = cols < tl.where(row < row_end, n_cols, 0)
-    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=first_mask, other=-float("inf"), eviction_policy=EVICT)
+    # The next tile is loaded before the current one is reduced, also across a row boundary.
+    row, row_end, n_tiles, cols, col, x = _tile_stream_start(
+        logits_ptr, logits_row_stride, n_rows, n_cols, rows_per_program, -float("inf"), BLOCK_V, EVICT
+    )
     running_max = -float("inf")
     running_sum = 0.0
     logit_sum = 0.0
     for _ in range(0, n_tiles):
-        row_done = col + BLOCK_V >= n_cols
-        next_row = tl.where(row_done, row + 1, row)
-        next_col = tl.where(row_done, 0, col + BLOCK_V)
-        next_mask = cols < tl.where(next_row < row_end, n_cols - next_col, 0)  # columns left in the row
-        next_ptr = logits_ptr + next_row * logits_row_stride + next_col
-        x_next = tl.load(next_ptr + cols, mask=next_mask, other=-float("inf"), eviction_policy=EVICT)
+        row_done, next_row, next_col, x_next = _tile_stream_next(
+            logits_ptr, logits_row_stride, row, col, row_end, n_cols, cols, -float("inf"), BLOCK_V, EVICT
+        )
 
         xf = x.to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(xf, axis=0))
@@ -113,20 +132,13 @@ def _grad_kernel(
     EVICT: tl.constexpr,
 ):
     # Same tile stream as the forward kernel; the next tile's logits load before this tile's math.
-    row = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
-    row_end = tl.minimum(row + rows_per_program, n_rows)
-    n_tiles = (row_end - row) * tl.cdiv(n_cols, BLOCK_V)
-    cols = tl.arange(0, BLOCK_V)
-    col = tl.full([], 0, tl.int32)
-    first_mask = cols < tl.where(row < row_end, n_cols, 0)
-    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=first_mask, other=0.0, eviction_policy=EVICT)
+    row, row_end, n_tiles, cols, col, x = _tile_stream_start(
+        logits_ptr, logits_row_stride, n_rows, n_cols, rows_per_program, 0.0, BLOCK_V, EVICT
+    )
     for _ in range(0, n_tiles):
-        row_done = col + BLOCK_V >= n_cols
-        next_row = tl.where(row_done, row + 1, row)
-        next_col = tl.where(row_done, 0, col + BLOCK_V)
-        next_mask = cols < tl.where(next_row < row_end, n_cols - next_col, 0)  # columns left in the row
-        next_ptr = logits_ptr + next_row * logits_row_stride + next_col
-        x_next = tl.load(next_ptr + cols, mask=next_mask, other=0.0, eviction_policy=EVICT)
+        _, next_row, next_col, x_next = _tile_stream_next(
+            logits_ptr, logits_row_stride, row, col, row_end, n_cols, cols, 0.0, BLOCK_V, EVICT
+        )
 
         lse = tl.load(lse_ptr + row)
         g = tl.load(grad_scale_ptr + row)
