@@ -119,9 +119,11 @@ def _tp_nccl(rank, world_size, n, vocab):
     assert _grad_error(logits.grad, [g[:, shard] for g in exp_grads]) < 8e-3
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tensor_parallel_2_over_nccl():
-    run_on_ranks(2, _tp_nccl, 4096, 151936, backend="nccl")
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_over_nccl(tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    run_on_ranks(tp, _tp_nccl, 4096, 151936, backend="nccl")
 
 
 def test_triton_is_the_cuda_backend():
