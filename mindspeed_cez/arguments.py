@@ -47,7 +47,7 @@ def add_lm_z_loss_args(parser):
     )
     group.add_argument(
         FLAG_LOG_LSE, action="store_true", default=False, dest="lm_z_loss_log_lse",
-        help="Also log the mean log-sum-exp of the logits as lm_lse (one extra pass over the logits).",
+        help="Also log the mean log-sum-exp of the logits as lm_lse (taken from the fused kernel, no extra pass).",
     )
     return parser
 

@@ -159,11 +159,12 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         ctx.label_smoothing = float(label_smoothing)
         ctx.save_for_backward(rows, flat_target, lse, ignored)
         z_loss = z_loss.view(target.shape)
-        ctx.mark_non_differentiable(z_loss)
-        return loss.view(target.shape), z_loss
+        lse_out = lse.view(target.shape)
+        ctx.mark_non_differentiable(z_loss, lse_out)
+        return loss.view(target.shape), z_loss, lse_out
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_z_loss):
+    def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
         rows, flat_target, lse, ignored = ctx.saved_tensors
         if grad_loss is None:
             grad_scale = torch.zeros_like(lse)
@@ -215,6 +216,17 @@ def vocab_parallel_cross_entropy_zloss(
     of the autograd graph (the usual case: the output layer's result) the gradient reuses the
     logits' buffer, so the logits must not be read after backward.
     """
+    loss, z_loss, _ = cross_entropy_zloss_with_lse(
+        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group
+    )
+    return loss, z_loss
+
+
+def cross_entropy_zloss_with_lse(
+    logits, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100, tp_group=None
+):
+    """The op, also returning the detached per-token log-sum-exp (fp32, shape of target) it
+    computed anyway: the adaptor logs its mean as ``lm_lse`` without another pass."""
     _check_arguments(logits, target, z_loss_coeff, label_smoothing)
     tp_group = resolve_tp_group(tp_group)
     return VocabParallelCrossEntropyZLoss.apply(

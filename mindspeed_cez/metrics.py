@@ -20,7 +20,7 @@ Metrics
     included (Megatron logs those as ``mtp_*``).
 ``lm_lse`` (opt-in: ``--lm-z-loss-log-lse`` / ``apply(log_lse=True)``)
     The same mean of the per-token log-sum-exp of the logits (the quantity the z-loss pushes to
-    0). Costs one more pass over the logits and two small all-reduces per micro-batch.
+    0), taken from the fused op (no extra pass over the logits).
 
 How it reaches the log line
 ---------------------------

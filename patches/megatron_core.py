@@ -23,9 +23,8 @@ Patched (see ``PATCH_TARGETS`` in ``mindspeed_cez.patches``):
 import functools
 
 import torch
-import torch.distributed as dist
 
-from mindspeed_cez.cross_entropy_zloss import group_rank_and_size, resolve_tp_group, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse, group_rank_and_size, resolve_tp_group
 from mindspeed_cez.patches import settings as _settings
 
 
@@ -52,28 +51,12 @@ def _module_tp_group(module):
     return resolve_tp_group(group)
 
 
-def vocab_parallel_lse(logits, tp_group, chunk_rows=8192):
-    """Global log-sum-exp over the vocab-parallel last dim, fp32, no grad (for ``lm_lse``)."""
-    with torch.no_grad():
-        rows = logits.detach().reshape(-1, logits.shape[-1])
-        local = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
-        for start in range(0, rows.shape[0], chunk_rows):
-            local[start : start + chunk_rows] = torch.logsumexp(rows[start : start + chunk_rows].float(), dim=-1)
-        if _tp_world_size(tp_group) > 1:
-            top = local.clone()
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_group)
-            acc = torch.exp(local - top)
-            dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=tp_group)
-            local = top + torch.log(acc)
-        return local.view(logits.shape[:-1])
-
-
 def fused_loss(logits, target, tp_group, label_smoothing_megatron, settings):
-    """Run the op on ``[s, b, v_local]`` logits; returns ``(loss, z_loss)`` shaped like target."""
+    """Run the op on ``[s, b, v_local]`` logits; returns ``(loss, z_loss, lse)`` shaped like target."""
     tp_group = resolve_tp_group(tp_group)
     global_vocab = logits.shape[-1] * _tp_world_size(tp_group)
     smoothing = megatron_to_torch_smoothing(label_smoothing_megatron, global_vocab)
-    return vocab_parallel_cross_entropy_zloss(
+    return cross_entropy_zloss_with_lse(
         logits,
         target,
         z_loss_coeff=settings.z_loss_coeff,
@@ -150,8 +133,8 @@ def compute_language_model_loss_wrapper(fn):
         tp_group = _module_tp_group(self)
         # [b s] => [s b], as Megatron does
         target = labels.transpose(0, 1).contiguous()
-        lse = vocab_parallel_lse(logits, tp_group) if settings.log_lse and self.training else None
-        loss, z_loss = fused_loss(logits, target, tp_group, smoothing, settings)
+        loss, z_loss, lse = fused_loss(logits, target, tp_group, smoothing, settings)
+        lse = lse if settings.log_lse else None
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged
         loss = loss.transpose(0, 1).contiguous()
         _maybe_record(self, labels, z_loss.transpose(0, 1), lse, settings)

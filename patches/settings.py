@@ -21,7 +21,7 @@ class Settings:
     label_smoothing: in *Megatron's* convention (``tensor_parallel.vocab_parallel_cross_entropy``);
         ``None`` takes ``config.label_smoothing`` when the model config has such a field, else 0.
     log_z_loss: record ``lm_z_loss`` in Megatron's MoE metrics tracker (only when ``c > 0``).
-    log_lse: also record the mean log-sum-exp as ``lm_lse`` (one extra pass over the logits).
+    log_lse: also record the mean log-sum-exp as ``lm_lse`` (the op's own lse: no extra pass).
     """
 
     z_loss_coeff: float = 0.0

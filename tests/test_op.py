@@ -177,3 +177,18 @@ def test_int32_targets(backend_device):
     loss32, _ = vocab_parallel_cross_entropy_zloss(base, target.int(), z_loss_coeff=1e-3)
     exp_loss, _, _ = loss_and_grad_float64(base, target, torch.ones(7, device=device), z_loss_coeff=1e-3)
     assert torch.equal(loss64, loss32) and relative_error(loss32, exp_loss) < LOSS_TOLERANCE
+
+
+def test_lse_output_for_logging(backend_device):
+    from float64_reference import cross_entropy_zloss_float64
+    from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
+
+    _, device = backend_device
+    gen = torch.Generator().manual_seed(17)
+    base = random_logits((6, 5, 300), torch.bfloat16, device, gen)
+    target = torch.randint(0, 300, (6, 5), generator=gen).to(device)
+    loss, z_loss, lse = cross_entropy_zloss_with_lse(base, target, z_loss_coeff=1e-3)
+    _, _, exp_lse = cross_entropy_zloss_float64(base, target, z_loss_coeff=1e-3)
+    assert lse.shape == target.shape and not lse.requires_grad
+    assert relative_error(lse, exp_lse) < LOSS_TOLERANCE
+    assert torch.allclose(z_loss, 1e-3 * lse * lse)
