@@ -422,6 +422,10 @@ def _fmt_mem(nbytes, logits_bytes):
     return f"{nbytes / 2**30:.2f} ({nbytes / logits_bytes:.1f}x)"
 
 
+def _fmt_per_token(nbytes, tokens):
+    return "n/a" if nbytes is None else f"{nbytes / tokens:.0f}"
+
+
 def header_lines(device, extra=()):
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -487,6 +491,8 @@ def run_single(args, device):
     t_begin = time.time()
     tp_group, tp_note = init_single_process(device)
     impls = build_impls(tp_group, device)
+    if args.impls:
+        impls = [impl for impl in impls if any(impl[0].startswith(prefix) for prefix in args.impls)]
     shapes = args.shapes or (SMOKE_SHAPES if args.smoke else GPU_SHAPES)
     check_shape = SMOKE_CHECK_SHAPE if args.smoke else GPU_CHECK_SHAPE
 
@@ -533,8 +539,8 @@ def run_single(args, device):
         "### Time (median ms) and memory beyond the inputs",
         "",
         "| N x V | impl | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor | held after fwd GiB (x logits) "
-        "| peak fwd+bwd GiB (x logits) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| peak fwd+bwd GiB (x logits) | peak bytes / token |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     _log(write_report(args.out, report))
 
@@ -544,20 +550,20 @@ def run_single(args, device):
         floor_fwd = logits_bytes / bw * 1e3
         floor_all = 3 * logits_bytes / bw * 1e3
         shape = f"{n} x {v}"
-        report.append(f"| {shape} | floor ({bw / 1e12:.2f} TB/s copy) | {_fmt_ms(floor_fwd)} | 1 | {_fmt_ms(floor_all)} | 1 | | |")
+        report.append(f"| {shape} | floor ({bw / 1e12:.2f} TB/s copy) | {_fmt_ms(floor_fwd)} | 1 | {_fmt_ms(floor_all)} | 1 | | | |")
         _reset_compiled()
         try:
             base, target, upstream = make_inputs_on_device(n, v, device, seed=n + v)
         except Exception as exc:  # noqa: BLE001
-            report.append(f"| {shape} | (inputs) | {'OOM' if _is_oom(exc) else 'error'}: {_short(exc)} | | | | | |")
+            report.append(f"| {shape} | (inputs) | {'OOM' if _is_oom(exc) else 'error'}: {_short(exc)} | | | | | | |")
             _cleanup(device)
             continue
         for name, fn, note in impls:
             if fn is None:
-                report.append(f"| {shape} | {name} | {ROW_UNAVAILABLE} | | | | | |")
+                report.append(f"| {shape} | {name} | {ROW_UNAVAILABLE} | | | | | | |")
                 continue
             if args.budget_s and time.time() - t_begin > args.budget_s:
-                report.append(f"| {shape} | {name} | skipped: time budget {args.budget_s} s spent | | | | | |")
+                report.append(f"| {shape} | {name} | skipped: time budget {args.budget_s} s spent | | | | | | |")
                 continue
             t0 = time.time()
             try:
@@ -565,11 +571,12 @@ def run_single(args, device):
                 row = (
                     f"| {shape} | {name} | {_fmt_ms(r['fwd'])} | {_fmt_ratio(r['fwd'], floor_fwd)} "
                     f"| {_fmt_ms(r['fwd+bwd'])} | {_fmt_ratio(r['fwd+bwd'], floor_all)} "
-                    f"| {_fmt_mem(r['held'], logits_bytes)} | {_fmt_mem(r['peak'], logits_bytes)} |"
+                    f"| {_fmt_mem(r['held'], logits_bytes)} | {_fmt_mem(r['peak'], logits_bytes)} "
+                    f"| {_fmt_per_token(r['peak'], n)} |"
                 )
             except Exception as exc:  # noqa: BLE001
                 kind = "OOM" if _is_oom(exc) else "error"
-                row = f"| {shape} | {name} | {kind}: {_short(exc)} | | | | | |"
+                row = f"| {shape} | {name} | {kind}: {_short(exc)} | | | | | | |"
                 if kind == "error":
                     traceback.print_exc()
             timer.pairs = []
@@ -594,6 +601,7 @@ def run_tp(args, device):
     """Per rank: our kernels alone on the shard, the op at TP=1 on the shard, the op at TP=world."""
     from mindspeed_cez import kernels as cez_kernels
     from mindspeed_cez import vocab_parallel_cross_entropy_zloss as op
+    from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
 
     t_begin = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -638,23 +646,24 @@ def run_tp(args, device):
 
     # lse for the gradient kernel (computed once, untimed): the op's value at TP=world
     with torch.no_grad():
-        loss_ref, _ = op(shard, target, z_loss_coeff=Z_LOSS_COEFF, tp_group=group)
-        partials = backend.shard_partials(shard, target, vocab_start, global_vocab, -100, False)
-        local_max = partials[0].clone()
-        global_max = local_max.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
-        s = partials[1] * torch.exp(local_max - global_max)
-        dist.all_reduce(s, group=group)
-        lse = global_max + torch.log(s)
-    grad_scale = upstream.float()
+        loss_ref, _, lse = cross_entropy_zloss_with_lse(shard, target, Z_LOSS_COEFF, tp_group=group)
+    grad_loss = upstream.float()
 
     def kernel_fwd(x):
-        backend.shard_partials(x.detach(), target, vocab_start, global_vocab, -100, False)
+        backend.shard_partials(x.detach(), target, vocab_start, global_vocab, -100)
 
     def kernel_fwd_bwd(x):
         rows = x.detach()
-        backend.shard_partials(rows, target, vocab_start, global_vocab, -100, False)
-        backend.write_grad(rows, rows, target, lse, grad_scale, vocab_start, Z_LOSS_COEFF, 0.0, global_vocab)
+        backend.shard_partials(rows, target, vocab_start, global_vocab, -100)
+        backend.write_grad(rows, rows, target, lse, grad_loss, -100, vocab_start, Z_LOSS_COEFF, 0.0, global_vocab)
+
+    # The op's two collectives alone, on buffers of the op's sizes: MAX of [n], SUM of [2, n].
+    max_buffer = torch.rand(n, device=device)
+    sum_buffer = torch.rand(2, n, device=device)
+
+    def collectives(_x):
+        dist.all_reduce(max_buffer, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(sum_buffer, op=dist.ReduceOp.SUM, group=group)
 
     def op_step(tp_group, tgt, backward):
         def step(x):
@@ -670,6 +679,8 @@ def run_tp(args, device):
 
     rows = {}
     rows["kernels alone (this shard)"] = (measure(kernel_fwd), measure(kernel_fwd_bwd))
+    collective_ms = measure(collectives)
+    rows["the two all-reduces alone"] = (collective_ms, collective_ms)
     rows[f"op, TP=1 on a {n} x {v_local} vocab"] = (
         measure(op_step(None, target_local, False)),
         measure(op_step(None, target_local, True)),
@@ -715,11 +726,22 @@ def run_tp(args, device):
             )
     report.append("")
     tp_key, single_key = f"op, TP={world} (with its all-reduces)", f"op, TP=1 on a {n} x {v_local} vocab"
+    kernel_key, coll_key = "kernels alone (this shard)", "the two all-reduces alone"
     report.append(
         "Collective cost (op at TP={} minus op at TP=1 on the same shard, fwd / fwd+bwd): ".format(world)
         + ", ".join(
             f"rank {i['rank']} {i['rows'][tp_key][0] - i['rows'][single_key][0]:+.3f} / "
             f"{i['rows'][tp_key][1] - i['rows'][single_key][1]:+.3f} ms"
+            for i in gathered
+        )
+    )
+    report.append("")
+    report.append(
+        f"Op at TP={world} / (kernels alone + the two all-reduces alone), fwd / fwd+bwd (target <= 1.10): "
+        + ", ".join(
+            f"rank {i['rank']} "
+            f"{i['rows'][tp_key][0] / (i['rows'][kernel_key][0] + i['rows'][coll_key][0]):.3f} / "
+            f"{i['rows'][tp_key][1] / (i['rows'][kernel_key][1] + i['rows'][coll_key][1]):.3f}"
             for i in gathered
         )
     )
@@ -754,6 +776,8 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=0, help="skip the remaining timings after this many seconds")
     parser.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available, cpu with --smoke)")
+    parser.add_argument("--impls", nargs="*", default=None,
+                        help="only the implementations whose names start with these (e.g. mindspeed_cez liger)")
     args = parser.parse_args(argv)
     if args.warmup is None:
         args.warmup = 2 if args.smoke else 20

@@ -126,6 +126,7 @@ def _worker(rank, world_size, port, backend, fn, args, errors):
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # all ranks done before any tears the gloo group down
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
     finally:

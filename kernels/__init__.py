@@ -1,14 +1,22 @@
 """Backends for the fused cross-entropy + z-loss op.
 
-Each backend is a module with two functions of the same signature:
+Each backend is a module with the same functions (logits ``[n, v_local]`` with a contiguous
+last dim, target ``[n]`` global ids, results fp32):
 
-``shard_partials(logits, target, vocab_start, global_vocab, ignore_index, with_logit_sum)``
-    logits ``[n, v_local]`` (last dim contiguous), target ``[n]`` global ids. Returns fp32
-    ``[3 or 4, n]``: local row max, sum of exp(x - local max), target logit (0 if another rank
-    owns it, NaN if out of range), and the logit sum when ``with_logit_sum``.
-``write_grad(logits, grad, target, lse, grad_scale, vocab_start, z_loss_coeff, label_smoothing, global_vocab)``
-    writes ``grad_scale * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)`` into ``grad``
-    (which may be ``logits`` itself).
+``fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing)``
+    one rank holds the whole vocab: ``[3, n]`` rows loss, z-loss, lse, in one pass.
+``shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing)``
+    ``[4, n]``: this slice's row max, sum of exp(x - row max), target term
+    ``(1-a)*x[target] + (a/V)*sum(x)`` (NaN for an out-of-range target), row max again.
+``rescale_sum_exp(partials)``
+    after the MAX all-reduce of row 0: the sum-exp rescaled to the global max, in place.
+``loss_from_partials(partials, target, ignore_index, z_loss_coeff)``
+    after the SUM all-reduce of rows 1-2: ``[3, n]`` loss, z-loss, lse, over the partials.
+``write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff, label_smoothing, global_vocab)``
+    writes ``g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)`` into ``grad`` (which may be
+    ``logits`` itself), ``g`` the upstream gradient, 0 on ignored rows.
+``check_targets(target, global_vocab, ignore_index)``
+    on CUDA an asynchronous device-side assert on out-of-range targets (no host sync).
 
 ``"triton"`` (``triton_cross_entropy``) runs on CUDA, on Ascend through triton-ascend, and on
 the CPU under ``TRITON_INTERPRET=1``; ``"torch"`` (``torch_reference``) runs anywhere.

@@ -8,11 +8,6 @@ import functools
 
 import torch
 
-# Programs per core. Ascend wants about one program per vector core, each taking a contiguous
-# chunk of rows. On CUDA one program (one CTA) per SM leaves memory bandwidth unused, so several
-# CTAs share an SM (bench/NOTES.md). CUDA-only tuning lives here and in LAUNCH_CONFIG, not in
-# the kernel bodies.
-PROGRAMS_PER_CORE = {"cuda": 16, "npu": 1}
 _FALLBACK_CORES = 16  # interpreter on CPU, or a driver that reports nothing
 
 
@@ -34,9 +29,11 @@ def core_count(device_type: str, device_index: int) -> int:
     return _FALLBACK_CORES
 
 
-def num_programs(device: torch.device, n_rows: int) -> int:
+def num_programs(device: torch.device, n_rows: int, programs_per_core: int) -> int:
+    """A persistent grid: ``programs_per_core`` programs per core (Ascend: 1, each taking a
+    contiguous chunk of rows; CUDA: several CTAs share an SM), never more than the rows."""
     index = device.index if device.index is not None else 0
     if device.type == "cuda" and device.index is None:
         index = torch.cuda.current_device()
     cores = core_count(device.type, index)
-    return max(1, min(n_rows, cores * PROGRAMS_PER_CORE.get(device.type, 1)))
+    return max(1, min(n_rows, cores * programs_per_core))

@@ -1,20 +1,17 @@
-"""Pure-torch backend: the per-shard partials and the in-place gradient, in row chunks.
+"""Pure-torch backend: the same functions as the Triton kernels, in row chunks.
 
-Runs on any device (CPU CI, and wherever Triton is missing). It computes the same two
-things as the Triton kernels, with the same signatures (see ``kernels/__init__.py``):
-
-* ``shard_partials``: per row of this rank's vocab slice, the local max, the sum of
-  ``exp(x - local_max)``, the target logit (0 when another rank owns it, NaN when the target
-  is out of range) and, when asked, the sum of the logits.
-* ``write_grad``: ``dx = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)`` into ``grad``.
-
-Rows are processed in chunks so the fp32 working copy stays small (``_CHUNK_ELEMENTS``),
-never the size of the logits.
+Runs on any device (CPU CI, and wherever Triton is missing); see ``kernels/__init__.py`` for
+the interface. Rows are processed in chunks so the fp32 working copy stays small
+(``_CHUNK_ELEMENTS``), never the size of the logits.
 """
 
 import torch
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 elements per working chunk (16 MiB)
+
+# Rows of the partials tensor (the same layout as the Triton backend's).
+ROW_MAX, SUM_EXP, TARGET_TERM, LOCAL_MAX = 0, 1, 2, 3
+PARTIAL_ROWS = 4
 
 
 def _row_chunks(n_rows: int, n_cols: int):
@@ -29,28 +26,60 @@ def _local_target(target, vocab_start, n_cols):
     return local.clamp(0, n_cols - 1), owned
 
 
-def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, with_logit_sum):
+def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0):
+    """fp32 [PARTIAL_ROWS, n]: this slice's row max, sum of exp(x - row max), target term
+    ``(1-a)*x[target] + (a/V)*sum(x)`` (the x[target] part 0 when another rank owns the target,
+    NaN when the target is out of range), and the row max again."""
     n_rows, n_cols = logits.shape
-    k = 4 if with_logit_sum else 3
-    partials = torch.empty(k, n_rows, dtype=torch.float32, device=logits.device)
+    partials = torch.empty(PARTIAL_ROWS, n_rows, dtype=torch.float32, device=logits.device)
     invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
     for start, end in _row_chunks(n_rows, n_cols):
         x = logits[start:end].float()
         row_max = x.amax(dim=-1)
-        partials[0, start:end] = row_max
-        partials[1, start:end] = torch.exp(x - row_max[:, None]).sum(dim=-1)
+        partials[ROW_MAX, start:end] = row_max
+        partials[LOCAL_MAX, start:end] = row_max
+        partials[SUM_EXP, start:end] = torch.exp(x - row_max[:, None]).sum(dim=-1)
         local, owned = _local_target(target[start:end], vocab_start, n_cols)
         picked = x.gather(1, local[:, None]).squeeze(1)
-        picked = torch.where(owned, picked, torch.zeros_like(picked))
-        partials[2, start:end] = torch.where(invalid[start:end], torch.full_like(picked, float("nan")), picked)
-        if with_logit_sum:
-            partials[3, start:end] = x.sum(dim=-1)
+        term = torch.where(owned, picked, torch.zeros_like(picked)) * (1.0 - label_smoothing)
+        if label_smoothing:
+            term += (label_smoothing / global_vocab) * x.sum(dim=-1)
+        partials[TARGET_TERM, start:end] = torch.where(invalid[start:end], torch.full_like(term, float("nan")), term)
     return partials
 
 
-def write_grad(logits, grad, target, lse, grad_scale, vocab_start, z_loss_coeff, label_smoothing, global_vocab):
-    """Write d(loss)/d(logits) scaled per row by ``grad_scale`` into ``grad`` (may alias ``logits``)."""
+def rescale_sum_exp(partials):
+    """SUM_EXP *= exp(LOCAL_MAX - ROW_MAX), once ROW_MAX holds the max over all ranks."""
+    partials[SUM_EXP].mul_(torch.exp(partials[LOCAL_MAX] - partials[ROW_MAX]))
+    return partials
+
+
+def loss_from_partials(partials, target, ignore_index, z_loss_coeff):
+    """fp32 [3, n] rows (loss, z-loss, lse) from the reduced partials, written over them."""
+    lse = partials[ROW_MAX] + torch.log(partials[SUM_EXP])
+    z_loss = z_loss_coeff * lse * lse
+    loss = lse - partials[TARGET_TERM] + z_loss
+    ignored = target == ignore_index
+    zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+    partials[0] = torch.where(ignored, zero, loss)
+    partials[1] = torch.where(ignored, zero, z_loss)
+    partials[2] = lse
+    return partials[:3]
+
+
+def fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing):
+    """One rank holds the whole vocab: fp32 [3, n] rows (loss, z-loss, lse)."""
+    n_cols = logits.shape[1]
+    partials = shard_partials(logits, target, 0, n_cols, ignore_index, label_smoothing)
+    return loss_from_partials(partials, target, ignore_index, z_loss_coeff)
+
+
+def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff, label_smoothing,
+               global_vocab):
+    """Write ``g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)`` into ``grad`` (may alias
+    ``logits``), ``g`` the upstream gradient ``grad_loss`` (0 on ignored rows)."""
     n_rows, n_cols = logits.shape
+    grad_scale = grad_loss.float().masked_fill(target == ignore_index, 0.0)
     for start, end in _row_chunks(n_rows, n_cols):
         x = logits[start:end].float()
         g = grad_scale[start:end, None]
@@ -63,3 +92,10 @@ def write_grad(logits, grad, target, lse, grad_scale, vocab_start, z_loss_coeff,
         dx.scatter_add_(1, local[:, None], -onehot_grad)
         grad[start:end].copy_(dx)
     return grad
+
+
+def check_targets(target, global_vocab, ignore_index):
+    """CUDA: an asynchronous device-side assert (no host sync). Elsewhere the partials carry NaN."""
+    if target.device.type == "cuda":
+        valid = (target == ignore_index) | ((target >= 0) & (target < global_vocab))
+        torch._assert_async(valid.all(), "target outside [0, vocab) and not ignore_index")

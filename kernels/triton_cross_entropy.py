@@ -1,17 +1,23 @@
-"""Triton kernels: per-shard softmax partials (forward) and the in-place gradient (backward).
+"""Triton kernels: softmax statistics and loss (forward), the in-place gradient (backward).
 
-One source for NVIDIA (``triton``) and Ascend (``triton-ascend``). Both kernels launch a
-persistent grid (``device_cores.num_programs``): program ``p`` takes the contiguous rows
-``[p*rows_per_program, (p+1)*rows_per_program)`` and walks each row's vocab slice in
-``BLOCK_V`` columns, so a block's working set is a few ``BLOCK_V`` vectors (<= 64 KiB in fp32,
-inside Ascend's ~192 KiB unified buffer). Row offsets are int64 (N*V may pass 2**31). Nothing
-here reads tensor values on the host, so forward + backward capture in a CUDA graph.
+One source for NVIDIA (``triton``) and Ascend (``triton-ascend``). The two streaming kernels
+launch a persistent grid (``device_cores.num_programs``): program ``p`` takes the contiguous
+rows ``[p*rows_per_program, (p+1)*rows_per_program)`` and walks each row's vocab slice in tiles
+of ``BLOCK_V`` columns, loading the next tile (across row ends too) before working on the
+current one. Row offsets are int64 (N*V may pass 2**31). Nothing here reads tensor values on
+the host, so forward + backward capture in a CUDA graph.
 
-Forward reads the logits once (online softmax: running max, sum-exp rescaled when the max
-grows). Backward reads them once more and writes the gradient, in place when the caller
-passes the logits' own buffer as ``grad``. Each program walks its rows as one stream of
-(row, column-block) tiles and loads the next tile before working on the current one, so the
-start of a row does not stall the memory pipe.
+Forward reads the logits once. A tile is viewed as ``[SLOTS, SLOT_WIDTH]``; each slot keeps
+its own running max and sum-exp (online softmax), so the tile loop has no cross-thread
+reduction: the slots are merged once per row. On CUDA a slot is 8 contiguous bf16 values held
+by one thread; on Ascend there is one slot per tile (whole-tile vector reductions). The target
+logit is a single load issued one row ahead, so no dependent load sits at the end of a row.
+With one rank the same kernel finishes the loss; with several it writes the partials that the
+op all-reduces, then two small kernels rescale them and finish the loss.
+
+Backward reads the logits once more and writes the gradient, in place when the caller passes
+the logits' own buffer as ``grad``; each row's lse, upstream gradient and target are loaded
+one row ahead.
 """
 
 import torch
@@ -20,96 +26,170 @@ import triton.language as tl
 
 from .device_cores import num_programs
 
-# Columns per block and warps per program, by device type. On Ascend a block's working set
-# (the current and the prefetched bf16 tile plus a few fp32 temporaries of BLOCK_V) must stay
-# well inside the ~192 KiB unified buffer: 4096 columns use about 64 KiB. CUDA prefers larger
-# tiles (bench/NOTES.md has the sweep). EVICTION marks the logits as streamed once.
+# Launch settings per device type, for the forward (fwd_*) and the backward (bwd_*) kernel:
+# columns per tile, columns per slot of the forward (None: one slot per tile), warps, and
+# programs per core of the persistent grid. Ascend wants about one program per vector core,
+# and a program's working set (current and prefetched tile plus a few fp32 temporaries) well
+# inside the ~192 KiB unified buffer: 4096 columns use about 64 KiB. On CUDA one CTA per SM
+# leaves bandwidth unused, so several share an SM (values from bench/tune_kernels.py, see
+# bench/NOTES.md). CUDA-only tuning lives here, not in the kernel bodies.
 LAUNCH_CONFIG = {
-    "cuda": {"max_block_v": 8192, "num_warps": 8},
-    "npu": {"max_block_v": 4096, "num_warps": 4},
-    "cpu": {"max_block_v": 4096, "num_warps": 4},  # the interpreter
+    "cuda": {"fwd_block_v": 8192, "slot_width": 8, "fwd_warps": 8, "fwd_per_core": 16,
+             "bwd_block_v": 8192, "bwd_warps": 8, "bwd_per_core": 16},
+    "npu": {"fwd_block_v": 4096, "slot_width": None, "fwd_warps": 4, "fwd_per_core": 1,
+            "bwd_block_v": 4096, "bwd_warps": 4, "bwd_per_core": 1},
+    "cpu": {"fwd_block_v": 4096, "slot_width": 8, "fwd_warps": 4, "fwd_per_core": 1,  # the interpreter
+            "bwd_block_v": 4096, "bwd_warps": 4, "bwd_per_core": 1},
 }
 EVICTION = {"cuda": "evict_first", "npu": "evict_first", "cpu": ""}
+# Rows per program of the small [N] kernels (rescale, loss from partials, target check).
+VECTOR_BLOCK = 1024
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+# Partials of one rank, rows of a fp32 [PARTIAL_ROWS, n] tensor. ROW_MAX becomes the global max
+# after the MAX all-reduce; SUM_EXP (relative to ROW_MAX) and TARGET_TERM are then all-reduced
+# together; LOCAL_MAX keeps this rank's max for the rescale in between.
+ROW_MAX, SUM_EXP, TARGET_TERM, LOCAL_MAX = 0, 1, 2, 3
+PARTIAL_ROWS = 4
 
 
 @triton.jit
-def _tile_stream_start(logits_ptr, logits_row_stride, n_rows, n_cols, rows_per_program, other: tl.constexpr,
-                       BLOCK_V: tl.constexpr, EVICT: tl.constexpr):
-    """This program's rows as one stream of (row, column-block) tiles: its bounds and first tile."""
-    row = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
-    row_end = tl.minimum(row + rows_per_program, n_rows)
-    n_tiles = (row_end - row) * tl.cdiv(n_cols, BLOCK_V)
-    cols = tl.arange(0, BLOCK_V)
-    col = tl.full([], 0, tl.int32)
-    first_mask = cols < tl.where(row < row_end, n_cols, 0)
-    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=first_mask, other=other, eviction_policy=EVICT)
-    return row, row_end, n_tiles, cols, col, x
+def _load_tile(logits_ptr, row_stride, row, col, n_cols, end, offs, other: tl.constexpr, EVICT: tl.constexpr):
+    """Columns ``col + offs`` of ``row``: masked past the row's end, all masked when ``row >= end``."""
+    limit = tl.where(row < end, n_cols - col, 0)
+    return tl.load(logits_ptr + row * row_stride + col + offs, mask=offs < limit, other=other, eviction_policy=EVICT)
 
 
 @triton.jit
-def _tile_stream_next(logits_ptr, logits_row_stride, row, col, row_end, n_cols, cols, other: tl.constexpr,
-                      BLOCK_V: tl.constexpr, EVICT: tl.constexpr):
-    """Whether (row, col) ends its row, the next tile's position, and the next tile's load."""
-    row_done = col + BLOCK_V >= n_cols
-    next_row = tl.where(row_done, row + 1, row)
-    next_col = tl.where(row_done, 0, col + BLOCK_V)
-    next_mask = cols < tl.where(next_row < row_end, n_cols - next_col, 0)  # columns left in the row
-    next_ptr = logits_ptr + next_row * logits_row_stride + next_col
-    x_next = tl.load(next_ptr + cols, mask=next_mask, other=other, eviction_policy=EVICT)
-    return row_done, next_row, next_col, x_next
+def _load_target(target_ptr, row, end, ignore_index):
+    return tl.load(target_ptr + row, mask=row < end, other=ignore_index).to(tl.int64)
 
 
 @triton.jit
-def _shard_partials_kernel(
+def _load_target_logit(logits_ptr, row_stride, row, end, local, n_cols):
+    """x[row, local] when this rank owns column ``local`` of a row before ``end``, else 0."""
+    owned = (row < end) & (local >= 0) & (local < n_cols)
+    return tl.load(logits_ptr + row * row_stride + local, mask=owned, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _forward_kernel(
     logits_ptr,
-    logits_row_stride,
+    row_stride,
     target_ptr,
-    partials_ptr,  # fp32 [NUM_PARTIALS, n_rows], contiguous
+    out_ptr,  # fp32 [3, n_rows] (loss, z-loss, lse) when FINISH, else [PARTIAL_ROWS, n_rows]
     n_rows,
     n_cols,
     rows_per_program,
     vocab_start,
     global_vocab,
     ignore_index,
-    BLOCK_V: tl.constexpr,
+    z_loss_coeff,
+    target_weight,  # 1 - label_smoothing
+    smoothing_per_col,  # label_smoothing / global_vocab
+    SLOTS: tl.constexpr,
+    SLOT_WIDTH: tl.constexpr,
+    FINISH: tl.constexpr,
     WITH_LOGIT_SUM: tl.constexpr,
     EVICT: tl.constexpr,
 ):
-    # The next tile is loaded before the current one is reduced, also across a row boundary.
-    row, row_end, n_tiles, cols, col, x = _tile_stream_start(
-        logits_ptr, logits_row_stride, n_rows, n_cols, rows_per_program, -float("inf"), BLOCK_V, EVICT
-    )
-    running_max = -float("inf")
-    running_sum = 0.0
-    logit_sum = 0.0
-    for _ in range(0, n_tiles):
-        row_done, next_row, next_col, x_next = _tile_stream_next(
-            logits_ptr, logits_row_stride, row, col, row_end, n_cols, cols, -float("inf"), BLOCK_V, EVICT
-        )
+    BLOCK_V: tl.constexpr = SLOTS * SLOT_WIDTH
+    offs = tl.arange(0, SLOTS)[:, None] * SLOT_WIDTH + tl.arange(0, SLOT_WIDTH)[None, :]
+    first = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
+    end = tl.minimum(first + rows_per_program, n_rows)
+    tiles = tl.cdiv(n_cols, BLOCK_V)
 
-        xf = x.to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(xf, axis=0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(xf - new_max), axis=0)
-        running_max = new_max
+    x = _load_tile(logits_ptr, row_stride, first, 0, n_cols, end, offs, -float("inf"), EVICT)
+    target = _load_target(target_ptr, first, end, ignore_index)
+    picked = _load_target_logit(logits_ptr, row_stride, first, end, target - vocab_start, n_cols)
+    next_target = _load_target(target_ptr, first + 1, end, ignore_index)
+    for row in range(first, end):
+        # Issued a row ahead: the next row's target logit and the target of the row after it.
+        next_picked = _load_target_logit(logits_ptr, row_stride, row + 1, end, next_target - vocab_start, n_cols)
+        after_target = _load_target(target_ptr, row + 2, end, ignore_index)
+
+        slot_max = tl.full([SLOTS], -float("inf"), tl.float32)
+        slot_sum = tl.zeros([SLOTS], tl.float32)  # sum of exp(x - slot_max)
+        slot_logits = tl.zeros([SLOTS], tl.float32)
+        for tile in range(0, tiles):
+            col = tile * BLOCK_V
+            row_ends = tile == tiles - 1
+            x_next = _load_tile(
+                logits_ptr, row_stride, tl.where(row_ends, row + 1, row), tl.where(row_ends, 0, col + BLOCK_V),
+                n_cols, end, offs, -float("inf"), EVICT,
+            )
+            xf = x.to(tl.float32)
+            new_max = tl.maximum(slot_max, tl.max(xf, axis=1))
+            ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E  # all -inf so far: no rescale
+            tile_sum = tl.sum(tl.exp2(xf * LOG2E - ref[:, None]), axis=1)
+            slot_sum = slot_sum * tl.exp2(slot_max * LOG2E - ref) + tile_sum
+            slot_max = new_max
+            if WITH_LOGIT_SUM:
+                slot_logits += tl.sum(tl.where(offs < n_cols - col, xf, 0.0), axis=1)
+            x = x_next
+
+        row_max = tl.max(slot_max, axis=0)
+        ref = tl.where(row_max == -float("inf"), 0.0, row_max)
+        sum_exp = tl.sum(slot_sum * tl.exp2((slot_max - ref) * LOG2E), axis=0)
+        target_term = target_weight * picked
         if WITH_LOGIT_SUM:
-            logit_sum += tl.sum(tl.where(col + cols < n_cols, xf, 0.0), axis=0)
-
-        # Row finished: its target logit, then the partials (masked stores, no branch).
-        target = tl.load(target_ptr + row, mask=row_done, other=ignore_index).to(tl.int64)
-        local = target - vocab_start
-        owned = (local >= 0) & (local < n_cols) & row_done
-        picked = tl.load(logits_ptr + row * logits_row_stride + local, mask=owned, other=0.0).to(tl.float32)
+            target_term += smoothing_per_col * tl.sum(slot_logits, axis=0)
         invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
-        picked = tl.where(invalid, float("nan"), picked)
-        tl.store(partials_ptr + row, running_max, mask=row_done)
-        tl.store(partials_ptr + n_rows + row, running_sum, mask=row_done)
-        tl.store(partials_ptr + 2 * n_rows + row, picked, mask=row_done)
-        if WITH_LOGIT_SUM:
-            tl.store(partials_ptr + 3 * n_rows + row, logit_sum, mask=row_done)
-            logit_sum = tl.where(row_done, 0.0, logit_sum)
-        running_max = tl.where(row_done, -float("inf"), running_max)
-        running_sum = tl.where(row_done, 0.0, running_sum)
-        row, col, x = next_row, next_col, x_next
+        target_term = tl.where(invalid, float("nan"), target_term)
+        if FINISH:
+            lse = row_max + tl.log(sum_exp)
+            z_loss = z_loss_coeff * lse * lse
+            ignored = target == ignore_index
+            tl.store(out_ptr + row, tl.where(ignored, 0.0, lse - target_term + z_loss))
+            tl.store(out_ptr + n_rows + row, tl.where(ignored, 0.0, z_loss))
+            tl.store(out_ptr + 2 * n_rows + row, lse)
+        else:
+            tl.store(out_ptr + ROW_MAX * n_rows + row, row_max)
+            tl.store(out_ptr + SUM_EXP * n_rows + row, sum_exp)
+            tl.store(out_ptr + TARGET_TERM * n_rows + row, target_term)
+            tl.store(out_ptr + LOCAL_MAX * n_rows + row, row_max)
+        target = next_target
+        picked = next_picked
+        next_target = after_target
+
+
+@triton.jit
+def _rescale_kernel(partials_ptr, n_rows, BLOCK: tl.constexpr):
+    """SUM_EXP *= exp(LOCAL_MAX - ROW_MAX), ROW_MAX being the global max by now."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < n_rows
+    global_max = tl.load(partials_ptr + ROW_MAX * n_rows + rows, mask=mask, other=0.0)
+    local_max = tl.load(partials_ptr + LOCAL_MAX * n_rows + rows, mask=mask, other=0.0)
+    sum_exp = tl.load(partials_ptr + SUM_EXP * n_rows + rows, mask=mask, other=0.0)
+    ref = tl.where(global_max == -float("inf"), 0.0, global_max)
+    tl.store(partials_ptr + SUM_EXP * n_rows + rows, sum_exp * tl.exp2((local_max - ref) * LOG2E), mask=mask)
+
+
+@triton.jit
+def _loss_from_partials_kernel(partials_ptr, target_ptr, n_rows, ignore_index, z_loss_coeff, BLOCK: tl.constexpr):
+    """(loss, z-loss, lse) from the reduced partials, written over rows 0-2 of the partials."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < n_rows
+    row_max = tl.load(partials_ptr + ROW_MAX * n_rows + rows, mask=mask, other=0.0)
+    sum_exp = tl.load(partials_ptr + SUM_EXP * n_rows + rows, mask=mask, other=1.0)
+    target_term = tl.load(partials_ptr + TARGET_TERM * n_rows + rows, mask=mask, other=0.0)
+    ignored = tl.load(target_ptr + rows, mask=mask, other=ignore_index) == ignore_index
+    lse = row_max + tl.log(sum_exp)
+    z_loss = z_loss_coeff * lse * lse
+    tl.store(partials_ptr + rows, tl.where(ignored, 0.0, lse - target_term + z_loss), mask=mask)
+    tl.store(partials_ptr + n_rows + rows, tl.where(ignored, 0.0, z_loss), mask=mask)
+    tl.store(partials_ptr + 2 * n_rows + rows, lse, mask=mask)
+
+
+@triton.jit
+def _load_grad_row_inputs(target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, row, end, ignore_index):
+    """(target, lse, upstream gradient) of a row; the gradient is 0 for ignored rows and past ``end``."""
+    live = row < end
+    target = _load_target(target_ptr, row, end, ignore_index)
+    lse = tl.load(lse_ptr + row, mask=live, other=0.0)
+    g = tl.load(grad_loss_ptr + row * grad_loss_stride, mask=live, other=0.0).to(tl.float32)
+    return target, lse, tl.where(target == ignore_index, 0.0, g)
 
 
 @triton.jit
@@ -120,75 +200,152 @@ def _grad_kernel(
     grad_row_stride,
     target_ptr,
     lse_ptr,
-    grad_scale_ptr,  # fp32 [n_rows]: upstream gradient, 0 on ignored rows
+    grad_loss_ptr,  # upstream gradient of the per-token loss, any float dtype, row stride grad_loss_stride
+    grad_loss_stride,
     n_rows,
     n_cols,
     rows_per_program,
     vocab_start,
+    ignore_index,
     z_loss_coeff,
     target_weight,  # 1 - label_smoothing
     smoothing_per_col,  # label_smoothing / global_vocab
     BLOCK_V: tl.constexpr,
     EVICT: tl.constexpr,
 ):
-    # Same tile stream as the forward kernel; the next tile's logits load before this tile's math.
-    row, row_end, n_tiles, cols, col, x = _tile_stream_start(
-        logits_ptr, logits_row_stride, n_rows, n_cols, rows_per_program, 0.0, BLOCK_V, EVICT
-    )
-    for _ in range(0, n_tiles):
-        _, next_row, next_col, x_next = _tile_stream_next(
-            logits_ptr, logits_row_stride, row, col, row_end, n_cols, cols, 0.0, BLOCK_V, EVICT
+    offs = tl.arange(0, BLOCK_V)
+    first = tl.program_id(0).to(tl.int64) * rows_per_program
+    end = tl.minimum(first + rows_per_program, n_rows)
+    tiles = tl.cdiv(n_cols, BLOCK_V)
+
+    x = _load_tile(logits_ptr, logits_row_stride, first, 0, n_cols, end, offs, 0.0, EVICT)
+    target, lse, g = _load_grad_row_inputs(target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, first, end, ignore_index)
+    for row in range(first, end):
+        next_target, next_lse, next_g = _load_grad_row_inputs(
+            target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, row + 1, end, ignore_index
         )
-
-        lse = tl.load(lse_ptr + row)
-        g = tl.load(grad_scale_ptr + row)
-        local = tl.load(target_ptr + row).to(tl.int64) - vocab_start
-        offs = col + cols
-        dx = g * (1.0 + 2.0 * z_loss_coeff * lse) * tl.exp(x.to(tl.float32) - lse) - g * smoothing_per_col
-        dx = tl.where(offs == local, dx - g * target_weight, dx)
+        # dx = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V), softmax = exp2(x*log2e - lse*log2e)
+        scale = g * (1.0 + 2.0 * z_loss_coeff * lse)
+        lse2 = lse * LOG2E
+        smooth = g * smoothing_per_col
+        onehot = g * target_weight
+        local = target - vocab_start
         grad_row = grad_ptr + row * grad_row_stride
-        tl.store(grad_row + offs, dx.to(grad_ptr.dtype.element_ty), mask=offs < n_cols, eviction_policy=EVICT)
-        row, col, x = next_row, next_col, x_next
+        for tile in range(0, tiles):
+            col = tile * BLOCK_V
+            row_ends = tile == tiles - 1
+            x_next = _load_tile(
+                logits_ptr, logits_row_stride, tl.where(row_ends, row + 1, row), tl.where(row_ends, 0, col + BLOCK_V),
+                n_cols, end, offs, 0.0, EVICT,
+            )
+            dx = tl.exp2(x.to(tl.float32) * LOG2E - lse2) * scale - smooth
+            dx = tl.where(offs == local - col, dx - onehot, dx)
+            tl.store(grad_row + col + offs, dx.to(grad_ptr.dtype.element_ty), mask=offs < n_cols - col,
+                     eviction_policy=EVICT)
+            x = x_next
+        target = next_target
+        lse = next_lse
+        g = next_g
 
 
-def _launch(logits):
-    """Grid size, rows per program and compile-time settings for this device and shape."""
+@triton.jit(debug=True)
+def _check_target_kernel(target_ptr, n_rows, global_vocab, ignore_index, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    target = tl.load(target_ptr + rows, mask=rows < n_rows, other=ignore_index)
+    valid = (target == ignore_index) | ((target >= 0) & (target < global_vocab))
+    tl.device_assert(valid, "target outside [0, vocab) and not ignore_index")
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _config(device):
+    return LAUNCH_CONFIG.get(device.type, LAUNCH_CONFIG["npu"])
+
+
+def _forward_settings(logits):
+    config = _config(logits.device)
+    block_v = min(config["fwd_block_v"], triton.next_power_of_2(logits.shape[1]))
+    slot_width = min(config["slot_width"] or block_v, block_v)
+    return {
+        "SLOTS": block_v // slot_width,
+        "SLOT_WIDTH": slot_width,
+        "EVICT": EVICTION.get(logits.device.type, ""),
+        "num_warps": config["fwd_warps"],
+    }
+
+
+def _grid(logits, programs_per_core):
+    programs = num_programs(logits.device, logits.shape[0], programs_per_core)
+    return (programs,), triton.cdiv(logits.shape[0], programs)
+
+
+def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_loss_coeff, label_smoothing, finish):
     n_rows, n_cols = logits.shape
-    config = LAUNCH_CONFIG.get(logits.device.type, LAUNCH_CONFIG["npu"])
-    programs = num_programs(logits.device, n_rows)
-    block_v = min(config["max_block_v"], triton.next_power_of_2(max(n_cols, 16)))
-    settings = {"BLOCK_V": block_v, "EVICT": EVICTION.get(logits.device.type, ""), "num_warps": config["num_warps"]}
-    return (programs,), triton.cdiv(n_rows, programs), settings
-
-
-def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, with_logit_sum):
-    n_rows, n_cols = logits.shape
-    partials = torch.empty(4 if with_logit_sum else 3, n_rows, dtype=torch.float32, device=logits.device)
     if n_rows == 0:
-        return partials
-    grid, rows_per_program, settings = _launch(logits)
-    _shard_partials_kernel[grid](
+        return out
+    grid, rows_per_program = _grid(logits, _config(logits.device)["fwd_per_core"])
+    _forward_kernel[grid](
         logits,
         logits.stride(0),
         target,
-        partials,
+        out,
         n_rows,
         n_cols,
         rows_per_program,
         vocab_start,
         global_vocab,
         ignore_index,
-        WITH_LOGIT_SUM=with_logit_sum,
-        **settings,
+        float(z_loss_coeff),
+        1.0 - float(label_smoothing),
+        float(label_smoothing) / global_vocab,
+        FINISH=finish,
+        WITH_LOGIT_SUM=label_smoothing > 0,
+        **_forward_settings(logits),
     )
+    return out
+
+
+def fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing):
+    """One rank holds the whole vocab: fp32 [3, n] rows (loss, z-loss, lse) in one pass."""
+    out = torch.empty(3, logits.shape[0], dtype=torch.float32, device=logits.device)
+    n_cols = logits.shape[1]
+    return _forward(logits, target, out, 0, n_cols, ignore_index, z_loss_coeff, label_smoothing, finish=True)
+
+
+def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0):
+    """fp32 [PARTIAL_ROWS, n]: row max, sum-exp, target term, row max again (see the constants)."""
+    out = torch.empty(PARTIAL_ROWS, logits.shape[0], dtype=torch.float32, device=logits.device)
+    return _forward(logits, target, out, vocab_start, global_vocab, ignore_index, 0.0, label_smoothing, finish=False)
+
+
+def _vector_grid(n_rows):
+    return (triton.cdiv(n_rows, VECTOR_BLOCK),)
+
+
+def rescale_sum_exp(partials):
+    n_rows = partials.shape[1]
+    if n_rows:
+        _rescale_kernel[_vector_grid(n_rows)](partials, n_rows, BLOCK=VECTOR_BLOCK)
     return partials
 
 
-def write_grad(logits, grad, target, lse, grad_scale, vocab_start, z_loss_coeff, label_smoothing, global_vocab):
+def loss_from_partials(partials, target, ignore_index, z_loss_coeff):
+    n_rows = partials.shape[1]
+    if n_rows:
+        _loss_from_partials_kernel[_vector_grid(n_rows)](
+            partials, target, n_rows, ignore_index, float(z_loss_coeff), BLOCK=VECTOR_BLOCK
+        )
+    return partials[:3]
+
+
+def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff, label_smoothing,
+               global_vocab):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return grad
-    grid, rows_per_program, settings = _launch(logits)
+    config = _config(logits.device)
+    grid, rows_per_program = _grid(logits, config["bwd_per_core"])
     _grad_kernel[grid](
         logits,
         logits.stride(0),
@@ -196,14 +353,26 @@ def write_grad(logits, grad, target, lse, grad_scale, vocab_start, z_loss_coeff,
         grad.stride(0),
         target,
         lse,
-        grad_scale,
+        grad_loss,
+        grad_loss.stride(0),
         n_rows,
         n_cols,
         rows_per_program,
         vocab_start,
+        ignore_index,
         float(z_loss_coeff),
         1.0 - float(label_smoothing),
         float(label_smoothing) / global_vocab,
-        **settings,
+        BLOCK_V=min(config["bwd_block_v"], triton.next_power_of_2(n_cols)),
+        EVICT=EVICTION.get(logits.device.type, ""),
+        num_warps=config["bwd_warps"],
     )
     return grad
+
+
+def check_targets(target, global_vocab, ignore_index):
+    """CUDA: an asynchronous device-side assert on out-of-range targets (no host sync). Other
+    accelerators rely on the NaN the forward kernel writes for such a target."""
+    n_rows = target.numel()
+    if target.device.type == "cuda" and n_rows:
+        _check_target_kernel[_vector_grid(n_rows)](target, n_rows, global_vocab, ignore_index, BLOCK=VECTOR_BLOCK)

@@ -10,8 +10,8 @@ Per token, with each tensor-parallel rank holding the vocab slice
     loss = lse - (1-a)*t - a*mean(x over the global vocab) + c*lse**2
     dx   = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)   (no collective)
 
-The backends in ``mindspeed_cez.kernels`` compute the per-shard partials and the gradient;
-everything else (validation, collectives, the loss) lives here once.
+The backends in ``mindspeed_cez.kernels`` do the per-row work (with one rank, the whole
+forward is one kernel); validation and the collectives live here once.
 """
 
 import math
@@ -63,19 +63,19 @@ def _check_arguments(logits, target, z_loss_coeff, label_smoothing):
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
 
 
-def _check_target_range(target, global_vocab, ignore_index):
+def _check_target_range(target, global_vocab, ignore_index, backend):
     """CPU: a Python exception. CUDA: an asynchronous device-side assert (no host sync).
 
     Elsewhere (Ascend) the kernels turn an out-of-range target into a NaN loss."""
+    if target.device.type != "cpu":
+        backend.check_targets(target, global_vocab, ignore_index)
+        return
     valid = (target == ignore_index) | ((target >= 0) & (target < global_vocab))
-    if target.device.type == "cpu":
-        if target.numel() and not bool(valid.all()):
-            bad = target[~valid][0].item()
-            raise ValueError(
-                f"target holds {bad}, outside [0, {global_vocab}) (the global vocab) and not ignore_index={ignore_index}"
-            )
-    elif target.device.type == "cuda":
-        torch._assert_async(valid.all(), "target outside [0, vocab) and not ignore_index")
+    if target.numel() and not bool(valid.all()):
+        bad = target[~valid][0].item()
+        raise ValueError(
+            f"target holds {bad}, outside [0, {global_vocab}) (the global vocab) and not ignore_index={ignore_index}"
+        )
 
 
 def _check_equal_shards(v_local, tp_group, device):
@@ -104,19 +104,15 @@ def _as_rows(logits):
     return rows
 
 
-def _combine_partials(partials, tp_group, world_size):
-    """Reduce the per-shard partials across ranks; returns (log-sum-exp, target logit, logit sum)."""
-    if world_size > 1:
-        local_max = partials[0]
-        global_max = local_max.clone()
-        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-        partials[1].mul_(torch.exp(local_max - global_max))
-        dist.all_reduce(partials[1:], op=dist.ReduceOp.SUM, group=tp_group)
-    else:
-        global_max = partials[0]
-    lse = global_max + torch.log(partials[1])
-    logit_sum = partials[3] if partials.shape[0] > 3 else None
-    return lse, partials[2], logit_sum
+def _loss_across_ranks(backend, rows, target, vocab_start, global_vocab, ignore_index, z_loss_coeff,
+                       label_smoothing, tp_group):
+    """[3, n] (loss, z-loss, lse) from this rank's shard: partials, MAX all-reduce of the row
+    maxima, rescale, one SUM all-reduce of (sum-exp, target term), loss."""
+    partials = backend.shard_partials(rows, target, vocab_start, global_vocab, ignore_index, label_smoothing)
+    dist.all_reduce(partials[0], op=dist.ReduceOp.MAX, group=tp_group)
+    backend.rescale_sum_exp(partials)
+    dist.all_reduce(partials[1:3], op=dist.ReduceOp.SUM, group=tp_group)
+    return backend.loss_from_partials(partials, target, ignore_index, z_loss_coeff)
 
 
 class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
@@ -127,25 +123,17 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         global_vocab = v_local * world_size
         if world_size > 1:
             _check_equal_shards(v_local, tp_group, logits.device)
-        _check_target_range(target, global_vocab, ignore_index)
-
         rows = _as_rows(logits)
         flat_target = target.reshape(-1)
         vocab_start = rank * v_local
         backend = kernels.backend_for(rows.device)
-        partials = backend.shard_partials(
-            rows, flat_target, vocab_start, global_vocab, ignore_index, with_logit_sum=label_smoothing > 0
-        )
-        lse, target_logit, logit_sum = _combine_partials(partials, tp_group, world_size)
-
-        ignored = flat_target == ignore_index
-        z_loss = z_loss_coeff * lse * lse
-        loss = lse - (1.0 - label_smoothing) * target_logit + z_loss
-        if logit_sum is not None:
-            loss = loss - (label_smoothing / global_vocab) * logit_sum
-        zero = torch.zeros((), dtype=loss.dtype, device=loss.device)
-        loss = torch.where(ignored, zero, loss)
-        z_loss = torch.where(ignored, zero, z_loss)
+        _check_target_range(flat_target, global_vocab, ignore_index, backend)
+        if world_size == 1:
+            out = backend.fused_loss(rows, flat_target, ignore_index, z_loss_coeff, label_smoothing)
+        else:
+            out = _loss_across_ranks(backend, rows, flat_target, vocab_start, global_vocab, ignore_index,
+                                     z_loss_coeff, label_smoothing, tp_group)
+        loss, z_loss, lse = out[0], out[1], out[2]
 
         # The gradient goes into the logits' own buffer when they are an intermediate of the
         # graph (the output layer's result). A leaf's buffer, or a view into one, holds
@@ -157,7 +145,8 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         ctx.global_vocab = global_vocab
         ctx.z_loss_coeff = float(z_loss_coeff)
         ctx.label_smoothing = float(label_smoothing)
-        ctx.save_for_backward(rows, flat_target, lse, ignored)
+        ctx.ignore_index = ignore_index
+        ctx.save_for_backward(rows, flat_target, lse)
         z_loss = z_loss.view(target.shape)
         lse_out = lse.view(target.shape)
         ctx.mark_non_differentiable(z_loss, lse_out)
@@ -165,18 +154,16 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
-        rows, flat_target, lse, ignored = ctx.saved_tensors
-        if grad_loss is None:
-            grad_scale = torch.zeros_like(lse)
-        else:
-            grad_scale = grad_loss.reshape(-1).float().masked_fill(ignored, 0.0)
+        rows, flat_target, lse = ctx.saved_tensors
+        grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
         grad = rows if ctx.in_place else torch.empty_like(rows)
         kernels.backend_for(rows.device).write_grad(
             rows,
             grad,
             flat_target,
             lse,
-            grad_scale,
+            grad_loss,
+            ctx.ignore_index,
             ctx.vocab_start,
             ctx.z_loss_coeff,
             ctx.label_smoothing,

@@ -26,6 +26,9 @@ def _worker(rank, world_size, port, backend, fn, args, errors):
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # Every rank done before any tears the group down: a rank that destroys its gloo group
+        # while a peer still talks to it can abort ("terminate called without an active exception").
+        dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
     finally:

@@ -128,3 +128,27 @@ def test_tensor_parallel_over_nccl(tp):
 
 def test_triton_is_the_cuda_backend():
     assert kernels.backend_for(torch.device("cuda")) is kernels.get_backend("triton")
+
+
+def test_out_of_range_target_is_a_device_assert():
+    """CUDA: no host sync on the hot path, so a bad target fails the stream with the argument's
+    name (the CUDA context is dead afterwards: run it in a child process)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import torch
+        from mindspeed_cez import vocab_parallel_cross_entropy_zloss
+        logits = torch.randn(64, 1000, device="cuda")
+        target = torch.randint(0, 1000, (64,), device="cuda")
+        target[5] = 1000
+        loss, _ = vocab_parallel_cross_entropy_zloss(logits, target)
+        torch.cuda.synchronize()
+        print("no error")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "no error" not in result.stdout
+    assert "target outside [0, vocab) and not ignore_index" in result.stderr + result.stdout
