@@ -147,6 +147,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         ctx.label_smoothing = float(label_smoothing)
         ctx.ignore_index = ignore_index
         ctx.save_for_backward(rows, flat_target, lse)
+        ctx.set_materialize_grads(False)  # no zero tensors for the gradients of z_loss and lse
         z_loss = z_loss.view(target.shape)
         lse_out = lse.view(target.shape)
         ctx.mark_non_differentiable(z_loss, lse_out)

@@ -1,0 +1,127 @@
+"""Compile the Triton kernels ahead of time for a CUDA target, on any machine (no GPU needed),
+and report what ptxas allotted: registers and spills per thread, shared memory, and the
+CTAs per SM those allow (tuning aid; tests/test_kernels_compile.py runs it as a check).
+
+    python bench/kernel_resources.py                       # the CUDA launch settings, sm_90
+    python bench/kernel_resources.py --settings npu --arch 90
+    python bench/kernel_resources.py --sass out/sass       # also write each kernel's SASS
+
+Must run without TRITON_INTERPRET (the interpreter has no compiler).
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mindspeed_cez.kernels import triton_cross_entropy as tce
+
+REGISTERS_PER_SM = 65536
+MAX_WARPS_PER_SM = 64
+MAX_CTAS_PER_SM = 32
+
+
+# Arguments that Triton's launcher finds divisible by 16 in real use (it specializes on that at
+# run time): every pointer, the row strides, and the vocab width (a multiple of 128 in Megatron).
+_DIVISIBLE = ("row_stride", "logits_row_stride", "grad_row_stride", "n_cols")
+
+
+def _compile(fn, signature, constexprs, arch, num_warps):
+    divisible = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
+                 for k, v in signature.items() if v.startswith("*") or k in _DIVISIBLE}
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=divisible)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def _resources(kernel, tmpdir):
+    """(registers, spill stores bytes, stack bytes) from the cubin, through cuobjdump."""
+    path = os.path.join(tmpdir, f"{kernel.name}.cubin")
+    with open(path, "wb") as fh:
+        fh.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    text = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", text).group(1))
+    stack = int(re.search(r"STACK:(\d+)", text).group(1))
+    return regs, stack, path
+
+
+def kernels_for(settings, dtype="bf16", n_cols=151936):
+    """[(name, fn, signature, constexprs, num_warps)] for one settings dict (LAUNCH_CONFIG entry)."""
+    fwd_block = min(settings["fwd_block_v"], triton.next_power_of_2(n_cols))
+    slot = min(settings["slot_width"] or fwd_block, fwd_block)
+    ints = ["n_rows", "n_cols", "rows_per_program", "vocab_start", "global_vocab", "ignore_index"]
+    fwd_sig = {"logits_ptr": f"*{dtype}", "row_stride": "i32", "target_ptr": "*i64", "out_ptr": "*fp32",
+               **{k: "i32" for k in ints}, "z_loss_coeff": "fp32", "target_weight": "fp32",
+               "smoothing_per_col": "fp32"}
+    bwd_sig = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i32", "grad_ptr": f"*{dtype}",
+               "grad_row_stride": "i32", "target_ptr": "*i64", "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32",
+               "grad_loss_stride": "i32", "n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32",
+               "vocab_start": "i32", "ignore_index": "i32", "z_loss_coeff": "fp32", "target_weight": "fp32",
+               "smoothing_per_col": "fp32"}
+    vec_sig = {"partials_ptr": "*fp32", "n_rows": "i32"}
+    loss_sig = {"partials_ptr": "*fp32", "target_ptr": "*i64", "n_rows": "i32", "ignore_index": "i32",
+                "z_loss_coeff": "fp32"}
+    out = []
+    for finish in (True, False):
+        for logit_sum in (False, True):
+            out.append((f"forward finish={finish} logit_sum={logit_sum}", tce._forward_kernel, fwd_sig,
+                        {"SLOTS": fwd_block // slot, "SLOT_WIDTH": slot, "NUM_STAGES": settings["fwd_stages"],
+                         "FINISH": finish, "WITH_LOGIT_SUM": logit_sum, "EVICT": "evict_first"},
+                        settings["fwd_warps"]))
+    bwd_block = min(settings["bwd_block_v"], triton.next_power_of_2(n_cols))
+    bwd_slot = min(settings["slot_width"] or bwd_block, bwd_block)
+    out.append(("grad", tce._grad_kernel, bwd_sig,
+                {"SLOTS": bwd_block // bwd_slot, "SLOT_WIDTH": bwd_slot, "NUM_STAGES": settings["bwd_stages"],
+                 "EVICT": "evict_first"}, settings["bwd_warps"]))
+    out.append(("rescale", tce._rescale_kernel, vec_sig, {"BLOCK": tce.VECTOR_BLOCK}, 4))
+    out.append(("loss from partials", tce._loss_from_partials_kernel, loss_sig, {"BLOCK": tce.VECTOR_BLOCK}, 4))
+    out.append(("target check", tce._check_target_kernel,
+                {"target_ptr": "*i64", "n_rows": "i32", "global_vocab": "i32", "ignore_index": "i32"},
+                {"BLOCK": tce.VECTOR_BLOCK}, 4))
+    return out
+
+
+def report(settings_name, arch=90, dtype="bf16", n_cols=151936, sass_dir=None, tmpdir="/tmp"):
+    settings = tce.LAUNCH_CONFIG[settings_name] if isinstance(settings_name, str) else settings_name
+    rows = []
+    for name, fn, sig, constexprs, warps in kernels_for(settings, dtype, n_cols):
+        kernel = _compile(fn, sig, constexprs, arch, warps)
+        regs, stack, cubin = _resources(kernel, tmpdir)
+        by_regs = REGISTERS_PER_SM // (regs * 32 * warps)
+        ctas = max(0, min(by_regs, MAX_WARPS_PER_SM // warps, MAX_CTAS_PER_SM))
+        rows.append((name, warps, regs, stack, kernel.metadata.shared, ctas))
+        if sass_dir:
+            os.makedirs(sass_dir, exist_ok=True)
+            tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+            sass = subprocess.run([tool, "--dump-sass", cubin], capture_output=True, text=True).stdout
+            with open(os.path.join(sass_dir, re.sub(r"\W+", "_", name) + ".sass"), "w") as fh:
+                fh.write(sass)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--settings", default="cuda", help="a LAUNCH_CONFIG key (cuda / npu / cpu)")
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--n-cols", type=int, default=151936)
+    parser.add_argument("--sass", default=None, help="write SASS listings into this folder")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: the interpreter does not compile")
+    print(f"settings {args.settings}: {tce.LAUNCH_CONFIG[args.settings]}; sm_{args.arch}, {args.dtype}, "
+          f"{args.n_cols} columns; triton {triton.__version__}")
+    print("| kernel | warps | registers / thread | stack bytes | shared bytes | CTAs / SM (registers, warps) |")
+    print("|---|---|---|---|---|---|")
+    for row in report(args.settings, args.arch, args.dtype, args.n_cols, args.sass):
+        print("| " + " | ".join(str(v) for v in row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
