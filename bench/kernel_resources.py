@@ -2,7 +2,7 @@
 and report what ptxas allotted: registers and spills per thread, shared memory, and the
 CTAs per SM those allow (tuning aid; tests/test_kernels_compile.py runs it as a check).
 
-    python bench/kernel_resources.py                       # the CUDA launch settings, sm_90
+    python bench/kernel_resources.py                       # the CUDA launch settings, sm_90, V=151936
     python bench/kernel_resources.py --settings npu --arch 90
     python bench/kernel_resources.py --sass out/sass       # also write each kernel's SASS
 
@@ -71,14 +71,11 @@ def kernels_for(settings, dtype="bf16", n_cols=151936):
     for finish in (True, False):
         for logit_sum in (False, True):
             out.append((f"forward finish={finish} logit_sum={logit_sum}", tce._forward_kernel, fwd_sig,
-                        {"SLOTS": fwd_block // slot, "SLOT_WIDTH": slot, "NUM_STAGES": settings["fwd_stages"],
-                         "FINISH": finish, "WITH_LOGIT_SUM": logit_sum, "EVICT": "evict_first"},
-                        settings["fwd_warps"]))
+                        {"SLOTS": fwd_block // slot, "SLOT_WIDTH": slot, "FINISH": finish,
+                         "WITH_LOGIT_SUM": logit_sum, "EVICT": "evict_first"}, settings["fwd_warps"]))
     bwd_block = min(settings["bwd_block_v"], triton.next_power_of_2(n_cols))
-    bwd_slot = min(settings["slot_width"] or bwd_block, bwd_block)
-    out.append(("grad", tce._grad_kernel, bwd_sig,
-                {"SLOTS": bwd_block // bwd_slot, "SLOT_WIDTH": bwd_slot, "NUM_STAGES": settings["bwd_stages"],
-                 "EVICT": "evict_first"}, settings["bwd_warps"]))
+    out.append(("grad", tce._grad_kernel, bwd_sig, {"BLOCK_V": bwd_block, "EVICT": "evict_first"},
+                settings["bwd_warps"]))
     out.append(("rescale", tce._rescale_kernel, vec_sig, {"BLOCK": tce.VECTOR_BLOCK}, 4))
     out.append(("loss from partials", tce._loss_from_partials_kernel, loss_sig, {"BLOCK": tce.VECTOR_BLOCK}, 4))
     out.append(("target check", tce._check_target_kernel,
@@ -88,7 +85,10 @@ def kernels_for(settings, dtype="bf16", n_cols=151936):
 
 
 def report(settings_name, arch=90, dtype="bf16", n_cols=151936, sass_dir=None, tmpdir="/tmp"):
-    settings = tce.LAUNCH_CONFIG[settings_name] if isinstance(settings_name, str) else settings_name
+    if isinstance(settings_name, str):
+        settings = tce.launch_settings(settings_name, n_cols)
+    else:
+        settings = settings_name
     rows = []
     for name, fn, sig, constexprs, warps in kernels_for(settings, dtype, n_cols):
         kernel = _compile(fn, sig, constexprs, arch, warps)
@@ -115,7 +115,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the interpreter does not compile")
-    print(f"settings {args.settings}: {tce.LAUNCH_CONFIG[args.settings]}; sm_{args.arch}, {args.dtype}, "
+    print(f"settings {args.settings}: {tce.launch_settings(args.settings, args.n_cols)}; sm_{args.arch}, {args.dtype}, "
           f"{args.n_cols} columns; triton {triton.__version__}")
     print("| kernel | warps | registers / thread | stack bytes | shared bytes | CTAs / SM (registers, warps) |")
     print("|---|---|---|---|---|---|")

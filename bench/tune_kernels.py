@@ -34,7 +34,8 @@ def _sweep(name, keys, grid, shapes, time_one, passes, pass_ms):
     results = {}
     for values in itertools.product(*grid):
         setting = dict(zip(keys, values))
-        tce.LAUNCH_CONFIG["cuda"].update(setting)
+        for _, settings in tce.LAUNCH_CONFIG["cuda"]:  # the same setting for every vocab width
+            settings.update(setting)
         ratios = []
         for shape in shapes:
             ms = time_one(shape)
@@ -55,17 +56,15 @@ def main():
     parser.add_argument("--slot-widths", default="8,16")
     parser.add_argument("--fwd-warps", default="4,8")
     parser.add_argument("--fwd-per-core", default="4,8,16")
-    parser.add_argument("--fwd-stages", default="2,3,4")
     parser.add_argument("--bwd-blocks", default="4096,8192")
     parser.add_argument("--bwd-warps", default="4,8")
     parser.add_argument("--bwd-per-core", default="4,8,16")
-    parser.add_argument("--bwd-stages", default="2,3,4")
     parser.add_argument("--skip-fwd", action="store_true")
     parser.add_argument("--skip-bwd", action="store_true")
     args = parser.parse_args()
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
-    print(f"defaults {tce.LAUNCH_CONFIG['cuda']}", flush=True)
+    print(f"defaults {tce.LAUNCH_CONFIG['cuda']}", flush=True)  # (narrowest width, settings) pairs
     print("| kernel | shape | setting | ms | / floor |\n|---|---|---|---|---|", flush=True)
 
     inputs, pass_ms = {}, {}
@@ -92,13 +91,12 @@ def main():
                                        warmup=10, rep=40, return_mode="median")
 
     if not args.skip_fwd:
-        _sweep("fwd", ["fwd_block_v", "slot_width", "fwd_warps", "fwd_per_core", "fwd_stages"],
-               [_ints(args.fwd_blocks), _ints(args.slot_widths), _ints(args.fwd_warps), _ints(args.fwd_per_core),
-                _ints(args.fwd_stages)],
+        _sweep("fwd", ["fwd_block_v", "slot_width", "fwd_warps", "fwd_per_core"],
+               [_ints(args.fwd_blocks), _ints(args.slot_widths), _ints(args.fwd_warps), _ints(args.fwd_per_core)],
                shapes, time_fwd, 1, pass_ms)
     if not args.skip_bwd:
-        _sweep("bwd", ["bwd_block_v", "bwd_warps", "bwd_per_core", "bwd_stages"],
-               [_ints(args.bwd_blocks), _ints(args.bwd_warps), _ints(args.bwd_per_core), _ints(args.bwd_stages)],
+        _sweep("bwd", ["bwd_block_v", "bwd_warps", "bwd_per_core"],
+               [_ints(args.bwd_blocks), _ints(args.bwd_warps), _ints(args.bwd_per_core)],
                shapes, time_bwd, 2, pass_ms)
 
 
