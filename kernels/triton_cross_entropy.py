@@ -4,10 +4,10 @@ One source for NVIDIA (``triton``) and Ascend (``triton-ascend``). The two strea
 launch a persistent grid (``device_cores.num_programs``): program ``p`` takes the contiguous
 rows ``[p*rows_per_program, (p+1)*rows_per_program)`` and walks each row's vocab slice in tiles
 of ``BLOCK_V`` columns, asking for the next tile (across row ends too) before working on the
-current one. (On CUDA, ptxas was seen placing those loads at the end of the loop body; the
-latency is hidden by the many programs sharing an SM instead, see bench/NOTES.md.) Row offsets
-are int64 (N*V may pass 2**31). Nothing here reads tensor values on the host, so forward +
-backward capture in a CUDA graph.
+current one. (On CUDA, ptxas was seen scheduling the forward's loads partway into the
+current tile's math; the many programs sharing an SM hide the rest of the latency, see
+bench/NOTES.md.) Row offsets are int64 (N*V may pass 2**31). Nothing here reads tensor values
+on the host, so forward + backward capture in a CUDA graph.
 
 Forward reads the logits once. A tile is viewed as ``[SLOTS, SLOT_WIDTH]``; each slot keeps
 its own running max and sum-exp (online softmax), so the tile loop has no cross-thread

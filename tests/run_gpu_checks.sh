@@ -14,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit
 export PYTHONPATH=$SITE
 
 echo "== op tests on CUDA"
-(cd tests && timeout 240 python3 -m pytest -q -p no:cacheprovider test_op.py test_op_errors.py test_gpu.py test_adaptor_gpt.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -15
+(cd tests && timeout 240 python3 -m pytest -q -p no:cacheprovider test_op.py test_op_errors.py test_gpu.py test_launch_configs.py test_adaptor_gpt.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -15
 
 echo "== main job on GPUs (quick)"
 timeout 150 python3 examples/train_tiny_moe.py --quick 2>&1 | tee "$OUT/train_tiny_moe_gpu.log" | tail -15
