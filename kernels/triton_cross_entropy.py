@@ -299,6 +299,11 @@ def _grid(logits, kernel):
     return (programs,), triton.cdiv(logits.shape[0], programs)
 
 
+def _loss_constants(z_loss_coeff, label_smoothing, global_vocab):
+    """The kernels' (z_loss_coeff, target_weight, smoothing_per_col) arguments."""
+    return float(z_loss_coeff), 1.0 - float(label_smoothing), float(label_smoothing) / global_vocab
+
+
 def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_loss_coeff, label_smoothing, finish):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
@@ -315,9 +320,7 @@ def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_los
         vocab_start,
         global_vocab,
         ignore_index,
-        float(z_loss_coeff),
-        1.0 - float(label_smoothing),
-        float(label_smoothing) / global_vocab,
+        *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),
         FINISH=finish,
         WITH_LOGIT_SUM=label_smoothing > 0,
         **_settings(logits, "fwd"),
@@ -378,9 +381,7 @@ def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, 
         rows_per_program,
         vocab_start,
         ignore_index,
-        float(z_loss_coeff),
-        1.0 - float(label_smoothing),
-        float(label_smoothing) / global_vocab,
+        *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),
         **_settings(logits, "bwd"),
     )
     return grad

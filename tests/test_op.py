@@ -192,3 +192,26 @@ def test_lse_output_for_logging(backend_device):
     assert lse.shape == target.shape and not lse.requires_grad
     assert relative_error(lse, exp_lse) < LOSS_TOLERANCE
     assert torch.allclose(z_loss, 1e-3 * lse * lse)
+
+
+def test_backward_gets_no_zero_tensors_for_the_logging_outputs(backend_device, monkeypatch):
+    """z_loss and lse are not differentiable: autograd must not allocate zero gradients for them
+    (8 bytes per token of peak memory, two fill launches)."""
+    from mindspeed_cez.cross_entropy_zloss import VocabParallelCrossEntropyZLoss
+
+    _, device = backend_device
+    seen = []
+    backward = VocabParallelCrossEntropyZLoss.backward
+
+    def recording_backward(ctx, grad_loss, grad_z_loss, grad_lse):
+        seen.append((grad_loss, grad_z_loss, grad_lse))
+        return backward(ctx, grad_loss, grad_z_loss, grad_lse)
+
+    monkeypatch.setattr(VocabParallelCrossEntropyZLoss, "backward", staticmethod(recording_backward))
+    leaf = random_logits((4, 3, 50), torch.float32, device).requires_grad_(True)
+    target = torch.randint(0, 50, (4, 3)).to(device)
+    loss, z_loss = vocab_parallel_cross_entropy_zloss(leaf, target, z_loss_coeff=1e-2)
+    (loss.sum() + z_loss.sum()).backward()
+    ((grad_loss, grad_z_loss, grad_lse),) = seen
+    assert grad_loss is not None and grad_z_loss is None and grad_lse is None
+    assert torch.isfinite(leaf.grad).all() and torch.count_nonzero(leaf.grad) > 0
