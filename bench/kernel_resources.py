@@ -39,10 +39,6 @@ def _compile(fn, signature, constexprs, arch, num_warps):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
-def _shared_per_sm(arch):
-    return 228 * 1024 if arch >= 90 else 164 * 1024
-
-
 def _resources(kernel, tmpdir):
     """(registers, spill stores bytes, stack bytes) from the cubin, through cuobjdump."""
     path = os.path.join(tmpdir, f"{kernel.name}.cubin")
@@ -75,14 +71,11 @@ def kernels_for(settings, dtype="bf16", n_cols=151936):
     for finish in (True, False):
         for logit_sum in (False, True):
             out.append((f"forward finish={finish} logit_sum={logit_sum}", tce._forward_kernel, fwd_sig,
-                        {"SLOTS": fwd_block // slot, "SLOT_WIDTH": slot, "NUM_STAGES": settings["fwd_stages"],
-                         "FINISH": finish, "WITH_LOGIT_SUM": logit_sum, "EVICT": "evict_first"},
-                        settings["fwd_warps"]))
+                        {"SLOTS": fwd_block // slot, "SLOT_WIDTH": slot, "FINISH": finish,
+                         "WITH_LOGIT_SUM": logit_sum, "EVICT": "evict_first"}, settings["fwd_warps"]))
     bwd_block = min(settings["bwd_block_v"], triton.next_power_of_2(n_cols))
-    bwd_slot = min(settings["slot_width"] or bwd_block, bwd_block)
-    out.append(("grad", tce._grad_kernel, bwd_sig,
-                {"SLOTS": bwd_block // bwd_slot, "SLOT_WIDTH": bwd_slot, "NUM_STAGES": settings["bwd_stages"],
-                 "EVICT": "evict_first"}, settings["bwd_warps"]))
+    out.append(("grad", tce._grad_kernel, bwd_sig, {"BLOCK_V": bwd_block, "EVICT": "evict_first"},
+                settings["bwd_warps"]))
     out.append(("rescale", tce._rescale_kernel, vec_sig, {"BLOCK": tce.VECTOR_BLOCK}, 4))
     out.append(("loss from partials", tce._loss_from_partials_kernel, loss_sig, {"BLOCK": tce.VECTOR_BLOCK}, 4))
     out.append(("target check", tce._check_target_kernel,
@@ -101,8 +94,7 @@ def report(settings_name, arch=90, dtype="bf16", n_cols=151936, sass_dir=None, t
         kernel = _compile(fn, sig, constexprs, arch, warps)
         regs, stack, cubin = _resources(kernel, tmpdir)
         by_regs = REGISTERS_PER_SM // (regs * 32 * warps)
-        by_shared = _shared_per_sm(arch) // max(kernel.metadata.shared, 1)
-        ctas = max(0, min(by_regs, by_shared, MAX_WARPS_PER_SM // warps, MAX_CTAS_PER_SM))
+        ctas = max(0, min(by_regs, MAX_WARPS_PER_SM // warps, MAX_CTAS_PER_SM))
         rows.append((name, warps, regs, stack, kernel.metadata.shared, ctas))
         if sass_dir:
             os.makedirs(sass_dir, exist_ok=True)
@@ -125,7 +117,7 @@ def main(argv=None):
         sys.exit("unset TRITON_INTERPRET: the interpreter does not compile")
     print(f"settings {args.settings}: {tce.launch_settings(args.settings, args.n_cols)}; sm_{args.arch}, {args.dtype}, "
           f"{args.n_cols} columns; triton {triton.__version__}")
-    print("| kernel | warps | registers / thread | stack bytes | shared bytes | CTAs / SM (registers, shared, warps) |")
+    print("| kernel | warps | registers / thread | stack bytes | shared bytes | CTAs / SM (registers, warps) |")
     print("|---|---|---|---|---|---|")
     for row in report(args.settings, args.arch, args.dtype, args.n_cols, args.sass):
         print("| " + " | ".join(str(v) for v in row) + " |", flush=True)

@@ -56,11 +56,9 @@ def main():
     parser.add_argument("--slot-widths", default="8,16")
     parser.add_argument("--fwd-warps", default="4,8")
     parser.add_argument("--fwd-per-core", default="4,8,16")
-    parser.add_argument("--fwd-stages", default="2,3,4")
     parser.add_argument("--bwd-blocks", default="4096,8192")
     parser.add_argument("--bwd-warps", default="4,8")
     parser.add_argument("--bwd-per-core", default="4,8,16")
-    parser.add_argument("--bwd-stages", default="2,3,4")
     parser.add_argument("--skip-fwd", action="store_true")
     parser.add_argument("--skip-bwd", action="store_true")
     args = parser.parse_args()
@@ -93,13 +91,12 @@ def main():
                                        warmup=10, rep=40, return_mode="median")
 
     if not args.skip_fwd:
-        _sweep("fwd", ["fwd_block_v", "slot_width", "fwd_warps", "fwd_per_core", "fwd_stages"],
-               [_ints(args.fwd_blocks), _ints(args.slot_widths), _ints(args.fwd_warps), _ints(args.fwd_per_core),
-                _ints(args.fwd_stages)],
+        _sweep("fwd", ["fwd_block_v", "slot_width", "fwd_warps", "fwd_per_core"],
+               [_ints(args.fwd_blocks), _ints(args.slot_widths), _ints(args.fwd_warps), _ints(args.fwd_per_core)],
                shapes, time_fwd, 1, pass_ms)
     if not args.skip_bwd:
-        _sweep("bwd", ["bwd_block_v", "bwd_warps", "bwd_per_core", "bwd_stages"],
-               [_ints(args.bwd_blocks), _ints(args.bwd_warps), _ints(args.bwd_per_core), _ints(args.bwd_stages)],
+        _sweep("bwd", ["bwd_block_v", "bwd_warps", "bwd_per_core"],
+               [_ints(args.bwd_blocks), _ints(args.bwd_warps), _ints(args.bwd_per_core)],
                shapes, time_bwd, 2, pass_ms)
 
 

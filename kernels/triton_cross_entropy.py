@@ -2,23 +2,25 @@
 
 One source for NVIDIA (``triton``) and Ascend (``triton-ascend``). The two streaming kernels
 launch a persistent grid (``device_cores.num_programs``): program ``p`` takes the contiguous
-rows ``[p*rows_per_program, (p+1)*rows_per_program)`` and walks them as one stream of
-(row, tile) steps, a tile being ``BLOCK_V`` columns of one row. The stream is a
-``tl.range(..., num_stages=NUM_STAGES)`` loop: on CUDA Triton's pipeliner then keeps
-``NUM_STAGES - 1`` tiles in flight (asynchronous copies into shared memory) while the current
-one is worked on. Row offsets are int64 (N*V may pass 2**31). Nothing here reads tensor values
+rows ``[p*rows_per_program, (p+1)*rows_per_program)`` and walks each row's vocab slice in tiles
+of ``BLOCK_V`` columns, asking for the next tile (across row ends too) before working on the
+current one. (On CUDA, ptxas was seen scheduling the forward's loads partway into the
+current tile's math; the many programs sharing an SM hide the rest of the latency, see
+bench/NOTES.md.) Row offsets are int64 (N*V may pass 2**31). Nothing here reads tensor values
 on the host, so forward + backward capture in a CUDA graph.
 
 Forward reads the logits once. A tile is viewed as ``[SLOTS, SLOT_WIDTH]``; each slot keeps
-its own running max and sum-exp (online softmax), so a step has no cross-thread reduction:
-the slots are merged once per row. On CUDA a slot is 8 contiguous values held by one thread;
-on Ascend there is one slot per tile (whole-tile vector reductions). With one rank the same
-kernel finishes the loss; with several it writes the partials that the op all-reduces, then
-two small kernels rescale them and finish the loss.
+its own running max and sum-exp (online softmax), so the tile loop has no cross-thread
+reduction: the slots are merged once per row. On CUDA a slot is 8 contiguous bf16 values held
+by one thread; on Ascend there is one slot per tile (whole-tile vector reductions). The target
+logit is a single load issued one row ahead, so no dependent load sits at the end of a row.
+With one rank the same kernel finishes the loss; with several it writes the partials that the
+op all-reduces, then two small kernels rescale them and finish the loss. On CUDA a small
+kernel before it checks the targets (a device-side assert, no host sync).
 
 Backward reads the logits once more and writes the gradient, in place when the caller passes
-the logits' own buffer as ``grad``. It finds the target column through the same slot view
-(one compare per slot and one per lane instead of one per element).
+the logits' own buffer as ``grad``; each row's lse, upstream gradient and target are loaded
+one row ahead.
 """
 
 import torch
@@ -29,25 +31,26 @@ from .device_cores import num_programs
 
 # Launch settings per device type, as (narrowest vocab slice they apply to, settings), widest
 # first. Settings of the forward (fwd_*) and the backward (bwd_*) kernel: columns per tile,
-# columns per slot (None: one slot per tile), warps, programs per core of the persistent grid,
-# and pipeline stages. Ascend wants about one program per vector core, and a program's working
-# set (a few copies of a tile in fp32) well inside the ~192 KiB unified buffer: 4096 columns use
-# about 64 KiB. On CUDA several CTAs share an SM and the pipeliner keeps tiles in flight. The
-# CUDA values are a first guess from the compiler's resource report (bench/kernel_resources.py),
-# NOT measured: sweep them with bench/tune_kernels.py. CUDA-only tuning lives here, not in the
-# kernel bodies.
+# columns per slot of the forward (None: one slot per tile), warps, and programs per core of the
+# persistent grid. Ascend wants about one program per vector core, and a program's working set
+# (current and prefetched tile plus a few fp32 temporaries) well inside the ~192 KiB unified
+# buffer: 4096 columns use about 64 KiB. On CUDA many short programs share each SM; the values
+# are the best of a sweep on an H200 (bench/tune_kernels.py, bench/NOTES.md). CUDA-only tuning
+# lives here, not in the kernel bodies.
 LAUNCH_CONFIG = {
     "cuda": [
-        (0, {"fwd_block_v": 8192, "slot_width": 8, "fwd_warps": 8, "fwd_per_core": 16, "fwd_stages": 3,
-             "bwd_block_v": 8192, "bwd_warps": 8, "bwd_per_core": 16, "bwd_stages": 3}),
+        (65536, {"fwd_block_v": 8192, "slot_width": 16, "fwd_warps": 4, "fwd_per_core": 32,
+                 "bwd_block_v": 16384, "bwd_warps": 16, "bwd_per_core": 32}),
+        (0, {"fwd_block_v": 8192, "slot_width": 16, "fwd_warps": 4, "fwd_per_core": 32,
+             "bwd_block_v": 16384, "bwd_warps": 4, "bwd_per_core": 32}),
     ],
     "npu": [
-        (0, {"fwd_block_v": 4096, "slot_width": None, "fwd_warps": 4, "fwd_per_core": 1, "fwd_stages": 1,
-             "bwd_block_v": 4096, "bwd_warps": 4, "bwd_per_core": 1, "bwd_stages": 1}),
+        (0, {"fwd_block_v": 4096, "slot_width": None, "fwd_warps": 4, "fwd_per_core": 1,
+             "bwd_block_v": 4096, "bwd_warps": 4, "bwd_per_core": 1}),
     ],
     "cpu": [  # the interpreter
-        (0, {"fwd_block_v": 4096, "slot_width": 8, "fwd_warps": 4, "fwd_per_core": 1, "fwd_stages": 1,
-             "bwd_block_v": 4096, "bwd_warps": 4, "bwd_per_core": 1, "bwd_stages": 1}),
+        (0, {"fwd_block_v": 4096, "slot_width": 8, "fwd_warps": 4, "fwd_per_core": 1,
+             "bwd_block_v": 4096, "bwd_warps": 4, "bwd_per_core": 1}),
     ],
 }
 EVICTION = {"cuda": "evict_first", "npu": "evict_first", "cpu": ""}
@@ -67,19 +70,22 @@ PARTIAL_ROWS = 4
 
 
 @triton.jit
-def _row_stream(rows_per_program, n_rows, n_cols, BLOCK_V: tl.constexpr):
-    """This program's first row and its number of (row, tile) steps."""
-    first = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
-    end = tl.minimum(first + rows_per_program, n_rows)
-    steps = (tl.maximum(end - first, 0) * tl.cdiv(n_cols, BLOCK_V)).to(tl.int32)
-    return first, steps
+def _load_tile(logits_ptr, row_stride, row, col, n_cols, end, offs, other: tl.constexpr, EVICT: tl.constexpr):
+    """Columns ``col + offs`` of ``row``: masked past the row's end, all masked when ``row >= end``."""
+    limit = tl.where(row < end, n_cols - col, 0)
+    return tl.load(logits_ptr + row * row_stride + col + offs, mask=offs < limit, other=other, eviction_policy=EVICT)
 
 
 @triton.jit
-def _next_step(row, tile, n_cols, BLOCK_V: tl.constexpr):
-    """Whether (row, tile) ends its row, and the step after it."""
-    row_done = (tile + 1) * BLOCK_V >= n_cols
-    return row_done, tl.where(row_done, row + 1, row), tl.where(row_done, 0, tile + 1)
+def _load_target(target_ptr, row, end, ignore_index):
+    return tl.load(target_ptr + row, mask=row < end, other=ignore_index).to(tl.int64)
+
+
+@triton.jit
+def _load_target_logit(logits_ptr, row_stride, row, end, local, n_cols):
+    """x[row, local] when this rank owns column ``local`` of a row before ``end``, else 0."""
+    owned = (row < end) & (local >= 0) & (local < n_cols)
+    return tl.load(logits_ptr + row * row_stride + local, mask=owned, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -99,112 +105,68 @@ def _forward_kernel(
     smoothing_per_col,  # label_smoothing / global_vocab
     SLOTS: tl.constexpr,
     SLOT_WIDTH: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
     FINISH: tl.constexpr,
     WITH_LOGIT_SUM: tl.constexpr,
     EVICT: tl.constexpr,
 ):
     BLOCK_V: tl.constexpr = SLOTS * SLOT_WIDTH
     offs = tl.arange(0, SLOTS)[:, None] * SLOT_WIDTH + tl.arange(0, SLOT_WIDTH)[None, :]
-    row, steps = _row_stream(rows_per_program, n_rows, n_cols, BLOCK_V)
-    tile = 0
-    slot_max = tl.full([SLOTS], -float("inf"), tl.float32)
-    slot_sum = tl.zeros([SLOTS], tl.float32)  # sum of exp(x - slot_max)
-    slot_logits = tl.zeros([SLOTS], tl.float32)
-    for _ in tl.range(0, steps, num_stages=NUM_STAGES):
-        col = tile * BLOCK_V
-        x = tl.load(logits_ptr + row * row_stride + col + offs, mask=offs < n_cols - col, other=-float("inf"),
-                    eviction_policy=EVICT)
-        xf = x.to(tl.float32)
-        new_max = tl.maximum(slot_max, tl.max(xf, axis=1))
-        ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E  # all -inf so far: no rescale
-        tile_sum = tl.sum(tl.exp2(xf * LOG2E - ref[:, None]), axis=1)
-        slot_sum = slot_sum * tl.exp2(slot_max * LOG2E - ref) + tile_sum
-        slot_max = new_max
-        if WITH_LOGIT_SUM:
-            slot_logits += tl.sum(tl.where(offs < n_cols - col, xf, 0.0), axis=1)
+    first = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
+    end = tl.minimum(first + rows_per_program, n_rows)
+    tiles = tl.cdiv(n_cols, BLOCK_V)
 
-        row_done, next_row, next_tile = _next_step(row, tile, n_cols, BLOCK_V)
-        if row_done:  # merge the slots, then the loss (one rank) or this rank's partials
-            target = tl.load(target_ptr + row).to(tl.int64)
-            local = target - vocab_start
-            owned = (local >= 0) & (local < n_cols)
-            picked = tl.load(logits_ptr + row * row_stride + local, mask=owned, other=0.0).to(tl.float32)
-            row_max = tl.max(slot_max, axis=0)
-            row_ref = tl.where(row_max == -float("inf"), 0.0, row_max)
-            sum_exp = tl.sum(slot_sum * tl.exp2((slot_max - row_ref) * LOG2E), axis=0)
-            target_term = target_weight * picked
+    x = _load_tile(logits_ptr, row_stride, first, 0, n_cols, end, offs, -float("inf"), EVICT)
+    target = _load_target(target_ptr, first, end, ignore_index)
+    picked = _load_target_logit(logits_ptr, row_stride, first, end, target - vocab_start, n_cols)
+    next_target = _load_target(target_ptr, first + 1, end, ignore_index)
+    for row in range(first, end):
+        # Issued a row ahead: the next row's target logit and the target of the row after it.
+        next_picked = _load_target_logit(logits_ptr, row_stride, row + 1, end, next_target - vocab_start, n_cols)
+        after_target = _load_target(target_ptr, row + 2, end, ignore_index)
+
+        slot_max = tl.full([SLOTS], -float("inf"), tl.float32)
+        slot_sum = tl.zeros([SLOTS], tl.float32)  # sum of exp(x - slot_max)
+        slot_logits = tl.zeros([SLOTS], tl.float32)
+        for tile in range(0, tiles):
+            col = tile * BLOCK_V
+            row_ends = tile == tiles - 1
+            x_next = _load_tile(
+                logits_ptr, row_stride, tl.where(row_ends, row + 1, row), tl.where(row_ends, 0, col + BLOCK_V),
+                n_cols, end, offs, -float("inf"), EVICT,
+            )
+            xf = x.to(tl.float32)
+            new_max = tl.maximum(slot_max, tl.max(xf, axis=1))
+            ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E  # all -inf so far: no rescale
+            tile_sum = tl.sum(tl.exp2(xf * LOG2E - ref[:, None]), axis=1)
+            slot_sum = slot_sum * tl.exp2(slot_max * LOG2E - ref) + tile_sum
+            slot_max = new_max
             if WITH_LOGIT_SUM:
-                target_term += smoothing_per_col * tl.sum(slot_logits, axis=0)
-            invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
-            target_term = tl.where(invalid, float("nan"), target_term)
-            if FINISH:
-                lse = row_max + tl.log(sum_exp)
-                z_loss = z_loss_coeff * lse * lse
-                ignored = target == ignore_index
-                tl.store(out_ptr + row, tl.where(ignored, 0.0, lse - target_term + z_loss))
-                tl.store(out_ptr + n_rows + row, tl.where(ignored, 0.0, z_loss))
-                tl.store(out_ptr + 2 * n_rows + row, lse)
-            else:
-                tl.store(out_ptr + ROW_MAX * n_rows + row, row_max)
-                tl.store(out_ptr + SUM_EXP * n_rows + row, sum_exp)
-                tl.store(out_ptr + TARGET_TERM * n_rows + row, target_term)
-                tl.store(out_ptr + LOCAL_MAX * n_rows + row, row_max)
-            slot_max = tl.full([SLOTS], -float("inf"), tl.float32)
-            slot_sum = tl.zeros([SLOTS], tl.float32)
-            slot_logits = tl.zeros([SLOTS], tl.float32)
-        row = next_row
-        tile = next_tile
+                slot_logits += tl.sum(tl.where(offs < n_cols - col, xf, 0.0), axis=1)
+            x = x_next
 
-
-@triton.jit
-def _grad_kernel(
-    logits_ptr,
-    logits_row_stride,
-    grad_ptr,  # may equal logits_ptr: every element is read before it is written, by one program
-    grad_row_stride,
-    target_ptr,
-    lse_ptr,
-    grad_loss_ptr,  # upstream gradient of the per-token loss, any float dtype, row stride grad_loss_stride
-    grad_loss_stride,
-    n_rows,
-    n_cols,
-    rows_per_program,
-    vocab_start,
-    ignore_index,
-    z_loss_coeff,
-    target_weight,  # 1 - label_smoothing
-    smoothing_per_col,  # label_smoothing / global_vocab
-    SLOTS: tl.constexpr,
-    SLOT_WIDTH: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    EVICT: tl.constexpr,
-):
-    BLOCK_V: tl.constexpr = SLOTS * SLOT_WIDTH
-    slot_ids = tl.arange(0, SLOTS)
-    lane_ids = tl.arange(0, SLOT_WIDTH)
-    offs = slot_ids[:, None] * SLOT_WIDTH + lane_ids[None, :]
-    row, steps = _row_stream(rows_per_program, n_rows, n_cols, BLOCK_V)
-    tile = 0
-    for _ in tl.range(0, steps, num_stages=NUM_STAGES):
-        col = tile * BLOCK_V
-        x = tl.load(logits_ptr + row * logits_row_stride + col + offs, mask=offs < n_cols - col, other=0.0,
-                    eviction_policy=EVICT)
-        target = tl.load(target_ptr + row).to(tl.int64)
-        lse = tl.load(lse_ptr + row)
-        g = tl.load(grad_loss_ptr + row * grad_loss_stride).to(tl.float32)
-        g = tl.where(target == ignore_index, 0.0, g)
-        # dx = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V), softmax = exp2(x*log2e - lse*log2e)
-        dx = tl.exp2(x.to(tl.float32) * LOG2E - lse * LOG2E) * (g * (1.0 + 2.0 * z_loss_coeff * lse))
-        dx -= g * smoothing_per_col
-        # The target column as (slot, lane) of this tile.
-        hit = tl.minimum(tl.maximum(target - vocab_start - col, -1), BLOCK_V).to(tl.int32)
-        lane = tl.where(hit >= 0, hit % SLOT_WIDTH, -1)
-        onehot = (slot_ids[:, None] == hit // SLOT_WIDTH) & (lane_ids[None, :] == lane)
-        dx = tl.where(onehot, dx - g * target_weight, dx)
-        tl.store(grad_ptr + row * grad_row_stride + col + offs, dx.to(grad_ptr.dtype.element_ty),
-                 mask=offs < n_cols - col, eviction_policy=EVICT)
-        _, row, tile = _next_step(row, tile, n_cols, BLOCK_V)
+        row_max = tl.max(slot_max, axis=0)
+        ref = tl.where(row_max == -float("inf"), 0.0, row_max)
+        sum_exp = tl.sum(slot_sum * tl.exp2((slot_max - ref) * LOG2E), axis=0)
+        target_term = target_weight * picked
+        if WITH_LOGIT_SUM:
+            target_term += smoothing_per_col * tl.sum(slot_logits, axis=0)
+        invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
+        target_term = tl.where(invalid, float("nan"), target_term)
+        if FINISH:
+            lse = row_max + tl.log(sum_exp)
+            z_loss = z_loss_coeff * lse * lse
+            ignored = target == ignore_index
+            tl.store(out_ptr + row, tl.where(ignored, 0.0, lse - target_term + z_loss))
+            tl.store(out_ptr + n_rows + row, tl.where(ignored, 0.0, z_loss))
+            tl.store(out_ptr + 2 * n_rows + row, lse)
+        else:
+            tl.store(out_ptr + ROW_MAX * n_rows + row, row_max)
+            tl.store(out_ptr + SUM_EXP * n_rows + row, sum_exp)
+            tl.store(out_ptr + TARGET_TERM * n_rows + row, target_term)
+            tl.store(out_ptr + LOCAL_MAX * n_rows + row, row_max)
+        target = next_target
+        picked = next_picked
+        next_target = after_target
 
 
 @triton.jit
@@ -235,6 +197,72 @@ def _loss_from_partials_kernel(partials_ptr, target_ptr, n_rows, ignore_index, z
     tl.store(partials_ptr + 2 * n_rows + rows, lse, mask=mask)
 
 
+@triton.jit
+def _load_grad_row_inputs(target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, row, end, ignore_index):
+    """(target, lse, upstream gradient) of a row; the gradient is 0 for ignored rows and past ``end``."""
+    live = row < end
+    target = _load_target(target_ptr, row, end, ignore_index)
+    lse = tl.load(lse_ptr + row, mask=live, other=0.0)
+    g = tl.load(grad_loss_ptr + row * grad_loss_stride, mask=live, other=0.0).to(tl.float32)
+    return target, lse, tl.where(target == ignore_index, 0.0, g)
+
+
+@triton.jit
+def _grad_kernel(
+    logits_ptr,
+    logits_row_stride,
+    grad_ptr,  # may equal logits_ptr: every element is read before it is written, by one program
+    grad_row_stride,
+    target_ptr,
+    lse_ptr,
+    grad_loss_ptr,  # upstream gradient of the per-token loss, any float dtype, row stride grad_loss_stride
+    grad_loss_stride,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    vocab_start,
+    ignore_index,
+    z_loss_coeff,
+    target_weight,  # 1 - label_smoothing
+    smoothing_per_col,  # label_smoothing / global_vocab
+    BLOCK_V: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK_V)
+    first = tl.program_id(0).to(tl.int64) * rows_per_program
+    end = tl.minimum(first + rows_per_program, n_rows)
+    tiles = tl.cdiv(n_cols, BLOCK_V)
+
+    x = _load_tile(logits_ptr, logits_row_stride, first, 0, n_cols, end, offs, 0.0, EVICT)
+    target, lse, g = _load_grad_row_inputs(target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, first, end, ignore_index)
+    for row in range(first, end):
+        next_target, next_lse, next_g = _load_grad_row_inputs(
+            target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, row + 1, end, ignore_index
+        )
+        # dx = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V), softmax = exp2(x*log2e - lse*log2e)
+        scale = g * (1.0 + 2.0 * z_loss_coeff * lse)
+        lse2 = lse * LOG2E
+        smooth = g * smoothing_per_col
+        onehot = g * target_weight
+        local = target - vocab_start
+        grad_row = grad_ptr + row * grad_row_stride
+        for tile in range(0, tiles):
+            col = tile * BLOCK_V
+            row_ends = tile == tiles - 1
+            x_next = _load_tile(
+                logits_ptr, logits_row_stride, tl.where(row_ends, row + 1, row), tl.where(row_ends, 0, col + BLOCK_V),
+                n_cols, end, offs, 0.0, EVICT,
+            )
+            dx = tl.exp2(x.to(tl.float32) * LOG2E - lse2) * scale - smooth
+            dx = tl.where(offs == local - col, dx - onehot, dx)
+            tl.store(grad_row + col + offs, dx.to(grad_ptr.dtype.element_ty), mask=offs < n_cols - col,
+                     eviction_policy=EVICT)
+            x = x_next
+        target = next_target
+        lse = next_lse
+        g = next_g
+
+
 @triton.jit(debug=True)
 def _check_target_kernel(target_ptr, n_rows, global_vocab, ignore_index, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -258,14 +286,11 @@ def _settings(logits, kernel):
     """Compile-time settings of the ``"fwd"`` or ``"bwd"`` kernel for these logits."""
     config = launch_settings(logits.device.type, logits.shape[1])
     block_v = min(config[f"{kernel}_block_v"], triton.next_power_of_2(logits.shape[1]))
+    settings = {"EVICT": EVICTION.get(logits.device.type, ""), "num_warps": config[f"{kernel}_warps"]}
+    if kernel == "bwd":
+        return {"BLOCK_V": block_v, **settings}
     slot_width = min(config["slot_width"] or block_v, block_v)
-    return {
-        "SLOTS": block_v // slot_width,
-        "SLOT_WIDTH": slot_width,
-        "NUM_STAGES": config[f"{kernel}_stages"],
-        "EVICT": EVICTION.get(logits.device.type, ""),
-        "num_warps": config[f"{kernel}_warps"],
-    }
+    return {"SLOTS": block_v // slot_width, "SLOT_WIDTH": slot_width, **settings}
 
 
 def _grid(logits, kernel):

@@ -23,11 +23,11 @@ pytestmark = pytest.mark.skipif(
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SETTINGS = {
     # CUDA's shape at small sizes: 8-column slots, several programs per core.
-    "cuda-like": {"fwd_block_v": 1024, "slot_width": 8, "fwd_warps": 4, "fwd_per_core": 2, "fwd_stages": 3,
-                  "bwd_block_v": 512, "bwd_warps": 4, "bwd_per_core": 2, "bwd_stages": 2},
+    "cuda-like": {"fwd_block_v": 1024, "slot_width": 8, "fwd_warps": 4, "fwd_per_core": 2,
+                  "bwd_block_v": 512, "bwd_warps": 4, "bwd_per_core": 2},
     # Ascend's: one slot per tile, one program per core, contiguous chunks of rows.
-    "npu-like": {"fwd_block_v": 512, "slot_width": None, "fwd_warps": 4, "fwd_per_core": 1, "fwd_stages": 1,
-                 "bwd_block_v": 1024, "bwd_warps": 4, "bwd_per_core": 1, "bwd_stages": 1},
+    "npu-like": {"fwd_block_v": 512, "slot_width": None, "fwd_warps": 4, "fwd_per_core": 1,
+                 "bwd_block_v": 1024, "bwd_warps": 4, "bwd_per_core": 1},
 }
 
 
