@@ -39,6 +39,10 @@ def _compile(fn, signature, constexprs, arch, num_warps):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
+def _shared_per_sm(arch):
+    return 228 * 1024 if arch >= 90 else 164 * 1024
+
+
 def _resources(kernel, tmpdir):
     """(registers, spill stores bytes, stack bytes) from the cubin, through cuobjdump."""
     path = os.path.join(tmpdir, f"{kernel.name}.cubin")
@@ -94,7 +98,8 @@ def report(settings_name, arch=90, dtype="bf16", n_cols=151936, sass_dir=None, t
         kernel = _compile(fn, sig, constexprs, arch, warps)
         regs, stack, cubin = _resources(kernel, tmpdir)
         by_regs = REGISTERS_PER_SM // (regs * 32 * warps)
-        ctas = max(0, min(by_regs, MAX_WARPS_PER_SM // warps, MAX_CTAS_PER_SM))
+        by_shared = _shared_per_sm(arch) // max(kernel.metadata.shared, 1)
+        ctas = max(0, min(by_regs, by_shared, MAX_WARPS_PER_SM // warps, MAX_CTAS_PER_SM))
         rows.append((name, warps, regs, stack, kernel.metadata.shared, ctas))
         if sass_dir:
             os.makedirs(sass_dir, exist_ok=True)
@@ -117,7 +122,7 @@ def main(argv=None):
         sys.exit("unset TRITON_INTERPRET: the interpreter does not compile")
     print(f"settings {args.settings}: {tce.launch_settings(args.settings, args.n_cols)}; sm_{args.arch}, {args.dtype}, "
           f"{args.n_cols} columns; triton {triton.__version__}")
-    print("| kernel | warps | registers / thread | stack bytes | shared bytes | CTAs / SM (registers, warps) |")
+    print("| kernel | warps | registers / thread | stack bytes | shared bytes | CTAs / SM (registers, shared, warps) |")
     print("|---|---|---|---|---|---|")
     for row in report(args.settings, args.arch, args.dtype, args.n_cols, args.sass):
         print("| " + " | ".join(str(v) for v in row) + " |", flush=True)
