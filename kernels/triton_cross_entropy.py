@@ -11,7 +11,7 @@ on the host, so forward + backward capture in a CUDA graph.
 
 Forward reads the logits once. A tile is viewed as ``[SLOTS, SLOT_WIDTH]``; each slot keeps
 its own running max and sum-exp (online softmax), so the tile loop has no cross-thread
-reduction: the slots are merged once per row. On CUDA a slot is 8 contiguous bf16 values held
+reduction: the slots are merged once per row. On CUDA a slot is 16 contiguous values held
 by one thread; on Ascend there is one slot per tile (whole-tile vector reductions). The target
 logit is a single load issued one row ahead, so no dependent load sits at the end of a row.
 With one rank the same kernel finishes the loss; with several it writes the partials that the
