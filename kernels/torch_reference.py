@@ -26,13 +26,18 @@ def _local_target(target, vocab_start, n_cols):
     return local.clamp(0, n_cols - 1), owned
 
 
+def valid_targets(target, global_vocab, ignore_index):
+    """Where ``target`` is a vocab id in ``[0, global_vocab)`` or ``ignore_index``."""
+    return (target == ignore_index) | ((target >= 0) & (target < global_vocab))
+
+
 def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0):
     """fp32 [PARTIAL_ROWS, n]: this slice's row max, sum of exp(x - row max), target term
     ``(1-a)*x[target] + (a/V)*sum(x)`` (the x[target] part 0 when another rank owns the target,
     NaN when the target is out of range), and the row max again."""
     n_rows, n_cols = logits.shape
     partials = torch.empty(PARTIAL_ROWS, n_rows, dtype=torch.float32, device=logits.device)
-    invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
+    invalid = ~valid_targets(target, global_vocab, ignore_index)
     for start, end in _row_chunks(n_rows, n_cols):
         x = logits[start:end].float()
         row_max = x.amax(dim=-1)
@@ -97,5 +102,4 @@ def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, 
 def check_targets(target, global_vocab, ignore_index):
     """CUDA: an asynchronous device-side assert (no host sync). Elsewhere the partials carry NaN."""
     if target.device.type == "cuda":
-        valid = (target == ignore_index) | ((target >= 0) & (target < global_vocab))
-        torch._assert_async(valid.all(), "target outside [0, vocab) and not ignore_index")
+        torch._assert_async(valid_targets(target, global_vocab, ignore_index).all(), "target outside [0, vocab) and not ignore_index")

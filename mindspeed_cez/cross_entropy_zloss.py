@@ -70,7 +70,7 @@ def _check_target_range(target, global_vocab, ignore_index, backend):
     if target.device.type != "cpu":
         backend.check_targets(target, global_vocab, ignore_index)
         return
-    valid = (target == ignore_index) | ((target >= 0) & (target < global_vocab))
+    valid = kernels.torch_reference.valid_targets(target, global_vocab, ignore_index)
     if target.numel() and not bool(valid.all()):
         bad = target[~valid][0].item()
         raise ValueError(
