@@ -102,4 +102,5 @@ def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, 
 def check_targets(target, global_vocab, ignore_index):
     """CUDA: an asynchronous device-side assert (no host sync). Elsewhere the partials carry NaN."""
     if target.device.type == "cuda":
-        torch._assert_async(valid_targets(target, global_vocab, ignore_index).all(), "target outside [0, vocab) and not ignore_index")
+        valid = valid_targets(target, global_vocab, ignore_index)
+        torch._assert_async(valid.all(), "target outside [0, vocab) and not ignore_index")
