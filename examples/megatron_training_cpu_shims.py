@@ -179,6 +179,14 @@ def _patch_megatron():
         m_init.initialize_megatron = initialize_megatron
         m_training.initialize_megatron = initialize_megatron
 
+    # The 0.12 line's initialize_megatron builds the legacy fused CUDA kernels (nvcc) on every run.
+    fused_kernels = getattr(m_init, "fused_kernels", None)
+    if fused_kernels is not None:
+        fused_kernels.load = lambda *a, **k: None
+    # ... and warms up its jit fusions with CUDA tensors (torch.compile for a GPU).
+    if hasattr(m_training, "set_jit_fusion_options"):
+        m_init.set_jit_fusion_options = m_training.set_jit_fusion_options = lambda *a, **k: None
+
     # The model-parallel RNG tracker swaps the *CUDA* generator state around dropout and GPU
     # weight init. On the CPU there is no such generator: keep the tracker's bookkeeping and make
     # the state swap a no-op (CPU init and dropout draw from the CPU generator, seeded by Megatron).

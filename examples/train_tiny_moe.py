@@ -106,9 +106,9 @@ def train_one(rank, world_size, coeff, iters, out_json):
         shims.allreduce_sequence_parallel_grads(model)
         opt.step()
         scalars = metrics.report(it, 1, LAYERS, track_names=["load_balancing_loss"])
-        # lm loss excludes the z-loss term, as Megatron's "lm loss" is CE only here
-        lm_loss = float(loss.detach()) - scalars.get("lm_z_loss", 0.0)
-        row = {"iteration": it, "lm loss": lm_loss, "total loss": float(loss.detach()), **scalars}
+        # the per-token loss has the value of CE (Megatron's "lm loss"); its gradient has the z-loss
+        lm_loss = float(loss.detach())
+        row = {"iteration": it, "lm loss": lm_loss, **scalars}
         history.append(row)
         if rank == 0:
             print(

@@ -1,222 +1,174 @@
-"""Logging of the LM z-loss through Megatron's MoE auxiliary-loss tracker.
+"""The ``lm_z_loss`` (and ``lm_lse``) metrics: recorded per micro-batch, reported per iteration.
 
 Metrics
 -------
 ``lm_z_loss``
-    Per micro-batch: the loss-mask-weighted mean of the per-token ``c * lse**2`` of the main
-    model's LM loss, i.e. over exactly the tokens ``lm loss`` counts::
-
-        sum(z_loss * loss_mask) / sum(loss_mask)
-
-    Reported per iteration as the mean over the iteration's micro-batches (``loss_scale = 1 /
-    num_microbatches``, as Megatron does for its MoE losses) and over the data-parallel (x
-    context-parallel) ranks, from the last pipeline stage (other stages contribute zeros to
-    Megatron's pipeline all-reduce). Megatron's ``lm loss`` instead weights every token of the
-    iteration equally; the two agree whenever all micro-batches hold the same number of
-    unmasked tokens (the usual case in pretraining).
-    The mask is the ``loss_mask`` argument of ``GPTModel.forward`` (``pretrain_gpt.py`` passes
-    it); a model called without one, or another LanguageModule (BERT, T5, Mamba) whose forward
-    takes no mask, gets the plain mean over all tokens of the micro-batch. MTP losses are not
-    included (Megatron logs those as ``mtp_*``).
+    ``sum(c * lse**2 * loss_mask) / sum(loss_mask)`` over every micro-batch of the iteration and
+    every data-parallel x context-parallel rank: the weighting of Megatron's ``lm loss`` (each
+    unmasked token of the iteration counts once). Reported from the last pipeline stage; the
+    mask is the ``loss_mask`` given to ``GPTModel.forward`` (a model called without one counts
+    every token). MTP losses are not part of it (Megatron logs those as ``mtp_*``).
 ``lm_lse`` (opt-in: ``--lm-z-loss-log-lse`` / ``apply(log_lse=True)``)
-    The same mean of the per-token log-sum-exp of the logits (the quantity the z-loss pushes to
-    0), taken from the fused op (no extra pass over the logits).
+    The same mean of the per-token log-sum-exp, taken from the fused op (no extra pass).
 
-How it reaches the log line
----------------------------
-Values are recorded in Megatron's tracker (``get_moe_metrics_tracker().record`` on
-megatron-core >= 0.16's ``moe_logging``, ``moe_utils.save_to_aux_losses_tracker`` before) in
-layer slot 1, with ``avg_group`` = the data-parallel group with context parallel. The patched
-``MoEMetricsTracker.report`` / ``track_moe_metrics`` adds the names to ``track_names``, makes
-sure the entry exists with the size Megatron expects on every rank (pipeline stages without the
-output layer included, so the pipeline all-reduce matches), and pre-multiplies by the number of
-MoE layers that Megatron divides by. Megatron then reduces, writes TensorBoard / W&B scalars and
-puts ``lm_z_loss`` into ``total_loss_dict``, so it appears in the training log line next to
-``load_balancing_loss``. For dense models (``args.num_experts is None``, where
-``megatron.training`` does not call the tracker at all), the patched ``training_log`` calls it
-for these names only.
+Recording adds three sums to a small device tensor (no host sync). Reporting all-reduces them
+over the data-parallel group with context parallelism and over the pipeline group, once per
+iteration, then hands the means to Megatron's logging:
 
-For megatron-core-only training loops: call the model with ``loss_mask=`` (or call
-:func:`record_lm_z_loss` yourself with ``auto`` recording off) and call :func:`report` once per
-iteration; it returns every tracked scalar (``load_balancing_loss`` too) as floats.
+* ``megatron.training`` (any version, MoE or dense): the patched ``training_log`` adds them to
+  the iteration's ``loss_dict`` on the last pipeline stage, so Megatron treats them exactly like
+  ``lm loss``: accumulated over the log interval (skipped iterations left out), printed in the
+  log line, written to TensorBoard and W&B.
+* megatron-core-only loops: the patched MoE report (``patches.moe_tracker``) writes them next to
+  Megatron's MoE losses (``total_loss_dict``, TensorBoard, W&B), or the loop calls
+  :func:`report`, which returns them with every tracked MoE metric.
 """
 
+import contextlib
 import functools
 import inspect
 import sys
 
 import torch
+import torch.distributed as dist
 
+from mindspeed_cez.patches import moe_tracker
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
 
-__all__ = ["LM_Z_LOSS", "LM_LSE", "record_lm_z_loss", "report", "masked_mean"]
+__all__ = ["LM_Z_LOSS", "LM_LSE", "record_lm_z_loss", "reduce_iteration", "report"]
+
+_SUMS = None  # this iteration's [sum(z * mask), sum(lse * mask), sum(mask)] on the device
+_REPORTING = [False]  # a caller reports our metrics itself: the MoE report wrapper stays out
 
 
-def _new_tracker_api():
-    """megatron-core >= 0.16 with ``moe_logging.get_moe_metrics_tracker`` (0.19.2), else None."""
-    try:
-        from megatron.core.transformer.moe import moe_logging
-    except ImportError:
-        return None
-    return moe_logging
+def record_lm_z_loss(z_loss_per_token=None, loss_mask=None, *, lse_per_token=None):
+    """Add one micro-batch of the main LM loss to this iteration's sums.
+
+    Args:
+        z_loss_per_token: ``c * lse**2`` per token (the op's second output), or None.
+        loss_mask: the mask ``lm loss`` uses (1 = counted), any layout with the tokens' count;
+            None counts every token.
+        lse_per_token: per-token log-sum-exp, or None.
+    """
+    global _SUMS
+    given = [t for t in (z_loss_per_token, lse_per_token) if t is not None]
+    if not given:
+        return
+    n = given[0].numel()
+    if loss_mask is None:
+        mask = torch.ones(n, device=given[0].device)
+    else:
+        mask = loss_mask.detach().to(device=given[0].device, dtype=torch.float32).reshape(-1)
+        if mask.numel() != n:
+            raise ValueError(f"loss_mask has {mask.numel()} elements for {n} tokens")
+
+    def masked_sum(t):
+        return mask.new_zeros(()) if t is None else (t.detach().float().reshape(-1) * mask).sum()
+
+    sums = torch.stack([masked_sum(z_loss_per_token), masked_sum(lse_per_token), mask.sum()])
+    _SUMS = sums if _SUMS is None else _SUMS + sums
 
 
-def _avg_group():
+def _parallel_state():
     ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is not None and ps.model_parallel_is_initialized():
-        return ps.get_data_parallel_group(with_context_parallel=True)
+    if ps is not None and ps.model_parallel_is_initialized() and dist.is_initialized():
+        return ps
     return None
 
 
-def masked_mean(values, loss_mask=None):
-    """``sum(values * mask) / max(sum(mask), 1)`` in fp32 (plain mean without a mask)."""
-    values = values.detach().float()
-    if loss_mask is None:
-        return values.mean()
-    mask = loss_mask.detach().to(values.dtype).reshape(values.shape)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def _tracker_record(name, value, num_layers):
-    moe_logging = _new_tracker_api()
-    if moe_logging is not None:
-        moe_logging.get_moe_metrics_tracker().record(
-            name=name, value=value, layer_number=1, num_layers=num_layers,
-            reduce_group=None, avg_group=_avg_group(), needs_dp_avg=False,
-        )
-    else:
-        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
-
-        save_to_aux_losses_tracker(name, value, 1, num_layers, reduce_group=None, avg_group=_avg_group())
-
-
-def record_lm_z_loss(z_loss_per_token, loss_mask=None, *, lse_per_token=None, num_layers=1, settings=None):
-    """Record one micro-batch's ``lm_z_loss`` (and ``lm_lse``) in Megatron's tracker.
-
-    Args:
-        z_loss_per_token: ``c * lse**2`` per token (the op's second output, in the loss_mask's
-            layout, e.g. ``[b, s]``), or None to record only ``lm_lse``.
-        loss_mask: the mask ``lm loss`` uses (1 = counted); None counts every token.
-        lse_per_token: per-token log-sum-exp, recorded as ``lm_lse`` when that metric is on.
-        num_layers: size of the tracker entry (any size works; :func:`report` resizes it).
-        settings: the active settings (default: the current ones); only names they enable
-            are recorded, so every rank reports the same names.
-    """
-    settings = settings or _settings.ACTIVE
-    names = settings.metric_names() if settings is not None else [LM_Z_LOSS]
-    if z_loss_per_token is not None and LM_Z_LOSS in names:
-        _tracker_record(LM_Z_LOSS, masked_mean(z_loss_per_token, loss_mask), num_layers)
-    if lse_per_token is not None and LM_LSE in names:
-        _tracker_record(LM_LSE, masked_mean(lse_per_token, loss_mask), num_layers)
-
-
-# ----------------------------------------------------------------------------------------------
-# report side
-# ----------------------------------------------------------------------------------------------
-
-
-def count_moe_layers(num_layers, moe_layer_freq=None, mtp_num_layers=None):
-    """The divisor Megatron's tracker applies (same formula in 0.16.1 and 0.19.2)."""
-    if num_layers is None and moe_layer_freq is None:
-        return None
-    if moe_layer_freq is None:
-        n = num_layers
-    elif isinstance(moe_layer_freq, int):
-        n = sum(1 for i in range(num_layers) if i % moe_layer_freq == 0)
-    else:
-        n = sum(moe_layer_freq)
-    return n + (mtp_num_layers or 0)
-
-
-def _default_device(existing):
-    for tensor in existing:
-        return tensor.device
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+def _collective_device(group):
+    backend = dist.get_backend(group)
+    if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if backend == "hccl":
+        return torch.device("npu", torch.npu.current_device())
     return torch.device("cpu")
 
 
-def _prepare_entries(names, size, divisor):
-    """Ensure every name has a tracker entry of ``size`` on this rank, scaled by ``divisor``."""
-    moe_logging = _new_tracker_api()
-    if moe_logging is not None:
-        metrics = moe_logging.get_moe_metrics_tracker().metrics
-        get_values = lambda n: metrics[n].values if n in metrics else None  # noqa: E731
+def reduce_iteration(names=None):
+    """This iteration's token-weighted means ``{name: 0-dim fp32 tensor}``; clears the sums.
 
-        def set_values(n, v):
-            if n in metrics:
-                metrics[n].values = v
-            else:
-                metrics[n] = moe_logging.MetricEntry(values=v, avg_group=_avg_group(), needs_dp_avg=False)
-
-        existing = [e.values for e in metrics.values()]
-    else:
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-        tracker = get_moe_layer_wise_logging_tracker()
-        get_values = lambda n: tracker[n]["values"] if n in tracker else None  # noqa: E731
-
-        def set_values(n, v):
-            entry = tracker.setdefault(n, {"reduce_group": None, "avg_group": _avg_group(), "reduce_group_has_dp": False})
-            entry["values"] = v
-
-        existing = [e["values"] for e in tracker.values()]
-    device = _default_device(existing)
-    for name in names:
-        values = get_values(name)
-        if values is None:
-            set_values(name, torch.zeros(size or 1, device=device))
-            continue
-        if size and values.numel() != size:
-            resized = torch.zeros(size, device=values.device, dtype=values.dtype)
-            resized[0] = values.sum()
-            values = resized
-        if divisor:
-            values = values * divisor
-        set_values(name, values)
+    Collective: with Megatron's parallel state initialized, every rank must call it once per
+    iteration (the sums are all-reduced over data x context parallel, then over the pipeline,
+    so every rank returns the last stage's values). ``names`` defaults to the active settings'.
+    """
+    global _SUMS
+    if names is None:
+        settings = _settings.ACTIVE
+        names = settings.metric_names() if settings is not None else []
+    sums, _SUMS = _SUMS, None
+    if not names:
+        return {}
+    ps = _parallel_state()
+    if ps is not None:
+        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        if sums is None:
+            sums = torch.zeros(3, device=_collective_device(dp_cp))
+        dist.all_reduce(sums, group=dp_cp)
+        dist.all_reduce(sums, group=ps.get_pipeline_model_parallel_group())
+    if sums is None:
+        return {}
+    means = sums[:2] / sums[2].clamp(min=1.0)
+    rows = {LM_Z_LOSS: 0, LM_LSE: 1}
+    return {name: means[rows[name]] for name in names}
 
 
-def _extend_track_names(track_names, names):
-    if track_names is None:
-        return None
-    if isinstance(track_names, str):
-        track_names = [track_names]
-    return list(track_names) + [n for n in names if n not in track_names]
+def write(values, iteration, writer=None, wandb_writer=None, total_loss_dict=None):
+    """Log ``values`` as Megatron logs its MoE losses: running sums, TensorBoard, W&B."""
+    for name, value in values.items():
+        if total_loss_dict is not None:
+            total_loss_dict[name] = total_loss_dict[name] + value if name in total_loss_dict else value
+        if writer is not None:
+            writer.add_scalar(name, value, iteration)
+        if wandb_writer:
+            wandb_writer.log({name: value}, iteration)
+
+
+@contextlib.contextmanager
+def _reported_here():
+    _REPORTING[0] = True
+    try:
+        yield
+    finally:
+        _REPORTING[0] = False
 
 
 def moe_metrics_report_wrapper(fn):
-    """Wraps ``MoEMetricsTracker.report`` (0.19.2) or ``moe_utils.track_moe_metrics`` (0.16.1)."""
+    """Megatron's MoE report (``patches.moe_tracker``): our metrics are written next to its own."""
     signature = inspect.signature(fn)
-    new_api = "self" in signature.parameters
 
     @functools.wraps(fn)
     def report_(*args, **kwargs):
-        settings = _settings.ACTIVE
-        names = settings.metric_names() if settings is not None else []
-        if not names:
-            return fn(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        num_layers, mtp = a.get("num_layers"), a.get("mtp_num_layers")
-        size = None if num_layers is None else num_layers + ((mtp or 0) if new_api else 0)
-        _prepare_entries(names, size, count_moe_layers(num_layers, a.get("moe_layer_freq"), mtp))
-        a["track_names"] = _extend_track_names(a.get("track_names"), names)
-        return fn(*bound.args, **bound.kwargs)
+        result = fn(*args, **kwargs)
+        if not _REPORTING[0] and _settings.ACTIVE is not None:
+            a = signature.bind(*args, **kwargs).arguments
+            write(reduce_iteration(), a.get("iteration"), a.get("writer"), a.get("wandb_writer"),
+                  a.get("total_loss_dict"))
+        return result
 
     report_.__cez_wraps__ = fn
     return report_
 
 
-def _megatron_report(**kwargs):
-    """Megatron's own tracker report (whichever API this megatron-core has)."""
-    moe_logging = _new_tracker_api()
-    if moe_logging is not None:
-        return moe_logging.get_moe_metrics_tracker().report(**kwargs)
-    from megatron.core.transformer.moe import moe_utils
+def training_log_wrapper(fn):
+    """``megatron.training.training.training_log``: our metrics join ``loss_dict`` (MoE and dense)."""
+    signature = inspect.signature(fn)
 
-    return moe_utils.track_moe_metrics(**kwargs)
+    @functools.wraps(fn)
+    def training_log(*args, **kwargs):
+        if _settings.ACTIVE is None:
+            return fn(*args, **kwargs)
+        values = reduce_iteration()
+        bound = signature.bind(*args, **kwargs)
+        loss_dict = bound.arguments["loss_dict"]
+        if values and loss_dict:  # the last pipeline stage holds the iteration's losses
+            bound.arguments["loss_dict"] = {**loss_dict, **values}
+        with _reported_here():
+            return fn(*bound.args, **bound.kwargs)
+
+    training_log.__cez_wraps__ = fn
+    return training_log
 
 
 class _CapturingWriter:
@@ -240,69 +192,19 @@ class _CapturingWriter:
 def report(iteration, num_microbatches, num_layers, *, track_names=("load_balancing_loss",),
            moe_layer_freq=None, mtp_num_layers=None, total_loss_dict=None, writer=None,
            wandb_writer=None):
-    """Reduce and clear Megatron's tracker for one iteration; returns ``{name: float}``.
+    """Report one iteration for a megatron-core-only loop; returns ``{name: float}``.
 
-    This calls Megatron's own reporting (``MoEMetricsTracker.report`` / ``track_moe_metrics``)
-    exactly as ``megatron.training.training_log`` does, with ``loss_scale = 1/num_microbatches``;
-    when the patches are applied, ``lm_z_loss`` / ``lm_lse`` are added to ``track_names``. Call it
-    on every rank (it all-reduces). ``track_names`` lists Megatron's own MoE names to report
-    (e.g. ``load_balancing_loss``); use ``()`` for a dense model.
+    Calls Megatron's own MoE report for ``track_names`` (``()`` for a dense model) as
+    ``megatron.training`` does (``loss_scale = 1/num_microbatches``), then adds ``lm_z_loss`` /
+    ``lm_lse`` when the adaptor is active. Collective: call it on every rank once per iteration.
     """
     capture = _CapturingWriter(writer)
-    _megatron_report(
-        loss_scale=1.0 / num_microbatches,
-        iteration=iteration,
-        writer=capture,
-        wandb_writer=wandb_writer,
-        total_loss_dict=total_loss_dict,
-        per_layer_logging=False,
-        force_initialize=False,
-        track_names=list(track_names),
-        num_layers=num_layers,
-        moe_layer_freq=moe_layer_freq,
-        mtp_num_layers=mtp_num_layers,
-    )
+    with _reported_here():
+        moe_tracker.call_report(
+            loss_scale=1.0 / num_microbatches, iteration=iteration, writer=capture,
+            wandb_writer=wandb_writer, total_loss_dict=total_loss_dict, per_layer_logging=False,
+            force_initialize=False, track_names=list(track_names), num_layers=num_layers,
+            moe_layer_freq=moe_layer_freq, mtp_num_layers=mtp_num_layers,
+        )
+    write(reduce_iteration(), iteration, capture, wandb_writer, total_loss_dict)
     return capture.scalars
-
-
-def training_log_wrapper(fn):
-    """``megatron.training.training.training_log``: dense models get ``lm_z_loss`` too.
-
-    ``training_log`` reports the tracker only when ``args.num_experts`` is set; for a dense
-    model this reports our names (and nothing else) the same way, into ``total_loss_dict`` (so
-    ``lm_z_loss`` is in the log line) and TensorBoard / W&B.
-    """
-    signature = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def training_log(*args, **kwargs):
-        settings = _settings.ACTIVE
-        names = settings.metric_names() if settings is not None else []
-        if names:
-            from megatron.training import get_args
-            from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
-
-            try:
-                from megatron.core.num_microbatches_calculator import get_num_microbatches
-            except ImportError:  # older layouts
-                from megatron.training import get_num_microbatches
-            margs = get_args()
-            if getattr(margs, "num_experts", None) is None:
-                bound = signature.bind(*args, **kwargs)
-                _megatron_report(
-                    loss_scale=1.0 / get_num_microbatches(),
-                    iteration=bound.arguments["iteration"],
-                    writer=get_tensorboard_writer(),
-                    wandb_writer=get_wandb_writer(),
-                    total_loss_dict=bound.arguments["total_loss_dict"],
-                    per_layer_logging=False,
-                    force_initialize=False,
-                    track_names=[],
-                    num_layers=margs.num_layers,
-                    moe_layer_freq=None,
-                    mtp_num_layers=getattr(margs, "mtp_num_layers", None),
-                )
-        return fn(*args, **kwargs)
-
-    training_log.__cez_wraps__ = fn
-    return training_log

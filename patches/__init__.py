@@ -29,6 +29,7 @@ __all__ = ["apply", "remove", "is_applied", "active_settings", "Settings", "PATC
 def _targets():
     from mindspeed_cez import metrics
     from mindspeed_cez.patches import megatron_core as mc
+    from mindspeed_cez.patches import moe_tracker
 
     lm = "megatron.core.models.common.language_module.language_module"
     targets = [
@@ -38,10 +39,9 @@ def _targets():
         ("megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy", mc.fused_vocab_parallel_cross_entropy_wrapper),
         (f"{lm}.te_parallel_cross_entropy", mc.te_parallel_cross_entropy_wrapper),
     ]
-    if importlib.util.find_spec("megatron.core.transformer.moe.moe_logging") is not None:
-        targets.append(("megatron.core.transformer.moe.moe_logging.MoEMetricsTracker.report", metrics.moe_metrics_report_wrapper))
-    else:
-        targets.append(("megatron.core.transformer.moe.moe_utils.track_moe_metrics", metrics.moe_metrics_report_wrapper))
+    report = moe_tracker.report_path()
+    if report is not None:
+        targets.append((report, metrics.moe_metrics_report_wrapper))
     if importlib.util.find_spec("megatron.training") is not None:
         targets.append(("megatron.training.training.training_log", metrics.training_log_wrapper))
     return targets

@@ -9,10 +9,12 @@ Each replacement reads :data:`mindspeed_cez.patches.settings.ACTIVE` on every ca
 Patched (see ``PATCH_TARGETS`` in ``mindspeed_cez.patches``):
 
 * ``LanguageModule.compute_language_model_loss`` -- every CE path of it (unfused, fused
-  'native', fused 'te'): the fused op computes ``CE + c*lse^2`` per token, returned as Megatron's
-  ``[b, s]`` so loss_mask / per-token-loss handling downstream is untouched. GPT's main loss and
-  its MTP losses (0.16.1: inside ``GPTModel._postprocess``; 0.19.2: ``process_mtp_loss`` which is
-  handed ``self.compute_language_model_loss``) both go through it.
+  'native', fused 'te') becomes the fused op. Megatron's convention for auxiliary losses holds:
+  the per-token loss returned (Megatron's ``[b, s]``, so loss_mask handling downstream is
+  untouched) has the value of the plain CE, so ``lm loss``, the validation loss and its PPL are
+  CE, while its gradient is that of ``CE + c*lse^2``. MTP heads (0.12/0.13: inside the MTP block;
+  0.14+: ``GPTModel`` / ``process_mtp_loss``, all through this method, told apart by their rolled
+  labels) get the fused CE without z-loss.
 * ``tensor_parallel.vocab_parallel_cross_entropy``, ``fused_vocab_parallel_cross_entropy`` and
   the language module's ``te_parallel_cross_entropy``, for code that calls them directly; every
   module that bound a copy (``from x import f``) is patched too.
@@ -26,6 +28,7 @@ import torch
 
 from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse, group_rank_and_size, resolve_tp_group
 from mindspeed_cez.patches import settings as _settings
+from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -51,18 +54,26 @@ def _module_tp_group(module):
     return resolve_tp_group(group)
 
 
-def fused_loss(logits, target, tp_group, label_smoothing_megatron, settings):
-    """Run the op on ``[s, b, v_local]`` logits; returns ``(loss, z_loss, lse)`` shaped like target."""
+def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff):
+    """The op on ``[s, b, v_local]`` logits, in Megatron's convention for auxiliary losses.
+
+    Returns ``(loss, z_loss, lse)`` shaped like ``target``: ``loss`` has the value of the plain
+    cross entropy (what Megatron logs as ``lm loss``) and the gradient of ``CE + c*lse**2`` (what
+    it trains on), as Megatron's router losses enter the gradient but not the logged loss.
+    """
     tp_group = resolve_tp_group(tp_group)
     global_vocab = logits.shape[-1] * _tp_world_size(tp_group)
     smoothing = megatron_to_torch_smoothing(label_smoothing_megatron, global_vocab)
-    return cross_entropy_zloss_with_lse(
+    loss, z_loss, lse = cross_entropy_zloss_with_lse(
         logits,
         target,
-        z_loss_coeff=settings.z_loss_coeff,
+        z_loss_coeff=z_loss_coeff,
         label_smoothing=smoothing,
         tp_group=tp_group,
     )
+    if z_loss_coeff > 0:
+        loss = loss - z_loss  # z_loss is non-differentiable: the gradient keeps the z-loss term
+    return loss, z_loss, lse
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,27 +101,25 @@ def gpt_model_forward_wrapper(fn):
     return forward
 
 
-def _maybe_record(module, labels, z_loss_bs, lse_sb, settings):
-    """Record the main-model loss's metrics (not the MTP losses') while training."""
-    if not settings.metric_names() or not module.training or not torch.is_grad_enabled():
+def _main_loss_mask(labels):
+    """``(is_main, loss_mask)``: whether ``labels`` are those of the ``GPTModel.forward`` in
+    progress (not an MTP head's rolled labels), and that forward's loss mask."""
+    if not _MASK_CONTEXT:
+        return True, None  # no GPTModel.forward around us: every token counts (documented)
+    ctx_labels, loss_mask = _MASK_CONTEXT[-1]
+    return ctx_labels is labels, loss_mask
+
+
+def _record(module, z_loss_bs, lse_bs, loss_mask, settings):
+    names = settings.metric_names()
+    if not names or not module.training or not torch.is_grad_enabled():
         return
-    if _MASK_CONTEXT:
-        ctx_labels, loss_mask = _MASK_CONTEXT[-1]
-        if ctx_labels is not labels:
-            return  # an MTP loss (rolled labels): not part of `lm loss`
-    else:
-        loss_mask = None  # no GPTModel.forward around us: unmasked mean (documented)
     from mindspeed_cez import metrics
 
-    config = getattr(module, "config", None)
-    num_layers = getattr(config, "num_layers", None) or 1
-    lse_bs = None if lse_sb is None else lse_sb.transpose(0, 1)
     metrics.record_lm_z_loss(
-        z_loss_bs if settings.z_loss_coeff > 0 else None,
+        z_loss_bs if LM_Z_LOSS in names else None,
         loss_mask,
-        lse_per_token=lse_bs,
-        num_layers=num_layers + (getattr(config, "mtp_num_layers", None) or 0),
-        settings=settings,
+        lse_per_token=lse_bs if LM_LSE in names else None,
     )
 
 
@@ -130,22 +139,22 @@ def compute_language_model_loss_wrapper(fn):
         smoothing = settings.label_smoothing
         if smoothing is None:
             smoothing = getattr(self.config, "label_smoothing", 0.0) or 0.0
-        tp_group = _module_tp_group(self)
+        is_main, loss_mask = _main_loss_mask(labels)
+        coeff = settings.z_loss_coeff if is_main else 0.0  # MTP heads: plain CE
         # [b s] => [s b], as Megatron does
         target = labels.transpose(0, 1).contiguous()
-        loss, z_loss, lse = fused_loss(logits, target, tp_group, smoothing, settings)
-        lse = lse if settings.log_lse else None
+        loss, z_loss, lse = fused_loss(logits, target, _module_tp_group(self), smoothing, coeff)
+        if is_main:
+            _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings)
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged
-        loss = loss.transpose(0, 1).contiguous()
-        _maybe_record(self, labels, z_loss.transpose(0, 1), lse, settings)
-        return loss
+        return loss.transpose(0, 1).contiguous()
 
     compute_language_model_loss.__cez_wraps__ = fn
     return compute_language_model_loss
 
 
 # ----------------------------------------------------------------------------------------------
-# the module-level CE functions (for direct callers; same semantics as the originals + z-loss)
+# the module-level CE functions (for direct callers: the value of the originals, the gradient with the z-loss)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -159,7 +168,7 @@ def vocab_parallel_cross_entropy_wrapper(fn):
             if tp_group is None:
                 return fn(vocab_parallel_logits, target, label_smoothing)
             return fn(vocab_parallel_logits, target, label_smoothing, tp_group=tp_group)
-        return fused_loss(vocab_parallel_logits, target, tp_group, label_smoothing, settings)[0]
+        return fused_loss(vocab_parallel_logits, target, tp_group, label_smoothing, settings.z_loss_coeff)[0]
 
     vocab_parallel_cross_entropy.__cez_wraps__ = fn
     return vocab_parallel_cross_entropy
@@ -173,7 +182,7 @@ def fused_vocab_parallel_cross_entropy_wrapper(fn):
         settings = _settings.ACTIVE
         if settings is None:
             return fn(vocab_parallel_logits, target, tp_group)
-        return fused_loss(vocab_parallel_logits, target, tp_group, 0.0, settings)[0]
+        return fused_loss(vocab_parallel_logits, target, tp_group, 0.0, settings.z_loss_coeff)[0]
 
     fused_vocab_parallel_cross_entropy.__cez_wraps__ = fn
     return fused_vocab_parallel_cross_entropy
@@ -192,7 +201,7 @@ def te_parallel_cross_entropy_wrapper(fn):
             if fn is None:
                 raise RuntimeError("Trying to use a TE block when it's not present.")
             return fn(logits, labels, tp_group, is_cg_capturable)
-        return fused_loss(logits, labels, tp_group, 0.0, settings)[0]
+        return fused_loss(logits, labels, tp_group, 0.0, settings.z_loss_coeff)[0]
 
     if fn is not None:
         te_parallel_cross_entropy = functools.wraps(fn)(te_parallel_cross_entropy)

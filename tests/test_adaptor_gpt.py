@@ -1,11 +1,21 @@
 """A tiny megatron-core MoE GPTModel on CPU (real gloo processes): its loss goes through the fused op.
 
-Checked on every rank, for TP=1 x DP=2 and TP=2 (sequence parallel):
-* unpatched Megatron loss == loss with the adaptor installed but off (bit-identical);
-* patched loss == CE + c*lse^2 computed independently in float64 from the model's own logits;
-* ``lm_z_loss`` reported through Megatron's tracker == the float64 loss-mask-weighted mean of
-  c*lse^2, averaged over data-parallel ranks, next to ``load_balancing_loss``;
-* backward runs and gives finite gradients; ``remove()`` restores Megatron's loss exactly.
+Layouts: TP=1 x DP=2, and TP=2 with sequence parallelism x DP=2. Each iteration has two
+micro-batches whose loss masks differ in size, within a rank and across the DP ranks. Checked on
+every rank, against float64 references computed from the model's own logits (gathered over the
+TP vocab shards):
+
+* Megatron without the adaptor, with the adaptor installed but off, and after ``remove()``:
+  bit-identical per-token losses, logits gradients, parameter gradients and MoE metrics;
+* with the z-loss: the per-token loss equals plain CE (what Megatron logs as ``lm loss``), the
+  gradient of the logits equals that of ``sum((CE + c*lse^2) * mask) / sum(mask)``, and the
+  parameter gradients equal Megatron's backward of that float64 logits gradient;
+* ``lm_z_loss`` and ``lm_lse`` reported by :func:`mindspeed_cez.metrics.report` equal
+  ``sum(c*lse^2*mask) / sum(mask)`` over both micro-batches and both DP ranks, next to
+  Megatron's ``load_balancing_loss``; an eval forward (``model.eval()``, no grad) gives CE and
+  records nothing.
+
+Runs on every megatron-core of CI leg 1 (0.12.1 to 0.16.1, see ``.ci/run``).
 """
 
 import os
@@ -27,11 +37,10 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo test; GPU machines run tests/run_gpu_checks.sh"),
 ]
 
-VOCAB, SEQ, BATCH, LAYERS = 256, 16, 2, 2
+VOCAB, SEQ, BATCH, LAYERS, COEFF = 256, 16, 2, 2, 3e-2
 
 
 def _setup(tp):
-    import torch
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
@@ -49,20 +58,94 @@ def _setup(tp):
     return shims.build_tiny_gpt(config, VOCAB, SEQ, num_experts=4)
 
 
-def _batch(seed):
-    import torch
+def _micro_batches(dp_rank):
+    """Two micro-batches per rank; masks keep different numbers of tokens per micro-batch and rank."""
+    batches = []
+    for mb, keep in enumerate((0.9 - 0.3 * dp_rank, 0.35)):
+        g = torch.Generator().manual_seed(1000 + 10 * dp_rank + mb)
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        loss_mask = (torch.rand(BATCH, SEQ, generator=g) < keep).float()
+        loss_mask[:, 0] = 1.0
+        batches.append((tokens, labels, loss_mask))
+    return batches
 
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    loss_mask = (torch.rand(BATCH, SEQ, generator=g) < 0.7).float()
-    loss_mask[:, 0] = 1.0
+
+def _iteration(model, batches, grad_of_logits=None):
+    """Forward + backward of every micro-batch with the objective ``sum(loss*mask) / sum(mask)``.
+
+    Returns per micro-batch ``(per-token loss, logits, logits grad)`` and the parameter grads.
+    With ``grad_of_logits`` (a list, one per micro-batch), the model is run without labels and
+    those gradients are fed into its logits instead (the float64 reference's backward).
+    """
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    return tokens, labels, loss_mask, position_ids
+    mask = shims.causal_attention_mask(SEQ)
+    tokens_total = sum(float(m.sum()) for _, _, m in batches)
+    captured = []
+
+    def keep_logits(module, inputs, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        captured.append({"logits": logits.detach().clone(), "live": logits})
+        logits.register_hook(lambda g: captured[-1].__setitem__("grad", g.detach().clone()))
+
+    handle = model.output_layer.register_forward_hook(keep_logits)
+    model.zero_grad(set_to_none=True)
+    losses = []
+    try:
+        for i, (tokens, labels, loss_mask) in enumerate(batches):
+            if grad_of_logits is None:
+                loss = model(tokens, position_ids, mask, labels=labels, loss_mask=loss_mask)
+                losses.append(loss.detach().clone())
+                ((loss * loss_mask).sum() / tokens_total).backward()
+            else:
+                model(tokens, position_ids, mask)
+                live = captured[-1]["live"]
+                live.backward(grad_of_logits[i].to(live.dtype))
+    finally:
+        handle.remove()
+    for cap in captured:
+        del cap["live"]
+    shims.allreduce_sequence_parallel_grads(model)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return losses, captured, grads
 
 
-def _gpt_worker(rank, world_size, tp, coeff):
-    import torch
+def _full_vocab(logits_shard, tp_group):
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(logits_shard) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, logits_shard.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+def _reference(captured, batches, tp_group, tp_rank):
+    """float64: CE, lse and the logits gradient of sum((CE + c*lse^2)*mask)/sum(mask), per micro-batch."""
+    tokens_total = sum(float(m.sum()) for _, _, m in batches)
+    out = []
+    for cap, (_, labels, loss_mask) in zip(captured, batches):
+        full = _full_vocab(cap["logits"], tp_group).double().requires_grad_()  # [s, b, V]
+        lse = torch.logsumexp(full, dim=-1)
+        target = labels.transpose(0, 1)
+        ce = lse - full.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        m = loss_mask.transpose(0, 1).double()
+        (((ce + COEFF * lse**2) * m).sum() / tokens_total).backward()
+        v_local = cap["logits"].shape[-1]
+        grad = full.grad[..., tp_rank * v_local:(tp_rank + 1) * v_local]
+        out.append({"ce": ce.detach().transpose(0, 1), "lse": lse.detach().transpose(0, 1), "grad": grad})
+    return out
+
+
+def _assert_same(a, b, what):
+    la, ca, ga = a
+    lb, cb, gb = b
+    for x, y in zip(la, lb):
+        assert torch.equal(x, y), f"{what}: per-token losses differ"
+    for x, y in zip(ca, cb):
+        assert torch.equal(x["grad"], y["grad"]), f"{what}: logits gradients differ"
+    assert ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga), f"{what}: parameter gradients differ"
+
+
+def _gpt_worker(rank, world_size, tp):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -71,63 +154,76 @@ def _gpt_worker(rank, world_size, tp, coeff):
     from mindspeed_cez.patches import settings as _settings
 
     model = _setup(tp)
-    dp_rank = ps.get_data_parallel_rank()
-    tokens, labels, loss_mask, position_ids = _batch(1000 + dp_rank)
-    mask = shims.causal_attention_mask(SEQ)
-
-    def loss_of():
-        return model(tokens, position_ids, mask, labels=labels, loss_mask=loss_mask)
-
     model.train()
-    base = loss_of().detach()  # unpatched Megatron
+    tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+    assert dist.get_world_size(dp_group) == 2
+    batches = _micro_batches(ps.get_data_parallel_rank())
 
-    # float64 reference from the model's own logits (gathered over the TP vocab shards)
+    def run(**kw):
+        result = _iteration(model, batches, **kw)
+        return result, metrics.report(1, len(batches), LAYERS, track_names=["load_balancing_loss"])
+
+    patches.remove()
+    megatron, megatron_scalars = run()  # Megatron's own loss
+    assert "lm_z_loss" not in megatron_scalars and megatron_scalars["load_balancing_loss"] > 0
+
+    patches.install_patches()  # installed, inactive: Megatron's numbers, bit for bit
+    inactive, inactive_scalars = run()
+    _assert_same(inactive, megatron, "installed but inactive")
+    assert inactive_scalars == megatron_scalars
+
+    patches.apply(z_loss_coeff=COEFF, log_lse=True)
+    patches.apply(z_loss_coeff=COEFF, log_lse=True)  # twice: harmless
+    (losses, captured, grads), scalars = run()
+    ref = _reference(captured, batches, tp_group, tp_rank)
+    for loss, r, cap in zip(losses, ref, captured):
+        torch.testing.assert_close(loss.double(), r["ce"], rtol=1e-5, atol=1e-5)  # the value is CE
+        torch.testing.assert_close(cap["grad"].double(), r["grad"], rtol=1e-4, atol=1e-7)  # grad: CE + z
+    assert not torch.allclose(captured[0]["grad"], megatron[1][0]["grad"], rtol=1e-3, atol=0), "z-loss must change the gradient"
+    _, _, ref_grads = _iteration(model, batches, grad_of_logits=[r["grad"] for r in ref])
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+    # the metrics: token-weighted over both micro-batches and both DP ranks
+    sums = torch.zeros(3, dtype=torch.float64)
+    for r, (_, _, loss_mask) in zip(ref, batches):
+        m = loss_mask.double()
+        sums += torch.stack([(COEFF * r["lse"] ** 2 * m).sum(), (r["lse"] * m).sum(), m.sum()])
+    dist.all_reduce(sums, group=dp_group)
+    assert scalars["lm_z_loss"] == pytest.approx(float(sums[0] / sums[2]), rel=1e-5), scalars
+    assert scalars["lm_lse"] == pytest.approx(float(sums[1] / sums[2]), rel=1e-5), scalars
+    assert scalars["load_balancing_loss"] > 0
+    per_micro_batch = torch.stack([(COEFF * r["lse"] ** 2 * m).sum() / m.sum() for r, (_, _, m) in zip(ref, batches)])
+    assert abs(float(per_micro_batch.mean()) - scalars["lm_z_loss"]) > 1e-7, "the weighting must matter here"
+
+    # eval: CE, nothing recorded
+    model.eval()
     with torch.no_grad():
-        logits = model(tokens, position_ids, mask).double()  # [b, s, v_local]
-        parts = [torch.empty_like(logits) for _ in range(tp)]
-        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
-        full = torch.cat(parts, dim=-1)
-    lse = torch.logsumexp(full, dim=-1)
-    ce = lse - full.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(base.double(), ce, rtol=1e-5, atol=1e-5)  # sanity: Megatron's CE
-    z_ref = coeff * lse**2
-    expected = ce + z_ref
-
-    from megatron.core.transformer.moe import moe_utils  # noqa: F401  (tracker module loaded)
-
-    metrics.report(0, 1, LAYERS)  # start from an empty tracker
-    patches.install_patches()
-    assert torch.equal(loss_of().detach(), base), "installed but inactive must be Megatron's loss"
-    metrics.report(0, 1, LAYERS)
-
-    patches.apply(z_loss_coeff=coeff)
-    patches.apply(z_loss_coeff=coeff)  # twice: harmless
-    loss = loss_of()
-    torch.testing.assert_close(loss.detach().double(), expected, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(loss.detach(), base), "z-loss must change the loss"
-    ((loss * loss_mask).sum() / loss_mask.sum()).backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert grads and all(torch.isfinite(g).all() for g in grads)
-
-    scalars = metrics.report(1, 1, LAYERS, track_names=["load_balancing_loss"])
-    local = (z_ref * loss_mask).sum() / loss_mask.sum()
-    dist.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=True))
-    local /= ps.get_data_parallel_world_size(with_context_parallel=True)
-    assert "load_balancing_loss" in scalars and scalars["load_balancing_loss"] > 0, scalars
-    assert scalars["lm_z_loss"] == pytest.approx(float(local), rel=1e-5), (scalars, float(local))
-    unmasked = float(z_ref.mean())
-    assert abs(unmasked - float(local)) > 1e-9 or world_size == 1  # the mask matters
+        tokens, labels, loss_mask = batches[0]
+        position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+        loss = model(tokens, position_ids, shims.causal_attention_mask(SEQ), labels=labels, loss_mask=loss_mask)
+    torch.testing.assert_close(loss.double(), ref[0]["ce"], rtol=1e-5, atol=1e-5)
+    assert metrics._SUMS is None, "an eval forward must not record"
+    model.train()
 
     _settings.set_active(None)  # flag off
-    assert torch.equal(loss_of().detach(), base)
-    patches.apply(z_loss_coeff=0.0)  # --lm-fused-ce: fused kernel, plain CE
-    torch.testing.assert_close(loss_of().detach(), base, rtol=1e-5, atol=1e-5)
+    _assert_same(run()[0], megatron, "flag off")
+    patches.apply(z_loss_coeff=0.0)  # --lm-fused-ce: fused kernel, plain CE and its gradient
+    (losses, captured, _), scalars = run()
+    assert "lm_z_loss" not in scalars
+    for loss, ref_loss, cap, ref_cap in zip(losses, megatron[0], captured, megatron[1]):
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cap["grad"], ref_cap["grad"], rtol=1e-4, atol=1e-7)
     patches.remove()
     patches.remove()
-    assert torch.equal(loss_of().detach(), base), "remove() must restore Megatron's loss"
+    removed, removed_scalars = run()
+    _assert_same(removed, megatron, "remove()")
+    assert removed_scalars == megatron_scalars
     assert not patches.installed_targets()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_gpt_moe_loss_and_lm_z_loss_metric(tp):
-    shims.run_on_ranks(2, _gpt_worker, tp, 3e-2, timeout=300)
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1-dp2", "tp2sp-dp2"])
+def test_gpt_moe_loss_gradient_and_lm_z_loss_metric(tp):
+    shims.run_on_ranks(2 * tp, _gpt_worker, tp, timeout=600)

@@ -34,6 +34,18 @@ def _ref(logits, target, c, a=0.0):
     return (1 - s) * ce - s * mean_logp + c * lse**2
 
 
+def _assert_ce_value_and_z_loss_gradient(call, logits, target, c, a=0.0):
+    """Megatron's convention for auxiliary losses: the value is CE, the gradient CE + c*lse^2."""
+    x = logits.float().requires_grad_()
+    weights = torch.rand(target.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    out = call(x)
+    (out.double() * weights).sum().backward()
+    x64 = logits.clone().requires_grad_()
+    (_ref(x64, target, c, a) * weights).sum().backward()
+    torch.testing.assert_close(out.detach().double(), _ref(logits, target, 0.0, a), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_apply_remove_idempotent_and_import_site_copies():
     from megatron.core import tensor_parallel
     from megatron.core.fusions import fused_cross_entropy
@@ -59,11 +71,10 @@ def test_apply_remove_idempotent_and_import_site_copies():
 
         logits, target = _logits_target(0)
         for fn in (first, lm.fused_vocab_parallel_cross_entropy, lm.te_parallel_cross_entropy):
-            out = fn(logits.float(), target) if fn is first else fn(logits.float(), target, None)
-            torch.testing.assert_close(out.double(), _ref(logits, target, 2e-2), rtol=1e-5, atol=1e-5)
+            call = (lambda x: fn(x, target)) if fn is first else (lambda x: fn(x, target, None))
+            _assert_ce_value_and_z_loss_gradient(call, logits, target, 2e-2)
         # label smoothing in Megatron's convention
-        out = first(logits.float(), target, label_smoothing=0.1)
-        torch.testing.assert_close(out.double(), _ref(logits, target, 2e-2, 0.1), rtol=1e-5, atol=1e-5)
+        _assert_ce_value_and_z_loss_gradient(lambda x: first(x, target, label_smoothing=0.1), logits, target, 2e-2, 0.1)
     finally:
         patches.remove()
         patches.remove()
@@ -194,10 +205,8 @@ def test_mindspeed_feature_registers_args_validation_and_patches(fake_mindspeed)
     from megatron.core import tensor_parallel
 
     logits, target = _logits_target(3)
-    out = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target)
-    torch.testing.assert_close(out.double(), _ref(logits, target, 5e-3), rtol=1e-5, atol=1e-5)
+    _assert_ce_value_and_z_loss_gradient(lambda x: tensor_parallel.vocab_parallel_cross_entropy(x, target), logits, target, 5e-3)
     # patches.apply() in MindSpeed mode goes through the same manager
     patches.apply(z_loss_coeff=1e-3)
     assert patches.installed_targets() == []
-    out = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), target)
-    torch.testing.assert_close(out.double(), _ref(logits, target, 1e-3), rtol=1e-5, atol=1e-5)
+    _assert_ce_value_and_z_loss_gradient(lambda x: tensor_parallel.vocab_parallel_cross_entropy(x, target), logits, target, 1e-3)
