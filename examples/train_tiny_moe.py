@@ -24,11 +24,19 @@ import json
 import os
 import sys
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 VOCAB, SEQ, MICRO_BATCH, LAYERS, EXPERTS = 512, 32, 4, 2, 4
+
+
+def quiet_megatron_warnings():
+    """Megatron's known warnings on a machine without Apex / Transformer Engine (this example only)."""
+    for message in (r".*(Apex|Transformer Engine).*not installed", r"full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\..* is deprecated", category=FutureWarning)
 
 
 def build(tp, use_cpu):
@@ -40,7 +48,8 @@ def build(tp, use_cpu):
 
     if use_cpu:
         shims.apply()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_tensor_parallel_size=1)
+    # expert TP = TP: the 0.12 line's local experts fail with sequence parallelism otherwise
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp)
     torch.manual_seed(1234)
     if not use_cpu:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -51,7 +60,7 @@ def build(tp, use_cpu):
         num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=64,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         moe_token_dispatcher_type="allgather",
-        tensor_model_parallel_size=tp, expert_tensor_parallel_size=1, sequence_parallel=tp > 1,
+        tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp, sequence_parallel=tp > 1,
         add_bias_linear=False, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
     )
     model = shims.build_tiny_gpt(config, VOCAB, SEQ, num_experts=EXPERTS)
@@ -140,6 +149,7 @@ def main(argv=None):
     import megatron_cpu_shims as shims
 
     os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's setting for sequence parallelism
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     runs = {}
     t0 = time.time()
@@ -161,6 +171,7 @@ def main(argv=None):
 
 
 def _entry(rank, world_size, coeff, iters, out_json):
+    quiet_megatron_warnings()
     import torch
 
     if torch.cuda.is_available():

@@ -45,14 +45,15 @@ def _setup(tp):
     from megatron.core.transformer import TransformerConfig
 
     shims.apply()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_tensor_parallel_size=1)
+    # expert TP = TP: the 0.12 line's local experts fail with sequence parallelism otherwise
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp)
     torch.manual_seed(1234)  # same weights on every rank (CPU init of the full weights)
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
         num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         moe_token_dispatcher_type="allgather",
-        tensor_model_parallel_size=tp, expert_tensor_parallel_size=1, sequence_parallel=tp > 1,
+        tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp, sequence_parallel=tp > 1,
         add_bias_linear=False, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
     )
     return shims.build_tiny_gpt(config, VOCAB, SEQ, num_experts=4)
