@@ -13,9 +13,10 @@ CPU (CI): the same with ``--distributed-backend gloo``; without a GPU the CPU sh
 (``examples/megatron_cpu_shims.py`` if present, then ``examples/megatron_training_cpu_shims.py``)
 steer Megatron's hard-coded CUDA calls to the CPU. See ``examples/run_megatron_lm_moe.sh``.
 
-Test hook: with ``CEZ_DUMP_LOGITS_DIR`` set, the output layer's logits (this rank's vocab shard),
-labels and loss mask of iteration ``CEZ_DUMP_ITERATION`` (default 1) are written to
-``$CEZ_DUMP_LOGITS_DIR/logits_iter{N}_tp{rank}.pt`` by a forward hook.
+Test hook: with ``CEZ_DUMP_LOGITS_DIR`` set, a forward hook writes the output layer's logits (this
+rank's vocab shard), labels and loss mask of every micro-batch of iteration ``CEZ_DUMP_ITERATION``
+(default 1) and of the first evaluation to ``$CEZ_DUMP_LOGITS_DIR/logits_{iterN|eval}_dp{d}_mb{k}_tp{t}.pt``;
+with ``CEZ_TEST_MASK_TAIL`` set, each micro-batch's loss mask drops a data-dependent tail.
 """
 
 import mindspeed_cez.megatron_adaptor  # noqa: F401  (the one-line integration)
@@ -143,18 +144,29 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
 # ------------------------------------------------------------------------ test hook: dump logits
 _CURRENT_BATCH = {}
+_DUMPED = {"train": 0, "eval": 0}
 
 
 def _dump_logits_hook(module, inputs, output):
+    """Training: every micro-batch of iteration ``CEZ_DUMP_ITERATION``; eval: the first evaluation."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
     args = get_args()
-    iteration = int(os.environ.get("CEZ_DUMP_ITERATION", "1"))
-    # args.iteration counts completed iterations; during iteration N's forward it is N - 1.
-    if not module.training or getattr(args, "curr_iteration", -1) != iteration - 1:
-        return
+    if module.training:
+        # args.curr_iteration counts completed iterations; during iteration N's forward it is N - 1.
+        iteration = int(os.environ.get("CEZ_DUMP_ITERATION", "1"))
+        if getattr(args, "curr_iteration", -1) != iteration - 1:
+            return
+        kind, name = "train", f"iter{iteration}"
+    else:
+        if _DUMPED["eval"] >= args.eval_iters * get_num_microbatches():
+            return
+        kind, name = "eval", "eval"
     logits = output[0] if isinstance(output, tuple) else output
     out_dir = os.environ["CEZ_DUMP_LOGITS_DIR"]
     os.makedirs(out_dir, exist_ok=True)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    dp_rank = parallel_state.get_data_parallel_rank()
     torch.save(
         {
             "logits": logits.detach().float().cpu(),  # [s, b, vocab / tp], this rank's shard
@@ -162,14 +174,15 @@ def _dump_logits_hook(module, inputs, output):
             "loss_mask": _CURRENT_BATCH["loss_mask"].detach().float().cpu(),  # [b, s]
             "tp_rank": tp_rank,
             "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
-            "iteration": iteration,
             "lm_z_loss_coeff": getattr(args, "lm_z_loss_coeff", None),
         },
-        os.path.join(out_dir, f"logits_iter{iteration}_tp{tp_rank}.pt"),
+        os.path.join(out_dir, f"logits_{name}_dp{dp_rank}_mb{_DUMPED[kind]}_tp{tp_rank}.pt"),
     )
+    _DUMPED[kind] += 1
 
 
 # ---------------------------------------------------------------------------- batch and loss
+_TUPLE_REPORTS = False
 def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -197,7 +210,21 @@ def get_batch(data_iterator):
     for k in fields:
         torch.distributed.broadcast(batch[k], src, group=group)
     batch.setdefault("attention_mask", None)
+    if os.environ.get("CEZ_TEST_MASK_TAIL"):
+        # test hook: mask a data-dependent tail of each micro-batch, so that micro-batches (and
+        # data-parallel ranks) count different numbers of tokens, as packed sequences do
+        keep = 4 + int(batch["tokens"].sum()) % (args.seq_length - 4)
+        batch["loss_mask"][:, keep:] = 0.0
     return batch
+
+
+def _train_step_sums_tuples():
+    """The 0.12 line's ``train_step`` sums ``(loss sum, token count)`` tuples that the loss
+    function all-reduced over data parallel; later lines take a ``[sum, count]`` tensor and
+    all-reduce it themselves."""
+    from megatron.training import training
+
+    return "isinstance(val, tuple)" in inspect.getsource(training.train_step)
 
 
 def loss_func(loss_mask, output_tensor):
@@ -206,8 +233,11 @@ def loss_func(loss_mask, output_tensor):
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
-    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
-    return loss, num_tokens, report
+    reporting = torch.cat([loss.clone().detach().view(1), loss_mask.sum().view(1)])
+    if _TUPLE_REPORTS:
+        torch.distributed.all_reduce(reporting, group=parallel_state.get_data_parallel_group())
+        return loss, num_tokens, {"lm loss": (reporting[0], reporting[1])}
+    return loss, num_tokens, {"lm loss": reporting}
 
 
 def forward_step(data_iterator, model):
@@ -264,6 +294,8 @@ def _skip_dataset_helpers_build_if_prebuilt():
 
 # -------------------------------------------------------------------------------------- main
 def main():
+    global _TUPLE_REPORTS
+    _TUPLE_REPORTS = _train_step_sums_tuples()
     _skip_dataset_helpers_build_if_prebuilt()
     params = inspect.signature(pretrain).parameters
     if "cfg_container" in params:
