@@ -4,7 +4,7 @@ The one line that matters is the first import: it patches Megatron so that ``--l
 (and ``--lm-fused-ce`` / ``--no-lm-fused-ce``) are parsed, validated and applied, and the metric
 ``lm_z_loss`` shows up in Megatron's training log line. The rest is a short Megatron entry script
 (model provider, forward step / loss with ``loss_mask``, mock or real GPT data), written for
-megatron-core 0.19.x with ``megatron.training`` (``parse_and_validate_args`` ->
+megatron-core 0.18 and later with ``megatron.training`` (``parse_and_validate_args`` ->
 ``pretrain_cfg_container_from_args`` -> ``pretrain(cfg, ...)``) and for the classic Megatron-LM
 flow (``pretrain(datasets_provider, model_provider, ...)`` parsing the arguments itself).
 
@@ -52,7 +52,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
 
-try:  # megatron-core 0.19.x
+try:  # megatron-core 0.18 and later
     from megatron.training.argument_utils import core_transformer_config_from_args
 except ImportError:  # classic Megatron-LM
     from megatron.training.arguments import core_transformer_config_from_args
@@ -299,15 +299,16 @@ def main():
     _skip_dataset_helpers_build_if_prebuilt()
     params = inspect.signature(pretrain).parameters
     if "cfg_container" in params:
-        # megatron-core 0.19.x: parse + validate, build the config container, then pretrain.
+        # megatron-core 0.18 and later: parse + validate, build the config container, then pretrain.
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
         from megatron.training.arguments import parse_and_validate_args
 
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS)
         cfg = pretrain_cfg_container_from_args(args)
-        pretrain(
-            cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-            model_provider=model_provider,
+        pretrain(  # by keyword: 0.18 and 0.19 order these parameters differently
+            cfg, train_valid_test_dataset_provider=train_valid_test_datasets_provider,
+            model_provider=model_provider, model_type=ModelType.encoder_or_decoder,
+            forward_step_func=forward_step,
         )
     else:
         # Classic Megatron-LM: pretrain() parses and validates the arguments itself.
