@@ -3,12 +3,13 @@
 # initialize, pretrain, training_log). From scratch on a fresh machine with only pip:
 # a venv, pinned torch, megatron-core, this package (editable) and pytest, then the tests that
 # need megatron.training, among them the end-to-end run of Megatron's own training loop
-# (tests/test_e2e_megatron_training.py: torchrun, 2 ranks, TP=2, gloo, mock data).
+# (tests/test_e2e_megatron_training.py: torchrun, 2 ranks, TP=2, gloo, mock data) and its parallel
+# layouts (tests/test_e2e_layouts.py: PP, VPP, EP, DP, MTP, checkpoint resume).
 #
 #   bash .ci/leg_py312.sh              # venv in .venv312/ (git-ignored), re-used if present
 #   PY312=/path/to/python3.12 VENV=/tmp/v bash .ci/leg_py312.sh
 #
-# Budget: about 25 minutes on 2 cores (venv + torch install 2-3 min; the tests about 3 min).
+# Budget: about 25 minutes on 2 cores (venv + torch install 2-3 min; the tests about 12 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
@@ -29,7 +30,8 @@ stamp "venv $VENV from $PY312"
 
 stamp "install torch==$TORCH_VERSION megatron-core==$MEGATRON_CORE_VERSION, the package, pytest"
 "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
-"$VENV/bin/python" -m pip install -q "megatron-core==$MEGATRON_CORE_VERSION" pytest
+# psutil: Megatron's torch_dist checkpoint save starts a worker that needs it
+"$VENV/bin/python" -m pip install -q "megatron-core==$MEGATRON_CORE_VERSION" pytest psutil
 # --no-deps: the pins above stay as they are (the extras would re-resolve megatron-core)
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 "$VENV/bin/python" - <<EOF
@@ -41,8 +43,9 @@ print("python", __import__("sys").version.split()[0], "| torch", torch.__version
       "| megatron-core", version("megatron-core"), "| cuda", torch.cuda.is_available())
 EOF
 
-# The tests that need megatron.training (they skip cleanly on leg 1's megatron-core 0.16.1).
-tests=(tests/test_e2e_megatron_training.py)
+# The tests that need megatron.training (they skip cleanly on leg 1's megatron-core 0.16.1), and
+# the megatron-core GPT tests once more on this line (its MoE schedule-plan node among them).
+tests=(tests/test_e2e_megatron_training.py tests/test_e2e_layouts.py tests/test_adaptor_gpt.py)
 for f in $(grep -l "megatron\.training" tests/test_*.py); do
     [[ " ${tests[*]} " == *" $f "* ]] || tests+=("$f")
 done

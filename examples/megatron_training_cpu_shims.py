@@ -5,7 +5,8 @@ all-reduces of timers and losses, ``torch.cuda.current_device()``, ``torch.cuda.
 memory reports, the ``assert torch.cuda.is_available()`` in ``initialize_megatron``...).
 :func:`apply` steers all of these to the CPU so that the real loop runs over gloo:
 
-* tensor factories and ``Tensor.to``/``Tensor.cuda`` map any CUDA device to ``cpu``;
+* tensor factories (``torch.*`` and ``Tensor.new_*``) and ``Tensor.to``/``Tensor.cuda`` map any
+  CUDA device to ``cpu``;
 * ``torch.cuda`` stream/event/synchronize/memory/RNG helpers become CPU no-ops or CPU RNG calls;
 * ``initialize_megatron`` is called with ``allow_no_cuda=True``;
 * Megatron's model-parallel RNG tracker is seeded on the CPU generator.
@@ -58,6 +59,9 @@ _FACTORIES = (
     "randperm", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "linspace", "eye", "empty_strided",
 )
+
+
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 
 
 def _tensor_to(real_to):
@@ -214,6 +218,23 @@ def _patch_megatron():
         for g in grads:
             g.detach().mul_(clip_coeff)
 
+    # The alltoall dispatcher turns its split sizes into host arrays only when they are CUDA
+    # tensors; on the CPU they must become host arrays too (all_to_all_single takes int lists).
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    real_move = getattr(moe_utils, "maybe_move_tensor_to_cpu", None)
+    if real_move is not None and not getattr(real_move, "_cez_cpu_shim", False):
+
+        def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+            if as_numpy and torch.is_tensor(tensor):
+                return tensor.numpy()
+            return real_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+        maybe_move_tensor_to_cpu._cez_cpu_shim = True
+        moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+        if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+            token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
     clip_grad_by_total_norm_fp32._cez_cpu_shim = True
     m_clip.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
     m_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
@@ -229,6 +250,10 @@ def apply(force=False):
         if fn is not None and not getattr(fn, "_cez_cpu_shim", False):
             setattr(torch, name, _wrap_factory(fn))
     torch.Tensor.to = _tensor_to(torch.Tensor.to)
+    for name in _TENSOR_FACTORIES:  # e.g. the alltoall dispatcher's new_empty(device=current_device())
+        fn = getattr(torch.Tensor, name)
+        if not getattr(fn, "_cez_cpu_shim", False):
+            setattr(torch.Tensor, name, _wrap_factory(fn))
     torch.Tensor.cuda = _tensor_cuda
     _patch_torch_cuda()
     _patch_megatron()

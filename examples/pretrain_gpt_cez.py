@@ -93,40 +93,66 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _layer_spec(args, config):
-    use_te = args.transformer_impl == "transformer_engine"
-    if use_te:
+def _num_layers_to_build(config, vp_stage):
+    """This pipeline stage's (and virtual stage's) share of the layers."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    if "vp_stage" in inspect.signature(get_num_layers_to_build).parameters:
+        return get_num_layers_to_build(config, vp_stage=vp_stage)
+    return get_num_layers_to_build(config)
+
+
+def _layer_specs(args, config, vp_stage):
+    """(decoder spec for this stage, spec of one layer): TE's, else the local one with torch norms."""
+    if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
             qk_layernorm=args.qk_layernorm,
         )
-        return spec
+        return spec, spec
     spec = get_gpt_layer_local_spec(
         num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
         qk_layernorm=args.qk_layernorm, normalization=args.normalization,
     )
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if not getattr(gpt_layer_specs, "HAVE_APEX", False):
-        submodules = dataclasses.replace(
-            spec.submodules, input_layernorm=SequenceParallelTorchNorm,
-            pre_mlp_layernorm=SequenceParallelTorchNorm,
-        )
-        spec = dataclasses.replace(spec, submodules=submodules)
-        return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=SequenceParallelTorchNorm)
-    return spec
+    if getattr(gpt_layer_specs, "HAVE_APEX", False):
+        return spec, spec
+    submodules = dataclasses.replace(
+        spec.submodules, input_layernorm=SequenceParallelTorchNorm, pre_mlp_layernorm=SequenceParallelTorchNorm,
+    )
+    spec = dataclasses.replace(spec, submodules=submodules)
+    block = TransformerBlockSubmodules(
+        layer_specs=[spec] * _num_layers_to_build(config, vp_stage), layer_norm=SequenceParallelTorchNorm,
+    )
+    return block, spec
+
+
+def _with_supported(fn, **kwargs):
+    """The keyword arguments ``fn`` accepts in this Megatron line (e.g. ``vp_stage``)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None, **kwargs):
-    """Build a GPTModel (MoE when --num-experts is set) from Megatron's parsed arguments."""
+    """Build a GPTModel (MoE when --num-experts is set, MTP with --mtp-num-layers) for this stage."""
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
+    decoder_spec, layer_spec = _layer_specs(args, config, vp_stage)
+    extra = _with_supported(GPTModel.__init__, vp_stage=vp_stage)
+    if getattr(args, "mtp_num_layers", None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(
+            config, layer_spec, use_transformer_engine=args.transformer_impl == "transformer_engine",
+            **_with_supported(get_gpt_mtp_block_spec, vp_stage=vp_stage),
+        )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(args, config),
+        transformer_layer_spec=decoder_spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -136,9 +162,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
+        **extra,
     )
     if post_process and os.environ.get("CEZ_DUMP_LOGITS_DIR"):
-        model.output_layer.register_forward_hook(_dump_logits_hook)
+        model.output_layer.register_forward_hook(_keep_logits_hook)
     return model
 
 
@@ -147,12 +174,19 @@ _CURRENT_BATCH = {}
 _DUMPED = {"train": 0, "eval": 0}
 
 
-def _dump_logits_hook(module, inputs, output):
-    """Training: every micro-batch of iteration ``CEZ_DUMP_ITERATION``; eval: the first evaluation."""
+def _keep_logits_hook(module, inputs, output):
+    """The output layer's last call of a forward is the main LM head's (MTP heads come first)."""
+    _CURRENT_BATCH["logits"] = output[0] if isinstance(output, tuple) else output
+    _CURRENT_BATCH["training"] = module.training
+
+
+def _dump_logits(logits):
+    """Training: every micro-batch of iteration ``CEZ_DUMP_ITERATION``; eval: the first evaluation.
+    Called from the loss function, before backward overwrites the logits with their gradient."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     args = get_args()
-    if module.training:
+    if _CURRENT_BATCH["training"]:
         # args.curr_iteration counts completed iterations; during iteration N's forward it is N - 1.
         iteration = int(os.environ.get("CEZ_DUMP_ITERATION", "1"))
         if getattr(args, "curr_iteration", -1) != iteration - 1:
@@ -162,7 +196,6 @@ def _dump_logits_hook(module, inputs, output):
         if _DUMPED["eval"] >= args.eval_iters * get_num_microbatches():
             return
         kind, name = "eval", "eval"
-    logits = output[0] if isinstance(output, tuple) else output
     out_dir = os.environ["CEZ_DUMP_LOGITS_DIR"]
     os.makedirs(out_dir, exist_ok=True)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -229,6 +262,9 @@ def _train_step_sums_tuples():
 
 def loss_func(loss_mask, output_tensor):
     """Sum of the per-token LM loss over the unmasked tokens, and their count (Megatron's contract)."""
+    logits = _CURRENT_BATCH.pop("logits", None)
+    if logits is not None:
+        _dump_logits(logits)
     losses = output_tensor.view(-1).float()
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)

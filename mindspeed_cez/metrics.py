@@ -6,7 +6,7 @@ Metrics
     ``sum(c * lse**2 * loss_mask) / sum(loss_mask)`` over every micro-batch of the iteration and
     every data-parallel x context-parallel rank: the weighting of Megatron's ``lm loss`` (each
     unmasked token of the iteration counts once). Reported from the last pipeline stage; the
-    mask is the ``loss_mask`` given to ``GPTModel.forward`` (a model called without one counts
+    mask is the ``loss_mask`` given to the ``GPTModel`` (a model called without one counts
     every token). MTP losses are not part of it (Megatron logs those as ``mtp_*``).
 ``lm_lse`` (opt-in: ``--lm-z-loss-log-lse`` / ``apply(log_lse=True)``)
     The same mean of the per-token log-sum-exp, taken from the fused op (no extra pass).

@@ -18,11 +18,12 @@ Patched (see ``PATCH_TARGETS`` in ``mindspeed_cez.patches``):
 * ``tensor_parallel.vocab_parallel_cross_entropy``, ``fused_vocab_parallel_cross_entropy`` and
   the language module's ``te_parallel_cross_entropy``, for code that calls them directly; every
   module that bound a copy (``from x import f``) is patched too.
-* ``GPTModel.forward`` -- only to see the ``loss_mask`` the training script passes, so that
-  ``lm_z_loss`` is the loss-mask-weighted mean (see :mod:`mindspeed_cez.metrics`).
+* ``GPTModel._postprocess`` (``forward`` on 0.12) -- only to see the ``loss_mask`` the training
+  script passes, so that ``lm_z_loss`` is the loss-mask-weighted mean (see :mod:`mindspeed_cez.metrics`).
 """
 
 import functools
+import inspect
 
 import torch
 
@@ -77,35 +78,46 @@ def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff)
 
 
 # ----------------------------------------------------------------------------------------------
-# the loss-mask context: GPTModel.forward -> compute_language_model_loss
+# the loss-mask context: GPTModel._postprocess (or forward) -> compute_language_model_loss
 # ----------------------------------------------------------------------------------------------
 
-_MASK_CONTEXT = []  # stack of (labels, loss_mask) for the GPTModel.forward calls in progress
+_MASK_CONTEXT = []  # stack of (labels, loss_mask) of the GPT loss computations in progress
 
 
-def gpt_model_forward_wrapper(fn):
-    """Remember ``(labels, loss_mask)`` of the forward in progress, for the ``lm_z_loss`` metric."""
+def loss_context_path():
+    """Where GPTModel gets ``labels`` and ``loss_mask`` together: ``_postprocess`` (0.13 on; the
+    MoE schedule-plan path of ``--overlap-moe-expert-parallel-comm`` calls it too, not
+    ``forward``), else ``forward`` (0.12)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    method = "_postprocess" if "_postprocess" in vars(GPTModel) else "forward"
+    return f"megatron.core.models.gpt.gpt_model.GPTModel.{method}"
+
+
+def gpt_loss_context_wrapper(fn):
+    """Remember ``(labels, loss_mask)`` of the GPT loss in progress, for the ``lm_z_loss`` metric."""
+    signature = inspect.signature(fn)
 
     @functools.wraps(fn)
-    def forward(self, *args, **kwargs):
+    def with_loss_context(self, *args, **kwargs):
         if _settings.ACTIVE is None:
             return fn(self, *args, **kwargs)
-        labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
-        _MASK_CONTEXT.append((labels, kwargs.get("loss_mask")))
+        bound = signature.bind(self, *args, **kwargs).arguments
+        _MASK_CONTEXT.append((bound.get("labels"), bound.get("loss_mask")))
         try:
             return fn(self, *args, **kwargs)
         finally:
             _MASK_CONTEXT.pop()
 
-    forward.__cez_wraps__ = fn
-    return forward
+    with_loss_context.__cez_wraps__ = fn
+    return with_loss_context
 
 
 def _main_loss_mask(labels):
-    """``(is_main, loss_mask)``: whether ``labels`` are those of the ``GPTModel.forward`` in
-    progress (not an MTP head's rolled labels), and that forward's loss mask."""
+    """``(is_main, loss_mask)``: whether ``labels`` are those of the GPT loss in progress (not an
+    MTP head's rolled labels), and its loss mask."""
     if not _MASK_CONTEXT:
-        return True, None  # no GPTModel.forward around us: every token counts (documented)
+        return True, None  # no GPTModel around us: every token counts (documented)
     ctx_labels, loss_mask = _MASK_CONTEXT[-1]
     return ctx_labels is labels, loss_mask
 

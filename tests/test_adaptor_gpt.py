@@ -228,3 +228,53 @@ def _gpt_worker(rank, world_size, tp):
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1-dp2", "tp2sp-dp2"])
 def test_gpt_moe_loss_gradient_and_lm_z_loss_metric(tp):
     shims.run_on_ranks(2 * tp, _gpt_worker, tp, timeout=600)
+
+
+def _schedule_plan_worker(rank, world_size):
+    """The MoE schedule-plan path (``--overlap-moe-expert-parallel-comm``) never calls
+    ``GPTModel.forward``: its post-process node calls ``GPTModel._postprocess`` with the labels and
+    loss mask it kept. Megatron's node, run here on the CPU, must give the masked metric."""
+    import types
+
+    from megatron.core.models.common.utils import PostProcessNode
+
+    import mindspeed_cez.patches as patches
+    from mindspeed_cez import metrics
+
+    model = _setup(1)
+    model.train()
+    tokens, labels, loss_mask = _micro_batches(0)[1]
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    mask = shims.causal_attention_mask(SEQ)
+    kept = {}
+    handle = model.decoder.register_forward_hook(lambda m, i, o: kept.__setitem__("hidden", o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        logits = model(tokens, position_ids, mask).double()  # [b, s, v]
+    handle.remove()
+    lse = torch.logsumexp(logits, -1)
+    ce = lse - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+    patches.apply(z_loss_coeff=COEFF)
+    state = types.SimpleNamespace(
+        input_ids=tokens, position_ids=position_ids, labels=labels, loss_mask=loss_mask, attention_mask=mask,
+        decoder_input=None, rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, packed_seq_params=None,
+        sequence_len_offset=None, runtime_gather_output=None, extra_block_kwargs=None, output_processor=None,
+        output_processor_context=None,
+    )
+    loss = PostProcessNode(model, state, None, None).forward_impl(kept["hidden"].detach().requires_grad_())
+    torch.testing.assert_close(loss.double(), ce, rtol=1e-5, atol=1e-5)
+    scalars = metrics.report(1, 1, LAYERS, track_names=())
+    m = loss_mask.double()
+    expected = float((COEFF * lse**2 * m).sum() / m.sum())
+    assert scalars["lm_z_loss"] == pytest.approx(expected, rel=1e-5), scalars
+    assert abs(float(COEFF * (lse**2).mean()) - expected) > 1e-5 * expected  # the mask matters here
+    patches.remove()
+
+
+def test_schedule_plan_postprocess_node_uses_the_loss_mask():
+    pytest.importorskip("megatron.core.models.common.utils", reason="no MoE schedule plan in this megatron-core")
+    from megatron.core.models.common import utils
+
+    if not hasattr(utils, "PostProcessNode"):
+        pytest.skip("no schedule-plan post-process node in this megatron-core")
+    shims.run_on_ranks(1, _schedule_plan_worker, timeout=300)

@@ -28,100 +28,28 @@ the classic flow of the 0.12.1 line was run (README).
 import json
 import math
 import os
-import re
-import socket
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.training")
-import torch  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-ENTRY = REPO / "examples" / "pretrain_gpt_cez.py"
-ITERS = 3
-# Megatron 0.19 prints iteration 1 without resetting its running sums, so the line of iteration 2
-# averages iterations 1 and 2 (for lm loss and lm_z_loss alike); iteration 3's line is iteration 3
-# alone: check there, after two optimizer steps.
-DUMP_ITERATION = 3
-Z_COEFF = 1e-2
-VOCAB = 4096  # the 0.12 line's mock data holds token ids up to 4096
+from megatron_launch import (  # noqa: E402
+    DUMP_ITERATION, ITERATION_LINE, ITERS, MOE, REPO, TINY_GPT, Z_COEFF, ce_mean, launch,
+    per_micro_batch_z_mean, recompute_from_dump, with_args, z_loss_mean,
+)
 
 pytestmark = pytest.mark.slow
 
-TINY_MOE_GPT = [
-    "--tensor-model-parallel-size", "2", "--sequence-parallel",
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-    "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", str(VOCAB),
-    "--micro-batch-size", "2", "--global-batch-size", "4",  # two micro-batches per iteration
-    "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
-    "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
-    "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--train-iters", str(ITERS), "--log-interval", "1", "--eval-iters", "1", "--eval-interval", str(ITERS),
-    "--lr", "1e-3", "--lr-decay-style", "constant", "--seed", "1234",
-    "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--transformer-impl", "local", "--attention-backend", "unfused",
-    "--no-gradient-accumulation-fusion", "--use-cpu-initialization", "--no-masked-softmax-fusion",
-    "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
-]
-
-ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|(.*)")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fields(text):
-    values = {}
-    for field in text.split("|"):
-        if ":" in field:
-            key, _, value = field.partition(":")
-            try:
-                values[key.strip()] = float(value.strip())
-            except ValueError:
-                pass
-    return values
-
-
-def parse_log(text):
-    """{iteration: {metric: float}} from Megatron's training log lines."""
-    return {int(m.group(1)): _fields(m.group(3)) for m in map(ITERATION_LINE.search, text.splitlines()) if m}
-
-
-def first_validation(text):
-    """{metric: float} of the first ``validation loss at ...`` line."""
-    line = next(ln for ln in text.splitlines() if "validation loss at" in ln)
-    return _fields(line.partition("|")[2])
-
-
-_MOE_BEGIN, _MOE_END = TINY_MOE_GPT.index("--num-experts"), TINY_MOE_GPT.index("--disable-bias-linear")
-TINY_DENSE_GPT = TINY_MOE_GPT[:_MOE_BEGIN] + TINY_MOE_GPT[_MOE_END:]  # the same model without experts
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+TINY_DENSE_GPT = TP2 + with_args(TINY_GPT, global_batch_size=4)  # two micro-batches per iteration
+TINY_MOE_GPT = TINY_DENSE_GPT + MOE
 
 
 def _launch(tmp_path_factory, name, extra_args, model_args=TINY_MOE_GPT):
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs, or none (CPU + gloo)")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    out = tmp_path_factory.mktemp(name)
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
-               CEZ_DUMP_LOGITS_DIR=str(out / "dump"), CEZ_DUMP_ITERATION=str(DUMP_ITERATION),
-               CEZ_TEST_MASK_TAIL="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(ENTRY), *model_args, "--distributed-backend", backend, *extra_args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    log = proc.stdout + "\n" + proc.stderr
-    (out / "train.log").write_text(log)
-    assert proc.returncode == 0, f"{name}: pretraining failed (rc {proc.returncode}); log tail:\n{log[-6000:]}"
-    rows = parse_log(proc.stdout)
-    assert sorted(rows) == list(range(1, ITERS + 1)), f"{name}: logged iterations {sorted(rows)}\n{log[-4000:]}"
-    return {"rows": rows, "log": log, "dump": out / "dump", "validation": first_validation(proc.stdout)}
+    return launch(tmp_path_factory.mktemp(name), [*model_args, *extra_args])
 
 
 @pytest.fixture(scope="module")
@@ -149,29 +77,6 @@ def dense_run(tmp_path_factory):
     return _launch(tmp_path_factory, "dense_z_loss", ["--lm-z-loss-coeff", str(Z_COEFF)], TINY_DENSE_GPT)
 
 
-def recompute_from_dump(dump_dir, name=f"iter{DUMP_ITERATION}"):
-    """Per micro-batch: lse and CE over the full vocab (both TP shards, float64), and the loss mask."""
-    micro_batches = []
-    for mb in range(len(list(dump_dir.glob(f"logits_{name}_dp0_mb*_tp0.pt")))):
-        shards = [torch.load(dump_dir / f"logits_{name}_dp0_mb{mb}_tp{r}.pt") for r in range(2)]
-        assert [s["tp_rank"] for s in shards] == [0, 1] and all(s["tp_size"] == 2 for s in shards)
-        logits = torch.cat([s["logits"].double() for s in shards], dim=-1).transpose(0, 1)  # [b, s, V]
-        labels, mask = shards[0]["labels"], shards[0]["loss_mask"].double()
-        assert torch.equal(labels, shards[1]["labels"]) and logits.shape[:2] == labels.shape
-        assert logits.shape[-1] >= VOCAB
-        lse = torch.logsumexp(logits, dim=-1)
-        ce = lse - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        micro_batches.append((lse, ce, mask))
-    assert len(micro_batches) == 2, f"{name}: {len(micro_batches)} micro-batches dumped"
-    return micro_batches
-
-
-def token_mean(micro_batches, per_token):
-    """sum over micro-batches of sum(per_token * mask) / sum of the masks: Megatron's lm loss weighting."""
-    num = sum(float((per_token(lse, ce) * mask).sum()) for lse, ce, mask in micro_batches)
-    return num / sum(float(mask.sum()) for _, _, mask in micro_batches)
-
-
 def test_every_iteration_logs_lm_z_loss(z_run, plain_run):
     moe_names = [k for k in ("load_balancing_loss",) if k in plain_run["rows"][1]]  # as Megatron prints them
     for it, row in z_run["rows"].items():
@@ -186,19 +91,18 @@ def test_every_iteration_logs_lm_z_loss(z_run, plain_run):
 def test_lm_z_loss_is_token_weighted_over_micro_batches(z_run):
     micro_batches = recompute_from_dump(z_run["dump"])
     counts = [float(mask.sum()) for _, _, mask in micro_batches]
-    assert counts[0] != counts[1], f"the test needs unequal masks, got {counts}"
+    assert len(counts) == 2 and counts[0] != counts[1], f"the test needs two unequal masks, got {counts}"
     row = z_run["rows"][DUMP_ITERATION]
-    expected_z = token_mean(micro_batches, lambda lse, ce: Z_COEFF * lse**2)
+    expected_z = z_loss_mean(micro_batches)
     assert row["lm_z_loss"] == pytest.approx(expected_z, rel=1e-5), (row, expected_z)
-    per_micro_batch = sum(Z_COEFF * float((lse**2 * m).sum() / m.sum()) for lse, _, m in micro_batches) / 2
-    assert abs(per_micro_batch - expected_z) > 1e-5 * expected_z, "the weighting must matter here"
+    assert abs(per_micro_batch_z_mean(micro_batches) - expected_z) > 1e-5 * expected_z, "the weighting must matter here"
 
 
 def test_lm_loss_with_the_flag_is_cross_entropy(z_run, plain_run):
     """Megatron's convention for auxiliary losses: the z-loss is trained on, not logged in lm loss."""
     micro_batches = recompute_from_dump(z_run["dump"])
     row = z_run["rows"][DUMP_ITERATION]
-    assert row["lm loss"] == pytest.approx(token_mean(micro_batches, lambda lse, ce: ce), rel=1e-5), row
+    assert row["lm loss"] == pytest.approx(ce_mean(micro_batches), rel=1e-5), row
     # iteration 1 runs on the same initial weights: the same lm loss with and without the flag
     assert z_run["rows"][1]["lm loss"] == pytest.approx(plain_run["rows"][1]["lm loss"], rel=1e-5)
     # ... and the flag did train on the z-loss: the runs part from iteration 2 on
@@ -207,8 +111,8 @@ def test_lm_loss_with_the_flag_is_cross_entropy(z_run, plain_run):
 
 def test_validation_loss_and_ppl_are_cross_entropy(z_run):
     micro_batches = recompute_from_dump(z_run["dump"], "eval")
-    expected = token_mean(micro_batches, lambda lse, ce: ce)
-    z = token_mean(micro_batches, lambda lse, ce: Z_COEFF * lse**2)
+    expected = ce_mean(micro_batches)
+    z = z_loss_mean(micro_batches)
     assert z > 1e-3 * expected  # CE + z would be told apart
     val = z_run["validation"]
     assert val["lm loss value"] == pytest.approx(expected, rel=1e-5), (val, expected)
@@ -223,7 +127,7 @@ def test_without_flag_lm_loss_is_megatrons_cross_entropy(plain_run, opt_out_run)
         for key in ("load_balancing_loss",):
             assert plain_run["rows"][it].get(key) == opt_out_run["rows"][it].get(key), it
     micro_batches = recompute_from_dump(plain_run["dump"])
-    expected = token_mean(micro_batches, lambda lse, ce: ce)
+    expected = ce_mean(micro_batches)
     assert plain_run["rows"][DUMP_ITERATION]["lm loss"] == pytest.approx(expected, rel=1e-5)
     assert plain_run["validation"] == opt_out_run["validation"]
 
@@ -241,9 +145,9 @@ def test_dense_model_logs_lm_z_loss(dense_run):
         assert "load_balancing_loss" not in row, row
         assert math.isfinite(row["lm_z_loss"]) and row["lm_z_loss"] > 0, (it, row)
     micro_batches = recompute_from_dump(dense_run["dump"])
-    expected_z = token_mean(micro_batches, lambda lse, ce: Z_COEFF * lse**2)
+    expected_z = z_loss_mean(micro_batches)
     assert dense_run["rows"][DUMP_ITERATION]["lm_z_loss"] == pytest.approx(expected_z, rel=1e-5)
-    assert dense_run["rows"][DUMP_ITERATION]["lm loss"] == pytest.approx(token_mean(micro_batches, lambda lse, ce: ce), rel=1e-5)
+    assert dense_run["rows"][DUMP_ITERATION]["lm loss"] == pytest.approx(ce_mean(micro_batches), rel=1e-5)
 
 
 # ------------------------------------------------------------------ argument validation (real parser)
