@@ -174,40 +174,42 @@ _CURRENT_BATCH = {}
 _DUMPED = {"train": 0, "eval": 0}
 
 
-def _keep_logits_hook(module, inputs, output):
-    """The output layer's last call of a forward is the main LM head's (MTP heads come first)."""
-    _CURRENT_BATCH["logits"] = output[0] if isinstance(output, tuple) else output
-    _CURRENT_BATCH["training"] = module.training
-
-
-def _dump_logits(logits):
-    """Training: every micro-batch of iteration ``CEZ_DUMP_ITERATION``; eval: the first evaluation.
-    Called from the loss function, before backward overwrites the logits with their gradient."""
+def _dump_name(training):
+    """Training: every micro-batch of iteration ``CEZ_DUMP_ITERATION``; eval: the first evaluation."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     args = get_args()
-    if _CURRENT_BATCH["training"]:
+    if training:
         # args.curr_iteration counts completed iterations; during iteration N's forward it is N - 1.
         iteration = int(os.environ.get("CEZ_DUMP_ITERATION", "1"))
-        if getattr(args, "curr_iteration", -1) != iteration - 1:
-            return
-        kind, name = "train", f"iter{iteration}"
-    else:
-        if _DUMPED["eval"] >= args.eval_iters * get_num_microbatches():
-            return
-        kind, name = "eval", "eval"
+        return f"iter{iteration}" if getattr(args, "curr_iteration", -1) == iteration - 1 else None
+    return "eval" if _DUMPED["eval"] < args.eval_iters * get_num_microbatches() else None
+
+
+def _keep_logits_hook(module, inputs, output):
+    """A copy of the output layer's logits, taken before the loss (Megatron's own CE changes them
+    in place); the last call of a forward is the main LM head's (MTP heads come first)."""
+    name = _dump_name(module.training)
+    if name is not None:
+        logits = output[0] if isinstance(output, tuple) else output
+        _CURRENT_BATCH["logits"] = (name, logits.detach().to("cpu", torch.float32, copy=True))
+
+
+def _dump_logits(name, logits):
+    """Write this micro-batch's logits, labels and loss mask (called from the loss function)."""
+    kind = "eval" if name == "eval" else "train"
     out_dir = os.environ["CEZ_DUMP_LOGITS_DIR"]
     os.makedirs(out_dir, exist_ok=True)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
     torch.save(
         {
-            "logits": logits.detach().float().cpu(),  # [s, b, vocab / tp], this rank's shard
+            "logits": logits,  # [s, b, vocab / tp], this rank's shard
             "labels": _CURRENT_BATCH["labels"].detach().cpu(),  # [b, s]
             "loss_mask": _CURRENT_BATCH["loss_mask"].detach().float().cpu(),  # [b, s]
             "tp_rank": tp_rank,
             "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
-            "lm_z_loss_coeff": getattr(args, "lm_z_loss_coeff", None),
+            "lm_z_loss_coeff": getattr(get_args(), "lm_z_loss_coeff", None),
         },
         os.path.join(out_dir, f"logits_{name}_dp{dp_rank}_mb{_DUMPED[kind]}_tp{tp_rank}.pt"),
     )
@@ -262,9 +264,9 @@ def _train_step_sums_tuples():
 
 def loss_func(loss_mask, output_tensor):
     """Sum of the per-token LM loss over the unmasked tokens, and their count (Megatron's contract)."""
-    logits = _CURRENT_BATCH.pop("logits", None)
-    if logits is not None:
-        _dump_logits(logits)
+    pending = _CURRENT_BATCH.pop("logits", None)
+    if pending is not None:
+        _dump_logits(*pending)
     losses = output_tensor.view(-1).float()
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)

@@ -38,7 +38,9 @@ from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
 
 __all__ = ["LM_Z_LOSS", "LM_LSE", "record_lm_z_loss", "reduce_iteration", "report"]
 
-_SUMS = None  # this iteration's [sum(z * mask), sum(lse * mask), sum(mask)] on the device
+# This iteration's [sum(z * mask), sum(lse * mask), sum(mask)]: one buffer on the device, updated
+# and cleared in place, so a CUDA graph that captured the loss keeps adding into it on replay.
+_SUMS = None
 _REPORTING = [False]  # a caller reports our metrics itself: the MoE report wrapper stays out
 
 
@@ -67,7 +69,9 @@ def record_lm_z_loss(z_loss_per_token=None, loss_mask=None, *, lse_per_token=Non
         return mask.new_zeros(()) if t is None else (t.detach().float().reshape(-1) * mask).sum()
 
     sums = torch.stack([masked_sum(z_loss_per_token), masked_sum(lse_per_token), mask.sum()])
-    _SUMS = sums if _SUMS is None else _SUMS + sums
+    if _SUMS is None:
+        _SUMS = torch.zeros(3, device=sums.device)
+    _SUMS.add_(sums)
 
 
 def _parallel_state():
@@ -93,11 +97,13 @@ def reduce_iteration(names=None):
     iteration (the sums are all-reduced over data x context parallel, then over the pipeline,
     so every rank returns the last stage's values). ``names`` defaults to the active settings'.
     """
-    global _SUMS
     if names is None:
         settings = _settings.ACTIVE
         names = settings.metric_names() if settings is not None else []
-    sums, _SUMS = _SUMS, None
+    sums = None
+    if _SUMS is not None:
+        sums = _SUMS.clone()
+        _SUMS.zero_()
     if not names:
         return {}
     ps = _parallel_state()

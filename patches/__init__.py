@@ -34,11 +34,11 @@ def _targets():
     lm = "megatron.core.models.common.language_module.language_module"
     targets = [
         (f"{lm}.LanguageModule.compute_language_model_loss", mc.compute_language_model_loss_wrapper),
-        (mc.loss_context_path(), mc.gpt_loss_context_wrapper),
         ("megatron.core.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy", mc.vocab_parallel_cross_entropy_wrapper),
         ("megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy", mc.fused_vocab_parallel_cross_entropy_wrapper),
         (f"{lm}.te_parallel_cross_entropy", mc.te_parallel_cross_entropy_wrapper),
     ]
+    targets += [(path, mc.loss_context_wrapper) for path in mc.loss_context_paths()]
     report = moe_tracker.report_path()
     if report is not None:
         targets.append((report, metrics.moe_metrics_report_wrapper))

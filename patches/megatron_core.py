@@ -18,12 +18,16 @@ Patched (see ``PATCH_TARGETS`` in ``mindspeed_cez.patches``):
 * ``tensor_parallel.vocab_parallel_cross_entropy``, ``fused_vocab_parallel_cross_entropy`` and
   the language module's ``te_parallel_cross_entropy``, for code that calls them directly; every
   module that bound a copy (``from x import f``) is patched too.
-* ``GPTModel._postprocess`` (``forward`` on 0.12) -- only to see the ``loss_mask`` the training
-  script passes, so that ``lm_z_loss`` is the loss-mask-weighted mean (see :mod:`mindspeed_cez.metrics`).
+* ``GPTModel._postprocess`` (``forward`` on 0.12), ``HybridModel.forward`` / ``MambaModel.forward``
+  -- only to see the ``loss_mask`` the training script passes, so that ``lm_z_loss`` is the
+  loss-mask-weighted mean (see :mod:`mindspeed_cez.metrics`). Other models (BERT, T5) pass
+  none: their metric averages every token, with a one-time warning.
 """
 
 import functools
+import importlib
 import inspect
+import warnings
 
 import torch
 
@@ -84,18 +88,37 @@ def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff)
 _MASK_CONTEXT = []  # stack of (labels, loss_mask) of the GPT loss computations in progress
 
 
-def loss_context_path():
-    """Where GPTModel gets ``labels`` and ``loss_mask`` together: ``_postprocess`` (0.13 on; the
-    MoE schedule-plan path of ``--overlap-moe-expert-parallel-comm`` calls it too, not
-    ``forward``), else ``forward`` (0.12)."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
+# Models whose forward takes the training script's labels and loss mask: (module, class, the
+# method that receives both, in order of preference).
+_LOSS_CONTEXT_METHODS = (
+    # 0.13 on: _postprocess (the MoE schedule-plan path of --overlap-moe-expert-parallel-comm
+    # calls it directly, not forward); 0.12: forward
+    ("megatron.core.models.gpt.gpt_model", "GPTModel", ("_postprocess", "forward")),
+    ("megatron.core.models.hybrid.hybrid_model", "HybridModel", ("forward",)),
+    ("megatron.core.models.mamba.mamba_model", "MambaModel", ("forward",)),
+)
 
-    method = "_postprocess" if "_postprocess" in vars(GPTModel) else "forward"
-    return f"megatron.core.models.gpt.gpt_model.GPTModel.{method}"
+
+def loss_context_paths():
+    """Dotted paths of the methods that see ``labels`` and ``loss_mask`` together (feature-detected)."""
+    paths, seen = [], set()
+    for module_name, class_name, methods in _LOSS_CONTEXT_METHODS:
+        try:
+            owner = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        for method in methods:
+            fn = vars(owner).get(method)
+            if fn is not None and {"labels", "loss_mask"} <= set(inspect.signature(fn).parameters):
+                if fn not in seen:  # one class may live under two names
+                    seen.add(fn)
+                    paths.append(f"{module_name}.{class_name}.{method}")
+                break
+    return paths
 
 
-def gpt_loss_context_wrapper(fn):
-    """Remember ``(labels, loss_mask)`` of the GPT loss in progress, for the ``lm_z_loss`` metric."""
+def loss_context_wrapper(fn):
+    """Remember ``(labels, loss_mask)`` of the LM loss in progress, for the ``lm_z_loss`` metric."""
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
@@ -117,15 +140,23 @@ def _main_loss_mask(labels):
     """``(is_main, loss_mask)``: whether ``labels`` are those of the GPT loss in progress (not an
     MTP head's rolled labels), and its loss mask."""
     if not _MASK_CONTEXT:
-        return True, None  # no GPTModel around us: every token counts (documented)
+        return True, None  # no model that passes a loss mask around us: every token counts
     ctx_labels, loss_mask = _MASK_CONTEXT[-1]
     return ctx_labels is labels, loss_mask
 
 
-def _record(module, z_loss_bs, lse_bs, loss_mask, settings):
+_WARNED_NO_MASK = set()
+
+
+def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context):
     names = settings.metric_names()
     if not names or not module.training or not torch.is_grad_enabled():
         return
+    name = type(module).__name__
+    if not has_context and name not in _WARNED_NO_MASK:
+        _WARNED_NO_MASK.add(name)
+        warnings.warn(f"mindspeed_cez: {name} hands no loss mask to its LM loss; lm_z_loss and lm_lse "
+                      "average over every token of its micro-batches", stacklevel=3)
     from mindspeed_cez import metrics
 
     metrics.record_lm_z_loss(
@@ -157,7 +188,7 @@ def compute_language_model_loss_wrapper(fn):
         target = labels.transpose(0, 1).contiguous()
         loss, z_loss, lse = fused_loss(logits, target, _module_tp_group(self), smoothing, coeff)
         if is_main:
-            _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings)
+            _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, bool(_MASK_CONTEXT))
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged
         return loss.transpose(0, 1).contiguous()
 

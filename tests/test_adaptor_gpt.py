@@ -206,8 +206,17 @@ def _gpt_worker(rank, world_size, tp):
         position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
         loss = model(tokens, position_ids, shims.causal_attention_mask(SEQ), labels=labels, loss_mask=loss_mask)
     torch.testing.assert_close(loss.double(), ref[0]["ce"], rtol=1e-5, atol=1e-5)
-    assert metrics._SUMS is None, "an eval forward must not record"
+    assert metrics._SUMS is None or float(metrics._SUMS[2]) == 0, "an eval forward must not record"
     model.train()
+
+    # a caller that hands no loss mask (no GPTModel around the loss): every token counts, said once
+    logits = captured[0]["logits"].clone().requires_grad_()
+    with pytest.warns(UserWarning, match="no loss mask"):
+        model.compute_language_model_loss(batches[0][1], logits)
+    unmasked = torch.stack([(COEFF * ref[0]["lse"] ** 2).sum(), torch.tensor(float(ref[0]["lse"].numel()), dtype=torch.float64)])
+    dist.all_reduce(unmasked, group=dp_group)
+    scalars = metrics.report(2, 1, LAYERS, track_names=())
+    assert scalars["lm_z_loss"] == pytest.approx(float(unmasked[0] / unmasked[1]), rel=1e-5), scalars
 
     _settings.set_active(None)  # flag off
     _assert_same(run()[0], megatron, "flag off")

@@ -1,0 +1,54 @@
+"""``lm_z_loss`` / ``lm_lse`` reduction over Megatron's parallel groups (real gloo processes).
+
+On two ranks laid out as data parallel, context parallel (the sequence split; attention itself
+needs Transformer Engine, the reduction does not) or pipeline parallel, each rank records its
+own micro-batches with different masks, and every rank must report
+``sum(z * mask) / sum(mask)`` over the micro-batches of the ranks that hold the LM head (all of
+them for DP and CP, the last pipeline stage for PP), in float64 within fp32 rounding.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from distributed import run_on_ranks  # noqa: E402
+
+TOKENS = 37
+
+
+def _records(rank, micro_batch):
+    g = torch.Generator().manual_seed(100 * rank + micro_batch)
+    lse = 5 + torch.rand(TOKENS, generator=g, dtype=torch.float64)
+    mask = (torch.rand(TOKENS, generator=g) < 0.3 + 0.4 * rank).double()
+    return 1e-2 * lse**2, lse, mask
+
+
+def _worker(rank, world_size, layout):
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_cez import metrics
+
+    ps.initialize_model_parallel(**{"dp": {}, "cp": {"context_parallel_size": 2},
+                                    "pp": {"pipeline_model_parallel_size": 2}}[layout])
+    heads = [0, 1] if layout != "pp" else [1]  # ranks holding the LM head
+    names = [metrics.LM_Z_LOSS, metrics.LM_LSE]
+    for iteration in range(2):  # sums are cleared between iterations
+        if rank in heads:
+            for mb in range(2 + iteration):
+                z, lse, mask = _records(rank, 10 * iteration + mb)
+                metrics.record_lm_z_loss(z.float(), mask.float(), lse_per_token=lse.float())
+        values = metrics.reduce_iteration(names)
+        num = torch.zeros(3, dtype=torch.float64)
+        for r in heads:
+            for mb in range(2 + iteration):
+                z, lse, mask = _records(r, 10 * iteration + mb)
+                num += torch.stack([(z * mask).sum(), (lse * mask).sum(), mask.sum()])
+        assert float(values[metrics.LM_Z_LOSS]) == pytest.approx(float(num[0] / num[2]), rel=1e-6), layout
+        assert float(values[metrics.LM_LSE]) == pytest.approx(float(num[1] / num[2]), rel=1e-6), layout
+    ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("layout", ["dp", "cp", "pp"])
+def test_token_weighted_over_the_groups(layout):
+    run_on_ranks(2, _worker, layout, timeout=300)
