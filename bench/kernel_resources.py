@@ -20,23 +20,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mindspeed_cez.kernels import triton_cross_entropy as tce
+from mindspeed_cez.kernels.variants import variants
 
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64
 MAX_CTAS_PER_SM = 32
 
 
-# Arguments that Triton's launcher finds divisible by 16 in real use (it specializes on that at
-# run time): every pointer, the row strides, and the vocab width (a multiple of 128 in Megatron).
-_DIVISIBLE = ("row_stride", "logits_row_stride", "grad_row_stride", "n_cols")
-
-
-def _compile(fn, signature, constexprs, arch, num_warps):
-    divisible = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
-                 for k, v in signature.items() if v.startswith("*") or k in _DIVISIBLE}
-    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=divisible)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+def _compile(variant, arch):
+    fn = variant.fn
+    divisible = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in variant.divisible_args()}
+    src = ASTSource(fn=fn, signature={**variant.signature, **{k: "constexpr" for k in variant.constexprs}},
+                    constexprs={(fn.arg_names.index(k),): v for k, v in variant.constexprs.items()}, attrs=divisible)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": variant.num_warps})
 
 
 def _shared_per_sm(arch):
@@ -55,47 +51,15 @@ def _resources(kernel, tmpdir):
     return regs, stack, path
 
 
-def kernels_for(settings, dtype="bf16", n_cols=151936):
-    """[(name, fn, signature, constexprs, num_warps)] for one settings dict (LAUNCH_CONFIG entry)."""
-    fwd_block = min(settings["fwd_block_v"], triton.next_power_of_2(n_cols))
-    slot = min(settings["slot_width"] or fwd_block, fwd_block)
-    ints = ["n_rows", "n_cols", "rows_per_program", "vocab_start", "global_vocab", "ignore_index"]
-    fwd_sig = {"logits_ptr": f"*{dtype}", "row_stride": "i32", "target_ptr": "*i64", "out_ptr": "*fp32",
-               **{k: "i32" for k in ints}, "z_loss_coeff": "fp32", "target_weight": "fp32",
-               "smoothing_per_col": "fp32"}
-    bwd_sig = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i32", "grad_ptr": f"*{dtype}",
-               "grad_row_stride": "i32", "target_ptr": "*i64", "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32",
-               "grad_loss_stride": "i32", "n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32",
-               "vocab_start": "i32", "ignore_index": "i32", "z_loss_coeff": "fp32", "target_weight": "fp32",
-               "smoothing_per_col": "fp32"}
-    vec_sig = {"partials_ptr": "*fp32", "n_rows": "i32"}
-    loss_sig = {"partials_ptr": "*fp32", "target_ptr": "*i64", "n_rows": "i32", "ignore_index": "i32",
-                "z_loss_coeff": "fp32"}
-    out = []
-    for finish in (True, False):
-        for logit_sum in (False, True):
-            out.append((f"forward finish={finish} logit_sum={logit_sum}", tce._forward_kernel, fwd_sig,
-                        {"SLOTS": fwd_block // slot, "SLOT_WIDTH": slot, "FINISH": finish,
-                         "WITH_LOGIT_SUM": logit_sum, "EVICT": "evict_first"}, settings["fwd_warps"]))
-    bwd_block = min(settings["bwd_block_v"], triton.next_power_of_2(n_cols))
-    out.append(("grad", tce._grad_kernel, bwd_sig, {"BLOCK_V": bwd_block, "EVICT": "evict_first"},
-                settings["bwd_warps"]))
-    out.append(("rescale", tce._rescale_kernel, vec_sig, {"BLOCK": tce.VECTOR_BLOCK}, 4))
-    out.append(("loss from partials", tce._loss_from_partials_kernel, loss_sig, {"BLOCK": tce.VECTOR_BLOCK}, 4))
-    out.append(("target check", tce._check_target_kernel,
-                {"target_ptr": "*i64", "n_rows": "i32", "global_vocab": "i32", "ignore_index": "i32"},
-                {"BLOCK": tce.VECTOR_BLOCK}, 4))
-    return out
-
-
 def report(settings_name, arch=90, dtype="bf16", n_cols=151936, sass_dir=None, tmpdir="/tmp"):
     if isinstance(settings_name, str):
         settings = tce.launch_settings(settings_name, n_cols)
     else:
         settings = settings_name
     rows = []
-    for name, fn, sig, constexprs, warps in kernels_for(settings, dtype, n_cols):
-        kernel = _compile(fn, sig, constexprs, arch, warps)
+    for variant in variants(settings, dtype, n_cols):
+        name, warps = variant.name, variant.num_warps
+        kernel = _compile(variant, arch)
         regs, stack, cubin = _resources(kernel, tmpdir)
         by_regs = REGISTERS_PER_SM // (regs * 32 * warps)
         by_shared = _shared_per_sm(arch) // max(kernel.metadata.shared, 1)

@@ -1,0 +1,66 @@
+"""Every compiled variant of the Triton kernels, for ahead-of-time compiles without a device.
+
+A variant is what one launch compiles: the kernel, its argument types and its compile-time
+constants under one ``LAUNCH_CONFIG`` setting, logits dtype and vocab width. Used by
+``bench/kernel_resources.py`` (sm_90, through Triton's CUDA backend) and
+``tests/ascend_lowering.py`` (Ascend, through triton-ascend's front end and adapter).
+"""
+
+from dataclasses import dataclass
+
+import triton
+
+from . import triton_cross_entropy as tce
+
+# Arguments that Triton's launcher finds divisible by 16 in real use (it specializes on that at
+# run time): every pointer, the row strides, and the vocab width (a multiple of 128 in Megatron).
+DIVISIBLE = ("row_stride", "logits_row_stride", "grad_row_stride", "n_cols")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    fn: object  # the @triton.jit function
+    signature: dict  # argument name -> Triton type, constexprs left out
+    constexprs: dict  # constexpr name -> value
+    num_warps: int
+    cuda_only: bool = False  # launched on CUDA only (the others also on Ascend)
+
+    def divisible_args(self):
+        return [k for k, v in self.signature.items() if v.startswith("*") or k in DIVISIBLE]
+
+
+def variants(settings, dtype="bf16", n_cols=151936):
+    """The variants one ``LAUNCH_CONFIG`` entry compiles for ``dtype`` logits ``n_cols`` wide."""
+    fwd_block = min(settings["fwd_block_v"], triton.next_power_of_2(n_cols))
+    slot = min(settings["slot_width"] or fwd_block, fwd_block)
+    ints = ["n_rows", "n_cols", "rows_per_program", "vocab_start", "global_vocab", "ignore_index"]
+    fwd_sig = {"logits_ptr": f"*{dtype}", "row_stride": "i32", "target_ptr": "*i64", "out_ptr": "*fp32",
+               **{k: "i32" for k in ints}, "z_loss_coeff": "fp32", "target_weight": "fp32",
+               "smoothing_per_col": "fp32"}
+    bwd_sig = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i32", "grad_ptr": f"*{dtype}",
+               "grad_row_stride": "i32", "target_ptr": "*i64", "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32",
+               "grad_loss_stride": "i32", "n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32",
+               "vocab_start": "i32", "ignore_index": "i32", "z_loss_coeff": "fp32", "target_weight": "fp32",
+               "smoothing_per_col": "fp32"}
+    out = []
+    for finish in (True, False):
+        for logit_sum in (False, True):
+            out.append(Variant(
+                f"forward finish={finish} logit_sum={logit_sum}", tce._forward_kernel, fwd_sig,
+                {"SLOTS": fwd_block // slot, "SLOT_WIDTH": slot, "FINISH": finish, "WITH_LOGIT_SUM": logit_sum,
+                 "EVICT": "evict_first"},
+                settings["fwd_warps"]))
+    bwd_block = min(settings["bwd_block_v"], triton.next_power_of_2(n_cols))
+    out.append(Variant("grad", tce._grad_kernel, bwd_sig, {"BLOCK_V": bwd_block, "EVICT": "evict_first"},
+                       settings["bwd_warps"]))
+    out.append(Variant("rescale", tce._rescale_kernel, {"partials_ptr": "*fp32", "n_rows": "i32"},
+                       {"BLOCK": tce.VECTOR_BLOCK}, 4))
+    out.append(Variant("loss from partials", tce._loss_from_partials_kernel,
+                       {"partials_ptr": "*fp32", "target_ptr": "*i64", "n_rows": "i32", "ignore_index": "i32",
+                        "z_loss_coeff": "fp32"},
+                       {"BLOCK": tce.VECTOR_BLOCK}, 4))
+    out.append(Variant("target check", tce._check_target_kernel,
+                       {"target_ptr": "*i64", "n_rows": "i32", "global_vocab": "i32", "ignore_index": "i32"},
+                       {"BLOCK": tce.VECTOR_BLOCK}, 4, cuda_only=True))
+    return out

@@ -1,0 +1,56 @@
+"""Every Triton kernel lowers through triton-ascend's front end and adapter (CPU, no NPU).
+
+Runs where ``triton`` is triton-ascend's (CI: ``.ci/leg_ascend.sh``, a venv of its own with
+triton-ascend 3.2.0); skipped elsewhere. ``tests/ascend_lowering.py`` runs in a subprocess
+without ``TRITON_INTERPRET`` (which the CPU test configuration sets) and lowers each variant of
+the Ascend launch setting through the ``ttir`` and ``ttadapter`` stages for Ascend910B3:
+forward (one rank: FINISH; several: partials; with and without the smoothing sum), the TP
+path's rescale and loss-from-partials kernels, the gradient kernel; bf16, fp16, fp32 logits; a
+wide and a narrow vocab slice. A failure names the variant and carries the compiler's message.
+The target-check kernel launches on CUDA only (a device-side assert); it is lowered too and
+reported as CUDA-only. ``npubin`` needs CANN and is not run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton.backends.ascend", reason="needs triton-ascend (CI: .ci/leg_ascend.sh)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "ascend_lowering.py")
+
+
+def _run(*args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_kernel_variant_lowers_for_ascend():
+    out = _run()
+    rows = out["result"]
+    failed = [f"{r['name']} {r['dtype']} n_cols={r['n_cols']}:\n{r['error']}" for r in rows if not r["ok"]]
+    assert not failed, "did not lower for Ascend:\n\n" + "\n\n".join(failed)
+    names = {r["name"] for r in rows}
+    assert names == {
+        "forward finish=True logit_sum=False", "forward finish=True logit_sum=True",
+        "forward finish=False logit_sum=False", "forward finish=False logit_sum=True",
+        "grad", "rescale", "loss from partials", "target check",
+    }, names
+    assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"} and len(rows) == 8 * 3 * 2
+    assert [r["name"] for r in rows if r["cuda_only"]] == ["target check"] * 6
+    forward = next(r for r in rows if r["name"].startswith("forward") and r["n_cols"] == 151936)
+    assert forward["constexprs"]["SLOTS"] == 1 and forward["constexprs"]["SLOT_WIDTH"] == 4096  # Ascend's tiles
+    assert all(r["sizes"]["ttadapter"] > 0 for r in rows)
+
+
+def test_a_kernel_that_does_not_lower_fails_with_the_compilers_message():
+    out = _run("--negative")["result"]
+    assert not out["ok"]
+    assert "triton-adapter-opt" in out["error"], out["error"][:2000]
