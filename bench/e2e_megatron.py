@@ -1,0 +1,195 @@
+"""End to end in Megatron's own training loop on one GPU: step time and peak memory per LM loss.
+
+Each variant is one launch of ``bench/pretrain_gpt_bench.py`` (Megatron's ``pretrain`` through
+``examples/pretrain_gpt_cez.py``, mock data, bf16, the local transformer implementation):
+
+==============  ==============================================================================
+``native``      Megatron's own CE, no z-loss
+``fused``       ``--cross-entropy-loss-fusion`` (Megatron's fused CE), no z-loss
+``te``          ``--cross-entropy-fusion-impl te`` (Transformer Engine's CE), if TE imports
+``z_by_hand``   Megatron's CE plus ``c * logsumexp(logits.float())**2`` in torch (what users write)
+``cez``         ``--lm-z-loss-coeff c`` (this package)
+==============  ==============================================================================
+
+Variants run alternated (rep 1: a b c d, rep 2: b c d a, ...), each ``--iters`` iterations; a
+run's step time is the median of its iterations after ``--skip`` (Megatron's own "elapsed time
+per iteration" with ``--log-interval 1``). The table gives, per variant, the median over its runs
+and the spread (min-max of the run medians), and the peak allocated memory.
+
+    python bench/e2e_megatron.py --config small --pairs 3 --out out/e2e          # on the GPU
+    python bench/e2e_megatron.py --plot out/e2e/e2e_small.json                   # PNG, anywhere
+"""
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENTRY = os.path.join(HERE, "pretrain_gpt_bench.py")
+Z_COEFF = 1e-4
+
+COMMON = [
+    "--micro-batch-size", "1", "--global-batch-size", "8", "--seq-length", "4096",
+    "--max-position-embeddings", "4096", "--vocab-size", "151936", "--bf16",
+    "--num-experts", "8", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+    "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
+    "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--lr", "1e-4", "--lr-decay-style", "constant", "--log-interval", "1", "--eval-iters", "0",
+    "--eval-interval", "100000", "--seed", "1234", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--transformer-impl", "local", "--attention-backend", "unfused", "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+    "--no-persist-layer-norm", "--position-embedding-type", "rope", "--distributed-backend", "nccl",
+]
+CONFIGS = {
+    # the 2026-11-23 measurement of issue 16: 4 layers, hidden 1024, 8 experts top-2, seq 4096
+    "small": ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size", "4096",
+              "--moe-ffn-hidden-size", "1024", "--num-attention-heads", "16"],
+    "large": ["--num-layers", "4", "--hidden-size", "2048", "--ffn-hidden-size", "8192",
+              "--moe-ffn-hidden-size", "2048", "--num-attention-heads", "16"],
+}
+VARIANTS = {
+    "native": ([], {}),
+    "fused": (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"], {}),
+    "te": (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"], {}),
+    "z_by_hand": ([], {"CEZ_BENCH_HAND_Z": str(Z_COEFF)}),
+    "cez": (["--lm-z-loss-coeff", str(Z_COEFF)], {}),
+}
+STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
+PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def te_available():
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means no TE here
+        return False
+    return True
+
+
+def launch(variant, config, iters, log_path):
+    args, env_extra = VARIANTS[variant]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), ENTRY, *COMMON, *CONFIGS[config], "--train-iters", str(iters), *args]
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1", **env_extra)
+    start = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    with open(log_path, "w") as fh:
+        fh.write(" ".join(cmd) + "\n\n" + log)
+    steps = {int(i): float(ms) for i, ms in STEP.findall(proc.stdout)}
+    peak = PEAK.search(proc.stdout)
+    return {"variant": variant, "rc": proc.returncode, "wall_s": time.time() - start, "steps_ms": steps,
+            "peak_bytes": int(peak.group(1)) if peak else None,
+            "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)]}
+
+
+def summarize(runs, skip):
+    rows = {}
+    for run in runs:
+        steady = [ms for i, ms in sorted(run["steps_ms"].items()) if i > skip]
+        if run["rc"] != 0 or not steady:
+            continue
+        row = rows.setdefault(run["variant"], {"medians": [], "peaks": []})
+        row["medians"].append(statistics.median(steady))
+        if run["peak_bytes"]:
+            row["peaks"].append(run["peak_bytes"])
+    return {v: {"median_ms": statistics.median(r["medians"]), "min_ms": min(r["medians"]),
+                "max_ms": max(r["medians"]), "runs": len(r["medians"]),
+                "peak_gb": max(r["peaks"]) / 1e9 if r["peaks"] else None}
+            for v, r in rows.items()}
+
+
+def table(summary, reference="native"):
+    ref = summary.get(reference)
+    lines = ["| variant | step median (ms) | spread of run medians (ms) | runs | vs native | peak allocated (GB) |",
+             "|---|---|---|---|---|---|"]
+    for variant in VARIANTS:
+        s = summary.get(variant)
+        if s is None:
+            continue
+        rel = f"{100 * (s['median_ms'] / ref['median_ms'] - 1):+.1f}%" if ref else "-"
+        peak = f"{s['peak_gb']:.2f}" if s["peak_gb"] is not None else "-"
+        lines.append(f"| {variant} | {s['median_ms']:.1f} | {s['min_ms']:.1f}-{s['max_ms']:.1f} | {s['runs']} | "
+                     f"{rel} | {peak} |")
+    return "\n".join(lines)
+
+
+def plot(path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as fh:
+        data = json.load(fh)
+    summary = data["summary"]
+    names = [v for v in VARIANTS if v in summary]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    med = [summary[v]["median_ms"] for v in names]
+    err = [[m - summary[v]["min_ms"] for v, m in zip(names, med)], [summary[v]["max_ms"] - m for v, m in zip(names, med)]]
+    axes[0].bar(names, med, yerr=err, capsize=4, color="#4878a8")
+    axes[0].set_ylabel("step time (ms), median; bars: run spread")
+    axes[1].bar(names, [summary[v]["peak_gb"] or 0 for v in names], color="#a86848")
+    axes[1].set_ylabel("peak allocated (GB)")
+    fig.suptitle(f"Megatron pretrain, 1 GPU, config {data['config']} ({data['device']}, {data['date']})")
+    fig.tight_layout()
+    png = os.path.splitext(path)[0] + ".png"
+    fig.savefig(png, dpi=120)
+    return png
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
+    parser.add_argument("--variants", nargs="+", default=None, help="default: all (te only where it imports)")
+    parser.add_argument("--pairs", type=int, default=3, help="runs per variant, alternated")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--skip", type=int, default=5, help="iterations left out of each run's median")
+    parser.add_argument("--budget-s", type=float, default=540, help="no new launch after this many seconds")
+    parser.add_argument("--out", default="out/e2e")
+    parser.add_argument("--plot", default=None, help="draw the PNG of a results JSON and exit")
+    args = parser.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return
+    variants = args.variants or [v for v in VARIANTS if v != "te" or te_available()]
+    os.makedirs(args.out, exist_ok=True)
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    start, runs = time.time(), []
+    for rep in range(args.pairs):
+        order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+        for variant in order:
+            if time.time() - start > args.budget_s:
+                print(f"budget of {args.budget_s:.0f} s spent: stopping before {variant} rep {rep + 1}", flush=True)
+                break
+            run = launch(variant, args.config, args.iters, os.path.join(args.out, f"{args.config}_{variant}_{rep + 1}.log"))
+            runs.append(run)
+            steady = [ms for i, ms in sorted(run["steps_ms"].items()) if i > args.skip]
+            med = f"{statistics.median(steady):.1f} ms" if steady else "-"
+            peak = f"{run['peak_bytes'] / 1e9:.2f} GB" if run["peak_bytes"] else "-"
+            print(f"rep {rep + 1} {variant:10s} rc={run['rc']} median step {med} peak {peak} "
+                  f"wall {run['wall_s']:.0f} s", flush=True)
+    summary = summarize(runs, args.skip)
+    data = {"config": args.config, "device": device, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
+            "command": COMMON + CONFIGS[args.config], "summary": summary, "runs": runs}
+    with open(os.path.join(args.out, f"e2e_{args.config}.json"), "w") as fh:
+        json.dump(data, fh, indent=1)
+    print(table(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""``examples/pretrain_gpt_cez.py`` for the end-to-end benchmark: one variant per launch.
+
+Two additions, for measuring only:
+
+* ``CEZ_BENCH_HAND_Z=C``: "z-loss by hand", what a Megatron user writes without this package: the
+  LM loss of ``LanguageModule.compute_language_model_loss`` plus ``C * logsumexp(logits.float())**2``
+  in torch (one rank holds the whole vocab: TP=1 only);
+* at exit, one line ``CEZ_BENCH peak_allocated_bytes=N`` (``torch.cuda.max_memory_allocated``).
+"""
+
+import atexit
+import os
+import runpy
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENTRY = os.path.join(os.path.dirname(HERE), "examples", "pretrain_gpt_cez.py")
+
+
+def _z_loss_by_hand(coeff):
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    megatron_loss = LanguageModule.compute_language_model_loss
+
+    def compute_language_model_loss(self, labels, logits):
+        # logits [s, b, v] (TP=1), in fp32 (a copy: Megatron's CE then works on them in place)
+        fp32 = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        z = coeff * torch.logsumexp(fp32, dim=-1).square()
+        return megatron_loss(self, labels, logits) + z.transpose(0, 1)
+
+    LanguageModule.compute_language_model_loss = compute_language_model_loss
+
+
+def _report_peak_memory():
+    if torch.cuda.is_available():
+        print(f"CEZ_BENCH peak_allocated_bytes={torch.cuda.max_memory_allocated()}", flush=True)
+
+
+if __name__ == "__main__":
+    if os.environ.get("CEZ_BENCH_HAND_Z"):
+        _z_loss_by_hand(float(os.environ["CEZ_BENCH_HAND_Z"]))
+    atexit.register(_report_peak_memory)
+    sys.argv[0] = ENTRY
+    runpy.run_path(ENTRY, run_name="__main__")
