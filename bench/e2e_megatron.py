@@ -160,9 +160,21 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=float, default=540, help="no new launch after this many seconds")
     parser.add_argument("--out", default="out/e2e")
     parser.add_argument("--plot", default=None, help="draw the PNG of a results JSON and exit")
+    parser.add_argument("--merge", nargs="+", default=None,
+                        help="results JSONs of one config (several device calls): write their union to --out")
     args = parser.parse_args(argv)
     if args.plot:
         print(plot(args.plot))
+        return
+    if args.merge:
+        parts = [json.load(open(path)) for path in args.merge]
+        assert len({p["config"] for p in parts}) == 1, "one config per merge"
+        data = {**parts[0], "runs": [r for p in parts for r in p["runs"]], "merged_from": args.merge}
+        data["summary"] = summarize(data["runs"], args.skip)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"e2e_{data['config']}.json"), "w") as fh:
+            json.dump(data, fh, indent=1)
+        print(table(data["summary"]))
         return
     variants = args.variants or [v for v in VARIANTS if v != "te" or te_available()]
     os.makedirs(args.out, exist_ok=True)
