@@ -98,7 +98,7 @@ def launch(variant, config, iters, log_path):
 def summarize(runs, skip):
     rows = {}
     for run in runs:
-        steady = [ms for i, ms in sorted(run["steps_ms"].items()) if i > skip]
+        steady = [ms for i, ms in sorted((int(i), ms) for i, ms in run["steps_ms"].items()) if i > skip]
         if run["rc"] != 0 or not steady:
             continue
         row = rows.setdefault(run["variant"], {"medians": [], "peaks": []})
