@@ -278,13 +278,14 @@ def loss_func(loss_mask, output_tensor):
     return loss, num_tokens, {"lm loss": reporting}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, return_schedule_plan=False):
+    """One micro-batch; with ``--overlap-moe-expert-parallel-comm`` Megatron asks for the MoE
+    schedule plan instead of running the forward (it runs the plan itself)."""
     batch = get_batch(data_iterator)
     _CURRENT_BATCH.update(batch)
-    output_tensor = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"],
-        labels=batch["labels"], loss_mask=batch["loss_mask"],
-    )
+    inputs = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    run = model.build_schedule_plan if return_schedule_plan else model
+    output_tensor = run(*inputs, labels=batch["labels"], loss_mask=batch["loss_mask"])
     return output_tensor, partial(loss_func, batch["loss_mask"])
 
 
