@@ -65,7 +65,7 @@ MOE_ARGS="
     --moe-permutation-async-comm
 "
 
-# The flag: CE + C * logsumexp(logits)^2 per token, logged as lm_z_loss (0 = MindSpeed/Megatron CE).
+# The flag: trains on CE + C * logsumexp(logits)^2 per token (lm loss stays CE), logs lm_z_loss (0 = MindSpeed/Megatron CE).
 Z_LOSS_ARGS=""
 if [ "$Z_LOSS_COEFF" != "0" ]; then
     Z_LOSS_ARGS="--lm-z-loss-coeff $Z_LOSS_COEFF"

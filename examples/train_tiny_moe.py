@@ -8,8 +8,8 @@ GPT with 4 experts (top-2) on synthetic data (a fixed random bigram language, so
 fall). The script trains the same model from the same seed once per z-loss coefficient
 (default: 0, i.e. the fused kernel without z-loss, and 1e-2) with
 ``mindspeed_cez.patches.apply(z_loss_coeff=c, log_lse=True)``, prints Megatron-style log lines
-with ``lm loss``, ``load_balancing_loss`` and ``lm_z_loss`` (read from Megatron's MoE tracker,
-the adaptor's path) and writes ``out/tiny_moe_zloss.png``: lm loss, lm_z_loss and mean lse per
+with ``lm loss`` (the CE), ``load_balancing_loss`` and ``lm_z_loss`` (Megatron's MoE report and the
+adaptor's metrics) and writes ``out/tiny_moe_zloss.png``: lm loss, lm_z_loss and mean lse per
 iteration for each run.
 
 Why 1e-2: the usual 1e-4 (PaLM) barely moves the log-sum-exp in a few dozen steps of a tiny

@@ -3,7 +3,8 @@
 Flags (one argument group, shown in ``--help``):
 
 ``--lm-z-loss-coeff C``  (default 0)
-    ``C > 0``: the LM loss is the fused kernel's ``CE + C * logsumexp(logits)**2`` per token and
+    ``C > 0``: the LM loss trains on the fused kernel's ``CE + C * logsumexp(logits)**2`` per token
+    (the logged ``lm loss`` stays the CE) and
     ``lm_z_loss`` is logged. Distinct from Megatron's router ``--moe-z-loss-coeff``.
 ``--lm-fused-ce``
     Use the fused kernel even with ``C = 0`` (plain cross entropy through the fused op).
@@ -34,8 +35,9 @@ def add_lm_z_loss_args(parser):
     group.add_argument(
         FLAG_COEFF, type=float, default=0.0, dest="lm_z_loss_coeff", metavar="C",
         help="Coefficient of the LM-head z-loss C*logsumexp(logits)^2 added to every token's cross "
-             "entropy by the fused vocab-parallel kernel; C > 0 turns the fused kernel on and logs "
-             "lm_z_loss. Not the router z-loss (--moe-z-loss-coeff). Default 0 (off).",
+             "entropy by the fused vocab-parallel kernel (in the gradient; the logged lm loss stays "
+             "the cross entropy, as for Megatron's auxiliary losses); C > 0 turns the fused kernel "
+             "on and logs lm_z_loss. Not the router z-loss (--moe-z-loss-coeff). Default 0 (off).",
     )
     group.add_argument(
         FLAG_FUSED, action="store_const", const=True, default=None, dest="lm_fused_ce",

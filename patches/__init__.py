@@ -128,7 +128,8 @@ def install_patches():
 
 
 def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False):
-    """Use the fused op for Megatron's LM loss, with ``CE + z_loss_coeff * lse**2`` per token.
+    """Use the fused op for Megatron's LM loss: per token, the gradient of ``CE + z_loss_coeff * lse**2``
+    and the value of the CE (Megatron's convention for auxiliary losses: ``lm loss`` stays CE).
 
     Args:
         z_loss_coeff: ``c >= 0``; 0 uses the fused kernel without z-loss.

@@ -17,7 +17,8 @@ LM_LSE = "lm_lse"
 class Settings:
     """What the patched loss computes.
 
-    z_loss_coeff: ``c >= 0``; the per-token loss is ``CE + c * lse**2``.
+    z_loss_coeff: ``c >= 0``; training follows the gradient of ``CE + c * lse**2`` per token, while
+        the loss value Megatron logs stays the CE.
     label_smoothing: in *Megatron's* convention (``tensor_parallel.vocab_parallel_cross_entropy``);
         ``None`` takes ``config.label_smoothing`` when the model config has such a field, else 0.
     log_z_loss: record ``lm_z_loss`` in Megatron's MoE metrics tracker (only when ``c > 0``).
