@@ -1,0 +1,99 @@
+"""Host time per call of the LM loss: a small shape, wall clock over many calls, peers beside it.
+
+At 64 x 4096 the GPU work of a call is a few microseconds, so a loop of calls runs at the host's
+pace: wall time / calls is the host time of one call (fwd: the call that returns the per-token
+loss; fwd+bwd: that plus ``backward``). ``--profile`` adds the top functions of this package's
+fwd+bwd under cProfile (where the host time goes).
+
+    python bench/host_time.py --out out/host_time.md [--profile]
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mindspeed_cez import vocab_parallel_cross_entropy_zloss
+
+N, V, C = 64, 4096, 1e-4
+
+
+def implementations():
+    impls = {
+        "mindspeed_cez": lambda x, t: vocab_parallel_cross_entropy_zloss(x, t, z_loss_coeff=C)[0],
+        "torch F.cross_entropy (no z)": lambda x, t: F.cross_entropy(x.float(), t, reduction="none"),
+    }
+    try:
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+        impls["megatron fused CE (no z)"] = lambda x, t: fused_vocab_parallel_cross_entropy(x.unsqueeze(1), t.unsqueeze(1), None).squeeze(1)
+    except Exception:  # noqa: BLE001 - not installed, or needs model-parallel state
+        pass
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+
+        impls["liger CE(z)"] = lambda x, t: liger_cross_entropy(x, t, reduction="none", lse_square_scale=C)
+    except Exception:  # noqa: BLE001
+        pass
+    return impls
+
+
+def per_call_us(fn, x, t, backward, calls):
+    def once():
+        y = x.clone().requires_grad_() if backward else x
+        loss = fn(y, t)
+        if backward:
+            loss.sum().backward()
+
+    for _ in range(20):
+        once()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        once()
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - start) / calls
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5, help="median of this many loops")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(N, V, device="cuda", generator=g).to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device="cuda", generator=g)
+    lines = [f"host time per call, {N} x {V} bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+             f"{time.strftime('%Y-%m-%d')}; median of {args.repeats} loops of {args.calls} calls",
+             "", "| implementation | fwd (us) | fwd+bwd (us) |", "|---|---|---|"]
+    for name, fn in implementations().items():
+        try:
+            fwd = sorted(per_call_us(fn, x, t, False, args.calls) for _ in range(args.repeats))[args.repeats // 2]
+            both = sorted(per_call_us(fn, x, t, True, args.calls) for _ in range(args.repeats))[args.repeats // 2]
+            lines.append(f"| {name} | {fwd:.1f} | {both:.1f} |")
+        except Exception as exc:  # noqa: BLE001 - a peer that does not run here is reported, not fatal
+            lines.append(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | |")
+    text = "\n".join(lines)
+    if args.profile:
+        fn = implementations()["mindspeed_cez"]
+        prof = cProfile.Profile()
+        prof.enable()
+        per_call_us(fn, x, t, True, args.calls)
+        prof.disable()
+        stream = io.StringIO()
+        pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(25)
+        text += "\n\ncProfile of mindspeed_cez fwd+bwd (tottime):\n```\n" + stream.getvalue() + "```\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
