@@ -32,7 +32,7 @@ def _compile(variant, arch):
     divisible = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in variant.divisible_args()}
     src = ASTSource(fn=fn, signature={**variant.signature, **{k: "constexpr" for k in variant.constexprs}},
                     constexprs={(fn.arg_names.index(k),): v for k, v in variant.constexprs.items()}, attrs=divisible)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": variant.num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": variant.num_warps, **variant.options})
 
 
 def _shared_per_sm(arch):

@@ -36,6 +36,7 @@ def _sweep(name, keys, grid, shapes, time_one, passes, pass_ms):
         setting = dict(zip(keys, values))
         for _, settings in tce.LAUNCH_CONFIG["cuda"]:  # the same setting for every vocab width
             settings.update(setting)
+        tce.launch_plans_changed()
         ratios = []
         for shape in shapes:
             ms = time_one(shape)

@@ -16,7 +16,9 @@ last dim, target ``[n]`` global ids, results fp32):
     writes ``g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)`` into ``grad`` (which may be
     ``logits`` itself), ``g`` the upstream gradient, 0 on ignored rows.
 ``check_targets(target, global_vocab, ignore_index)``
-    on CUDA an asynchronous device-side assert on out-of-range targets (no host sync).
+    on CUDA an asynchronous device-side assert on out-of-range targets (no host sync); the
+    Triton backend asserts inside its forward kernel instead, so its ``check_targets`` launches
+    nothing.
 
 ``"triton"`` (``triton_cross_entropy``) runs on CUDA, on Ascend through triton-ascend, and on
 the CPU under ``TRITON_INTERPRET=1``; ``"torch"`` (``torch_reference``) runs anywhere.

@@ -15,19 +15,26 @@ reduction: the slots are merged once per row. On CUDA a slot is 16 contiguous va
 by one thread; on Ascend there is one slot per tile (whole-tile vector reductions). The target
 logit is a single load issued one row ahead, so no dependent load sits at the end of a row.
 With one rank the same kernel finishes the loss; with several it writes the partials that the
-op all-reduces, then two small kernels rescale them and finish the loss. On CUDA a small
-kernel before it checks the targets (a device-side assert, no host sync).
+op all-reduces, then two small kernels rescale them and finish the loss. On CUDA the forward
+also asserts each row's target is in range (a device-side assert, no host sync); elsewhere an
+out-of-range target gives a NaN loss.
 
 Backward reads the logits once more and writes the gradient, in place when the caller passes
 the logits' own buffer as ``grad``; each row's lse, upstream gradient and target are loaded
 one row ahead.
+
+Launches go through ``launch.Launcher`` (the compiled kernel reused without Triton's per-call
+specialization) with each shape's grid and settings computed once.
 """
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from .device_cores import num_programs
+from .launch import Launcher
 
 # Launch settings per device type, as (narrowest vocab slice they apply to, settings), widest
 # first. Settings of the forward (fwd_*) and the backward (bwd_*) kernel: columns per tile,
@@ -107,6 +114,7 @@ def _forward_kernel(
     SLOT_WIDTH: tl.constexpr,
     FINISH: tl.constexpr,
     WITH_LOGIT_SUM: tl.constexpr,
+    CHECK_TARGETS: tl.constexpr,  # a device-side assert (compiled with debug=True)
     EVICT: tl.constexpr,
 ):
     BLOCK_V: tl.constexpr = SLOTS * SLOT_WIDTH
@@ -151,6 +159,8 @@ def _forward_kernel(
         if WITH_LOGIT_SUM:
             target_term += smoothing_per_col * tl.sum(slot_logits, axis=0)
         invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
+        if CHECK_TARGETS:
+            tl.device_assert(~invalid, "target outside [0, vocab) and not ignore_index")
         target_term = tl.where(invalid, float("nan"), target_term)
         if FINISH:
             lse = row_max + tl.log(sum_exp)
@@ -263,15 +273,12 @@ def _grad_kernel(
         g = next_g
 
 
-@triton.jit(debug=True)
-def _check_target_kernel(target_ptr, n_rows, global_vocab, ignore_index, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    target = tl.load(target_ptr + rows, mask=rows < n_rows, other=ignore_index)
-    valid = (target == ignore_index) | ((target >= 0) & (target < global_vocab))
-    tl.device_assert(valid, "target outside [0, vocab) and not ignore_index")
-
-
 # --------------------------------------------------------------------------- launchers
+
+_launch_forward = Launcher(_forward_kernel)
+_launch_grad = Launcher(_grad_kernel)
+_launch_rescale = Launcher(_rescale_kernel)
+_launch_loss_from_partials = Launcher(_loss_from_partials_kernel)
 
 
 def launch_settings(device_type, n_cols):
@@ -282,21 +289,26 @@ def launch_settings(device_type, n_cols):
     raise ValueError(f"no launch settings for {n_cols} columns on {device_type}")
 
 
-def _settings(logits, kernel):
-    """Compile-time settings of the ``"fwd"`` or ``"bwd"`` kernel for these logits."""
-    config = launch_settings(logits.device.type, logits.shape[1])
-    block_v = min(config[f"{kernel}_block_v"], triton.next_power_of_2(logits.shape[1]))
-    settings = {"EVICT": EVICTION.get(logits.device.type, ""), "num_warps": config[f"{kernel}_warps"]}
+@functools.lru_cache(maxsize=256)
+def _plan(device, n_rows, n_cols, kernel):
+    """(grid, rows per program, constexprs in parameter order, launch options) of the ``"fwd"``
+    or ``"bwd"`` kernel for ``[n_rows, n_cols]`` logits on ``device``."""
+    config = launch_settings(device.type, n_cols)
+    programs = num_programs(device, n_rows, config[f"{kernel}_per_core"])
+    block_v = min(config[f"{kernel}_block_v"], triton.next_power_of_2(n_cols))
+    evict = EVICTION.get(device.type, "")
+    options = {"num_warps": config[f"{kernel}_warps"]}
     if kernel == "bwd":
-        return {"BLOCK_V": block_v, **settings}
-    slot_width = min(config["slot_width"] or block_v, block_v)
-    return {"SLOTS": block_v // slot_width, "SLOT_WIDTH": slot_width, **settings}
+        constexprs = (block_v,)
+    else:
+        slot_width = min(config["slot_width"] or block_v, block_v)
+        constexprs = (block_v // slot_width, slot_width)
+    return (programs,), triton.cdiv(n_rows, programs), constexprs, evict, options
 
 
-def _grid(logits, kernel):
-    config = launch_settings(logits.device.type, logits.shape[1])
-    programs = num_programs(logits.device, logits.shape[0], config[f"{kernel}_per_core"])
-    return (programs,), triton.cdiv(logits.shape[0], programs)
+def launch_plans_changed():
+    """Forget the plans computed so far; call after changing ``LAUNCH_CONFIG``."""
+    _plan.cache_clear()
 
 
 def _loss_constants(z_loss_coeff, label_smoothing, global_vocab):
@@ -304,27 +316,24 @@ def _loss_constants(z_loss_coeff, label_smoothing, global_vocab):
     return float(z_loss_coeff), 1.0 - float(label_smoothing), float(label_smoothing) / global_vocab
 
 
+# The forward's device-side assert needs a debug compile; without integer-overflow checks.
+ASSERT_OPTIONS = {"debug": True, "sanitize_overflow": False}
+
+
 def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_loss_coeff, label_smoothing, finish):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return out
-    grid, rows_per_program = _grid(logits, "fwd")
-    _forward_kernel[grid](
-        logits,
-        logits.stride(0),
-        target,
-        out,
-        n_rows,
-        n_cols,
-        rows_per_program,
-        vocab_start,
-        global_vocab,
-        ignore_index,
-        *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),
-        FINISH=finish,
-        WITH_LOGIT_SUM=label_smoothing > 0,
-        **_settings(logits, "fwd"),
+    grid, rows_per_program, (slots, slot_width), evict, options = _plan(logits.device, n_rows, n_cols, "fwd")
+    check = logits.device.type == "cuda"
+    if check:
+        options = {**options, **ASSERT_OPTIONS}
+    args = (
+        logits, logits.stride(0), target, out, n_rows, n_cols, rows_per_program, vocab_start, global_vocab,
+        ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),
+        slots, slot_width, finish, label_smoothing > 0, check, evict,
     )
+    _launch_forward(grid, args, options)
     return out
 
 
@@ -348,16 +357,15 @@ def _vector_grid(n_rows):
 def rescale_sum_exp(partials):
     n_rows = partials.shape[1]
     if n_rows:
-        _rescale_kernel[_vector_grid(n_rows)](partials, n_rows, BLOCK=VECTOR_BLOCK)
+        _launch_rescale(_vector_grid(n_rows), (partials, n_rows, VECTOR_BLOCK), {})
     return partials
 
 
 def loss_from_partials(partials, target, ignore_index, z_loss_coeff):
     n_rows = partials.shape[1]
     if n_rows:
-        _loss_from_partials_kernel[_vector_grid(n_rows)](
-            partials, target, n_rows, ignore_index, float(z_loss_coeff), BLOCK=VECTOR_BLOCK
-        )
+        args = (partials, target, n_rows, ignore_index, float(z_loss_coeff), VECTOR_BLOCK)
+        _launch_loss_from_partials(_vector_grid(n_rows), args, {})
     return partials[:3]
 
 
@@ -366,30 +374,16 @@ def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, 
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return grad
-    grid, rows_per_program = _grid(logits, "bwd")
-    _grad_kernel[grid](
-        logits,
-        logits.stride(0),
-        grad,
-        grad.stride(0),
-        target,
-        lse,
-        grad_loss,
-        grad_loss.stride(0),
-        n_rows,
-        n_cols,
-        rows_per_program,
-        vocab_start,
-        ignore_index,
-        *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),
-        **_settings(logits, "bwd"),
+    grid, rows_per_program, (block_v,), evict, options = _plan(logits.device, n_rows, n_cols, "bwd")
+    args = (
+        logits, logits.stride(0), grad, grad.stride(0), target, lse, grad_loss, grad_loss.stride(0), n_rows, n_cols,
+        rows_per_program, vocab_start, ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),
+        block_v, evict,
     )
+    _launch_grad(grid, args, options)
     return grad
 
 
 def check_targets(target, global_vocab, ignore_index):
-    """CUDA: an asynchronous device-side assert on out-of-range targets (no host sync). Other
-    accelerators rely on the NaN the forward kernel writes for such a target."""
-    n_rows = target.numel()
-    if target.device.type == "cuda" and n_rows:
-        _check_target_kernel[_vector_grid(n_rows)](target, n_rows, global_vocab, ignore_index, BLOCK=VECTOR_BLOCK)
+    """Nothing to launch: on CUDA the forward kernel asserts on out-of-range targets (no host
+    sync); other accelerators get the NaN loss the forward kernel writes for such a target."""

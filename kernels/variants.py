@@ -6,7 +6,7 @@ constants under one ``LAUNCH_CONFIG`` setting, logits dtype and vocab width. Use
 ``tests/ascend_lowering.py`` (Ascend, through triton-ascend's front end and adapter).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import triton
 
@@ -25,6 +25,7 @@ class Variant:
     constexprs: dict  # constexpr name -> value
     num_warps: int
     cuda_only: bool = False  # launched on CUDA only (the others also on Ascend)
+    options: dict = field(default_factory=dict)  # compile options beyond num_warps
 
     def divisible_args(self):
         return [k for k, v in self.signature.items() if v.startswith("*") or k in DIVISIBLE]
@@ -44,13 +45,17 @@ def variants(settings, dtype="bf16", n_cols=151936):
                "vocab_start": "i32", "ignore_index": "i32", "z_loss_coeff": "fp32", "target_weight": "fp32",
                "smoothing_per_col": "fp32"}
     out = []
-    for finish in (True, False):
-        for logit_sum in (False, True):
-            out.append(Variant(
-                f"forward finish={finish} logit_sum={logit_sum}", tce._forward_kernel, fwd_sig,
-                {"SLOTS": fwd_block // slot, "SLOT_WIDTH": slot, "FINISH": finish, "WITH_LOGIT_SUM": logit_sum,
-                 "EVICT": "evict_first"},
-                settings["fwd_warps"]))
+    # CUDA launches the forward with its target assert (CHECK_TARGETS, a debug compile), other
+    # devices without; the smoothing sum does not interact with it, so it is compiled once.
+    for finish, logit_sum, check in [(f, s, False) for f in (True, False) for s in (False, True)] + [
+        (True, False, True), (False, False, True)
+    ]:
+        out.append(Variant(
+            f"forward finish={finish} logit_sum={logit_sum}" + (" check_targets" if check else ""),
+            tce._forward_kernel, fwd_sig,
+            {"SLOTS": fwd_block // slot, "SLOT_WIDTH": slot, "FINISH": finish, "WITH_LOGIT_SUM": logit_sum,
+             "CHECK_TARGETS": check, "EVICT": "evict_first"},
+            settings["fwd_warps"], cuda_only=check, options=dict(tce.ASSERT_OPTIONS) if check else {}))
     bwd_block = min(settings["bwd_block_v"], triton.next_power_of_2(n_cols))
     out.append(Variant("grad", tce._grad_kernel, bwd_sig, {"BLOCK_V": bwd_block, "EVICT": "evict_first"},
                        settings["bwd_warps"]))
@@ -60,7 +65,4 @@ def variants(settings, dtype="bf16", n_cols=151936):
                        {"partials_ptr": "*fp32", "target_ptr": "*i64", "n_rows": "i32", "ignore_index": "i32",
                         "z_loss_coeff": "fp32"},
                        {"BLOCK": tce.VECTOR_BLOCK}, 4))
-    out.append(Variant("target check", tce._check_target_kernel,
-                       {"target_ptr": "*i64", "n_rows": "i32", "global_vocab": "i32", "ignore_index": "i32"},
-                       {"BLOCK": tce.VECTOR_BLOCK}, 4, cuda_only=True))
     return out

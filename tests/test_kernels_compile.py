@@ -37,7 +37,7 @@ def test_kernels_compile_for_sm90(settings, n_cols):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(result.stdout.strip().splitlines()[-1])
     names = [row[0] for row in rows]
-    assert "grad" in names and "target check" in names and len(rows) == 8
+    assert "grad" in names and "forward finish=True logit_sum=False check_targets" in names and len(rows) == 9
     for name, warps, registers, stack, shared, ctas in rows:
         assert 0 < registers <= 255 and stack < 1024, name
         if settings == "cuda":

@@ -32,12 +32,18 @@ SETTINGS = {
 
 
 @pytest.fixture(params=list(SETTINGS), ids=list(SETTINGS))
-def launch_settings(request, monkeypatch):
+def launch_settings(request):
     from mindspeed_cez.kernels import triton_cross_entropy as tce
 
-    monkeypatch.setitem(tce.LAUNCH_CONFIG, DEVICE, [(0, dict(SETTINGS[request.param]))])
-    with kernels.use_backend("triton"):
-        yield request.param
+    shipped = tce.LAUNCH_CONFIG[DEVICE]
+    tce.LAUNCH_CONFIG[DEVICE] = [(0, dict(SETTINGS[request.param]))]
+    tce.launch_plans_changed()
+    try:
+        with kernels.use_backend("triton"):
+            yield request.param
+    finally:
+        tce.LAUNCH_CONFIG[DEVICE] = shipped
+        tce.launch_plans_changed()
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,84 @@
+"""Launch a ``@triton.jit`` kernel without Triton's per-call argument specialization.
+
+Triton's ``kernel[grid](*args)`` binds the arguments, specializes each one (dtype, 16-byte
+alignment, value 1, integer width), builds a cache key and looks the compiled kernel up on
+every call: tens of microseconds of host time per launch. A training step launches the same
+kernels with arguments of the same kinds every time, so ``Launcher`` keys the compiled kernel
+by a cheaper tuple of the same properties and, from the second call on, launches it through
+``CompiledKernel[grid]`` (Triton's launch of a compiled kernel).
+
+The key holds, per argument, what Triton specializes on (Triton's ``specialize_impl`` and
+``BaseBackend.get_*_specialization``): a tensor's dtype and whether its address is a multiple
+of 16; an integer's value when it is 1, whether it is a multiple of 16 and its width class
+(i32 / i64 / u64); constexprs by value; plus the device and the launch options. So two calls
+with equal keys get the same compiled kernel from Triton too (``tests/test_launch.py`` checks
+this against Triton's own binder). The direct launch runs on CUDA with Triton's launch
+convention of 3.4 and later (``triton.knobs``, ``CompiledKernel.packed_metadata``) and no
+launch hooks set; everything else goes through ``kernel[grid]`` as before.
+"""
+
+import torch
+import triton
+
+try:
+    from triton import knobs as _knobs
+    from triton.compiler import CompiledKernel as _CompiledKernel
+except ImportError:  # Triton before 3.4 (triton-ascend 3.2): Triton's own launch path
+    _knobs = _CompiledKernel = None
+
+_INT32 = (-(2**31), 2**31 - 1)
+_UINT64_START = 2**63
+
+
+def direct_launch_supported() -> bool:
+    return _knobs is not None and hasattr(_CompiledKernel, "launch_metadata") and hasattr(_CompiledKernel, "__getitem__")
+
+
+def _arg_key(value):
+    """What Triton specializes a runtime argument on."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool):
+        return bool
+    if isinstance(value, int):
+        width = 0 if _INT32[0] <= value <= _INT32[1] else (2 if value >= _UINT64_START else 1)
+        return value == 1, value % 16 == 0, width
+    if isinstance(value, float):
+        return float
+    return type(value), value
+
+
+class Launcher:
+    """``Launcher(kernel)(grid, args, options)``: ``kernel[grid](*args, **options)``, with the
+    compiled kernel reused for arguments of the same kinds. ``args`` holds every parameter of
+    the kernel in order, constexprs included."""
+
+    enabled = True  # False: always Triton's own launch path (A/B timing, debugging)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.constexpr_positions = frozenset(getattr(kernel, "constexprs", ()))  # none under the interpreter
+        self.compiled = {}
+
+    def key(self, device, args, options):
+        parts = [device.index, tuple(sorted(options.items()))]
+        for i, value in enumerate(args):
+            parts.append(value if i in self.constexpr_positions else _arg_key(value))
+        return tuple(parts)
+
+    def __call__(self, grid, args, options):
+        device = args[0].device
+        if not (self.enabled and device.type == "cuda" and _DIRECT):
+            self.kernel[grid](*args, **options)
+            return
+        key = self.key(device, args, options)
+        compiled = self.compiled.get(key)
+        if compiled is None or _knobs.runtime.launch_enter_hook is not None or _knobs.runtime.launch_exit_hook is not None:
+            compiled = self.kernel[grid](*args, **options)  # compiles, or finds it in Triton's cache
+            if isinstance(compiled, _CompiledKernel):
+                self.compiled[key] = compiled
+            return
+        compiled[grid](*args)
+
+
+_DIRECT = direct_launch_supported()
