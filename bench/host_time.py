@@ -2,7 +2,8 @@
 
 At 64 x 4096 the GPU work of a call is a few microseconds, so a loop of calls runs at the host's
 pace: wall time / calls is the host time of one call (fwd: the call that returns the per-token
-loss; fwd+bwd: that plus ``backward``). ``--profile`` adds the top functions of this package's
+loss; fwd+bwd: that plus ``backward``). The op runs twice: with its launcher (compiled kernels
+reused) and with Triton's own launch path on every call. ``--profile`` adds the top functions of this package's
 fwd+bwd under cProfile (where the host time goes).
 
     python bench/host_time.py --out out/host_time.md [--profile]
@@ -18,13 +19,17 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed_cez import vocab_parallel_cross_entropy_zloss
+from mindspeed_cez.kernels.launch import Launcher
 
 N, V, C = 64, 4096, 1e-4
+TRITON_PATH = "mindspeed_cez, Triton's own launch path"  # the same op, kernel[grid](...) on every call
 
 
 def implementations():
+    ours = lambda x, t: vocab_parallel_cross_entropy_zloss(x, t, z_loss_coeff=C)[0]  # noqa: E731
     impls = {
-        "mindspeed_cez": lambda x, t: vocab_parallel_cross_entropy_zloss(x, t, z_loss_coeff=C)[0],
+        "mindspeed_cez": ours,
+        TRITON_PATH: ours,
         "torch F.cross_entropy (no z)": lambda x, t: F.cross_entropy(x.float(), t, reduction="none"),
     }
     try:
@@ -73,12 +78,14 @@ def main(argv=None):
              f"{time.strftime('%Y-%m-%d')}; median of {args.repeats} loops of {args.calls} calls",
              "", "| implementation | fwd (us) | fwd+bwd (us) |", "|---|---|---|"]
     for name, fn in implementations().items():
+        Launcher.enabled = name != TRITON_PATH
         try:
             fwd = sorted(per_call_us(fn, x, t, False, args.calls) for _ in range(args.repeats))[args.repeats // 2]
             both = sorted(per_call_us(fn, x, t, True, args.calls) for _ in range(args.repeats))[args.repeats // 2]
             lines.append(f"| {name} | {fwd:.1f} | {both:.1f} |")
         except Exception as exc:  # noqa: BLE001 - a peer that does not run here is reported, not fatal
             lines.append(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | |")
+    Launcher.enabled = True
     text = "\n".join(lines)
     if args.profile:
         fn = implementations()["mindspeed_cez"]

@@ -34,47 +34,60 @@ def direct_launch_supported() -> bool:
     return _knobs is not None and hasattr(_CompiledKernel, "launch_metadata") and hasattr(_CompiledKernel, "__getitem__")
 
 
+def _tensor_key(value):
+    return value.dtype, value.data_ptr() % 16 == 0
+
+
+def _int_key(value):
+    width = 0 if _INT32[0] <= value <= _INT32[1] else (2 if value >= _UINT64_START else 1)
+    return value == 1, value % 16 == 0, width
+
+
 def _arg_key(value):
     """What Triton specializes a runtime argument on."""
+    by_type = _KEY_BY_TYPE.get(type(value))
+    if by_type is not None:
+        return by_type(value)
     if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
+        return _tensor_key(value)
     if isinstance(value, bool):
         return bool
     if isinstance(value, int):
-        width = 0 if _INT32[0] <= value <= _INT32[1] else (2 if value >= _UINT64_START else 1)
-        return value == 1, value % 16 == 0, width
+        return _int_key(value)
     if isinstance(value, float):
         return float
     return type(value), value
 
 
+_KEY_BY_TYPE = {torch.Tensor: _tensor_key, int: _int_key, float: lambda _: float, bool: lambda _: bool}
+
+
 class Launcher:
-    """``Launcher(kernel)(grid, args, options)``: ``kernel[grid](*args, **options)``, with the
-    compiled kernel reused for arguments of the same kinds. ``args`` holds every parameter of
-    the kernel in order, constexprs included."""
+    """``Launcher(kernel)(grid, args, options)``: ``kernel[grid](*args, **dict(options))``, with
+    the compiled kernel reused for arguments of the same kinds. ``args`` holds every parameter
+    of the kernel in order, constexprs included; ``options`` is a tuple of (name, value) launch
+    options (``num_warps``, ...)."""
 
     enabled = True  # False: always Triton's own launch path (A/B timing, debugging)
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.constexpr_positions = frozenset(getattr(kernel, "constexprs", ()))  # none under the interpreter
+        constexprs = set(getattr(kernel, "constexprs", ()))  # none under the interpreter
+        self.runtime = [i not in constexprs for i in range(len(getattr(kernel, "arg_names", ())))]
         self.compiled = {}
 
     def key(self, device, args, options):
-        parts = [device.index, tuple(sorted(options.items()))]
-        for i, value in enumerate(args):
-            parts.append(value if i in self.constexpr_positions else _arg_key(value))
-        return tuple(parts)
+        return (device.index, options, *[_arg_key(v) if r else v for r, v in zip(self.runtime, args)])
 
     def __call__(self, grid, args, options):
         device = args[0].device
         if not (self.enabled and device.type == "cuda" and _DIRECT):
-            self.kernel[grid](*args, **options)
+            self.kernel[grid](*args, **dict(options))
             return
         key = self.key(device, args, options)
         compiled = self.compiled.get(key)
         if compiled is None or _knobs.runtime.launch_enter_hook is not None or _knobs.runtime.launch_exit_hook is not None:
-            compiled = self.kernel[grid](*args, **options)  # compiles, or finds it in Triton's cache
+            compiled = self.kernel[grid](*args, **dict(options))  # compiles, or finds it in Triton's cache
             if isinstance(compiled, _CompiledKernel):
                 self.compiled[key] = compiled
             return

@@ -289,6 +289,10 @@ def launch_settings(device_type, n_cols):
     raise ValueError(f"no launch settings for {n_cols} columns on {device_type}")
 
 
+# On CUDA the forward asserts on its targets: a debug compile, without integer-overflow checks.
+ASSERT_OPTIONS = (("debug", True), ("sanitize_overflow", False))
+
+
 @functools.lru_cache(maxsize=256)
 def _plan(device, n_rows, n_cols, kernel):
     """(grid, rows per program, constexprs in parameter order, launch options) of the ``"fwd"``
@@ -297,7 +301,9 @@ def _plan(device, n_rows, n_cols, kernel):
     programs = num_programs(device, n_rows, config[f"{kernel}_per_core"])
     block_v = min(config[f"{kernel}_block_v"], triton.next_power_of_2(n_cols))
     evict = EVICTION.get(device.type, "")
-    options = {"num_warps": config[f"{kernel}_warps"]}
+    options = (("num_warps", config[f"{kernel}_warps"]),)
+    if kernel == "fwd" and device.type == "cuda":
+        options += ASSERT_OPTIONS
     if kernel == "bwd":
         constexprs = (block_v,)
     else:
@@ -316,8 +322,6 @@ def _loss_constants(z_loss_coeff, label_smoothing, global_vocab):
     return float(z_loss_coeff), 1.0 - float(label_smoothing), float(label_smoothing) / global_vocab
 
 
-# The forward's device-side assert needs a debug compile; without integer-overflow checks.
-ASSERT_OPTIONS = {"debug": True, "sanitize_overflow": False}
 
 
 def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_loss_coeff, label_smoothing, finish):
@@ -326,8 +330,6 @@ def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_los
         return out
     grid, rows_per_program, (slots, slot_width), evict, options = _plan(logits.device, n_rows, n_cols, "fwd")
     check = logits.device.type == "cuda"
-    if check:
-        options = {**options, **ASSERT_OPTIONS}
     args = (
         logits, logits.stride(0), target, out, n_rows, n_cols, rows_per_program, vocab_start, global_vocab,
         ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),
@@ -357,7 +359,7 @@ def _vector_grid(n_rows):
 def rescale_sum_exp(partials):
     n_rows = partials.shape[1]
     if n_rows:
-        _launch_rescale(_vector_grid(n_rows), (partials, n_rows, VECTOR_BLOCK), {})
+        _launch_rescale(_vector_grid(n_rows), (partials, n_rows, VECTOR_BLOCK), ())
     return partials
 
 
@@ -365,7 +367,7 @@ def loss_from_partials(partials, target, ignore_index, z_loss_coeff):
     n_rows = partials.shape[1]
     if n_rows:
         args = (partials, target, n_rows, ignore_index, float(z_loss_coeff), VECTOR_BLOCK)
-        _launch_loss_from_partials(_vector_grid(n_rows), args, {})
+        _launch_loss_from_partials(_vector_grid(n_rows), args, ())
     return partials[:3]
 
 

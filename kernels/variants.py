@@ -55,7 +55,7 @@ def variants(settings, dtype="bf16", n_cols=151936):
             tce._forward_kernel, fwd_sig,
             {"SLOTS": fwd_block // slot, "SLOT_WIDTH": slot, "FINISH": finish, "WITH_LOGIT_SUM": logit_sum,
              "CHECK_TARGETS": check, "EVICT": "evict_first"},
-            settings["fwd_warps"], cuda_only=check, options=dict(tce.ASSERT_OPTIONS) if check else {}))
+            settings["fwd_warps"], cuda_only=check, options=dict(tce.ASSERT_OPTIONS if check else ())))
     bwd_block = min(settings["bwd_block_v"], triton.next_power_of_2(n_cols))
     out.append(Variant("grad", tce._grad_kernel, bwd_sig, {"BLOCK_V": bwd_block, "EVICT": "evict_first"},
                        settings["bwd_warps"]))
