@@ -5,7 +5,7 @@ alignment, value 1, integer width), builds a cache key and looks the compiled ke
 every call: tens of microseconds of host time per launch. A training step launches the same
 kernels with arguments of the same kinds every time, so ``Launcher`` keys the compiled kernel
 by a cheaper tuple of the same properties and, from the second call on, launches it through
-``CompiledKernel[grid]`` (Triton's launch of a compiled kernel).
+the compiled kernel's own launcher, as Triton's launch does once it has found the kernel.
 
 The key holds, per argument, what Triton specializes on (Triton's ``specialize_impl`` and
 ``BaseBackend.get_*_specialization``): a tensor's dtype and whether its address is a multiple
@@ -13,8 +13,9 @@ of 16; an integer's value when it is 1, whether it is a multiple of 16 and its w
 (i32 / i64 / u64); constexprs by value; plus the device and the launch options. So two calls
 with equal keys get the same compiled kernel from Triton too (``tests/test_launch.py`` checks
 this against Triton's own binder). The direct launch runs on CUDA with Triton's launch
-convention of 3.4 and later (``triton.knobs``, ``CompiledKernel.packed_metadata``) and no
-launch hooks set; everything else goes through ``kernel[grid]`` as before.
+convention of 3.4 and later (``triton.knobs``; ``CompiledKernel.run(grid, stream, function,
+packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``) while no launch hook (a
+profiler's) is set; everything else goes through ``kernel[grid]`` as before.
 """
 
 import torch
@@ -62,6 +63,15 @@ def _arg_key(value):
 _KEY_BY_TYPE = {torch.Tensor: _tensor_key, int: _int_key, float: lambda _: float, bool: lambda _: bool}
 
 
+def _hooks_set():
+    """Launch hooks (profilers): Triton 3.6+ keeps them in a ``HookChain`` (``calls``), earlier
+    versions as a callable or None."""
+    for hook in (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
 class Launcher:
     """``Launcher(kernel)(grid, args, options)``: ``kernel[grid](*args, **dict(options))``, with
     the compiled kernel reused for arguments of the same kinds. ``args`` holds every parameter
@@ -75,6 +85,7 @@ class Launcher:
         constexprs = set(getattr(kernel, "constexprs", ()))  # none under the interpreter
         self.runtime = [i not in constexprs for i in range(len(getattr(kernel, "arg_names", ())))]
         self.compiled = {}
+        self.current_stream = None  # Triton's driver's, once a kernel has launched
 
     def key(self, device, args, options):
         return (device.index, options, *[_arg_key(v) if r else v for r, v in zip(self.runtime, args)])
@@ -86,12 +97,18 @@ class Launcher:
             return
         key = self.key(device, args, options)
         compiled = self.compiled.get(key)
-        if compiled is None or _knobs.runtime.launch_enter_hook is not None or _knobs.runtime.launch_exit_hook is not None:
+        if compiled is None or _hooks_set():
             compiled = self.kernel[grid](*args, **dict(options))  # compiles, or finds it in Triton's cache
             if isinstance(compiled, _CompiledKernel):
+                compiled.run  # noqa: B018 - loads the module and makes its launcher now
                 self.compiled[key] = compiled
+                self.current_stream = triton.runtime.driver.active.get_current_stream
             return
-        compiled[grid](*args)
+        # What Triton's own launch does once it has found the kernel, without hooks to call.
+        compiled.run(
+            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            self.current_stream(device.index), compiled.function, compiled.packed_metadata, None, None, None, *args,
+        )
 
 
 _DIRECT = direct_launch_supported()

@@ -37,11 +37,17 @@ def resolve_tp_group(tp_group=None):
     return None
 
 
+_group_ranks = {}
+
+
 def group_rank_and_size(tp_group):
     """(rank, world size) in ``tp_group``; (0, 1) without a group or without torch.distributed."""
     if tp_group is None or not dist.is_available() or not dist.is_initialized():
         return 0, 1
-    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    known = _group_ranks.get(tp_group)
+    if known is None:  # a group's members never change: asked once per group
+        known = _group_ranks[tp_group] = (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    return known
 
 
 def _check_arguments(logits, target, z_loss_coeff, label_smoothing):
@@ -133,7 +139,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         else:
             out = _loss_across_ranks(backend, rows, flat_target, vocab_start, global_vocab, ignore_index,
                                      z_loss_coeff, label_smoothing, tp_group)
-        loss, z_loss, lse = out[0], out[1], out[2]
+        loss, z_loss, lse = out.view(3, *target.shape).unbind(0)  # one view op for the three
 
         # The gradient goes into the logits' own buffer when they are an intermediate of the
         # graph (the output layer's result). A leaf's buffer, or a view into one, holds
@@ -148,14 +154,13 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         ctx.ignore_index = ignore_index
         ctx.save_for_backward(rows, flat_target, lse)
         ctx.set_materialize_grads(False)  # no zero tensors for the gradients of z_loss and lse
-        z_loss = z_loss.view(target.shape)
-        lse_out = lse.view(target.shape)
-        ctx.mark_non_differentiable(z_loss, lse_out)
-        return loss.view(target.shape), z_loss, lse_out
+        ctx.mark_non_differentiable(z_loss, lse)
+        return loss, z_loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
         rows, flat_target, lse = ctx.saved_tensors
+        lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
         grad = rows if ctx.in_place else torch.empty_like(rows)
         kernels.backend_for(rows.device).write_grad(

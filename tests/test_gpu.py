@@ -130,25 +130,77 @@ def test_triton_is_the_cuda_backend():
     assert kernels.backend_for(torch.device("cuda")) is kernels.get_backend("triton")
 
 
-def test_out_of_range_target_is_a_device_assert():
+def _op_fwd_bwd(base, target):
+    logits = base.clone().requires_grad_(True)
+    loss, z_loss = vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=1e-3)
+    loss.sum().backward()
+    return loss.detach(), z_loss, logits.grad
+
+
+def test_compiled_kernels_launch_directly_with_triton_launch_results(monkeypatch):
+    """After the first call the launcher skips Triton's ``run`` (no per-call specialization) and
+    gives bit-identical results; with a profiler's launch hook set it goes through Triton."""
+    import triton
+
+    from mindspeed_cez.kernels import triton_cross_entropy as tce
+    from mindspeed_cez.kernels.launch import Launcher
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    base = torch.randn(300, 5000, device="cuda", generator=gen).to(torch.bfloat16)
+    target = torch.randint(0, 5000, (300,), device="cuda", generator=gen)
+    monkeypatch.setattr(Launcher, "enabled", False)
+    expected = _op_fwd_bwd(base, target)
+    monkeypatch.setattr(Launcher, "enabled", True)
+    _op_fwd_bwd(base, target)  # compiles or finds the kernels, keeps them
+
+    calls = []
+    for kernel in (tce._forward_kernel, tce._grad_kernel):
+        monkeypatch.setattr(kernel, "run", lambda *a, _run=kernel.run, **k: calls.append(1) or _run(*a, **k))
+    got = _op_fwd_bwd(base, target)
+    assert calls == [], "Triton's run was called: the compiled kernel was not reused"
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+    hooked = []
+    hook = triton.knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):  # Triton 3.6+: a chain of hooks
+        hook.add(hooked.append)
+    else:
+        monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hooked.append)
+    try:
+        _op_fwd_bwd(base, target)
+    finally:
+        if hasattr(hook, "remove"):
+            hook.remove(hooked.append)
+    assert len(calls) == 2 and len(hooked) == 2, (len(calls), len(hooked))
+
+
+@pytest.mark.parametrize("after_a_good_call", [False, True], ids=["first-call", "compiled-kernel-reused"])
+def test_out_of_range_target_is_a_device_assert(after_a_good_call):
     """CUDA: no host sync on the hot path, so a bad target fails the stream with the argument's
-    name (the CUDA context is dead afterwards: run it in a child process)."""
+    name (the CUDA context is dead afterwards: run it in a child process). Also when the
+    launcher reuses the compiled forward kernel."""
     import subprocess
     import sys
     import textwrap
 
     code = textwrap.dedent(
         """
+        import sys
         import torch
         from mindspeed_cez import vocab_parallel_cross_entropy_zloss
         logits = torch.randn(64, 1000, device="cuda")
         target = torch.randint(0, 1000, (64,), device="cuda")
+        if sys.argv[1] == "1":
+            vocab_parallel_cross_entropy_zloss(logits, target)
+            torch.cuda.synchronize()
         target[5] = 1000
         loss, _ = vocab_parallel_cross_entropy_zloss(logits, target)
         torch.cuda.synchronize()
         print("no error")
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code, str(int(after_a_good_call))], capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode != 0 and "no error" not in result.stdout
     assert "target outside [0, vocab) and not ignore_index" in result.stderr + result.stdout
