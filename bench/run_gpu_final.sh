@@ -12,5 +12,5 @@ export PYTHONPATH=/tmp/site
 (cd tests && timeout 150 python3 -m pytest -q -p no:cacheprovider test_op.py test_gpu.py test_launch_configs.py 2>&1) \
     | tee "$OUT/gpu_tests.log" | tail -3
 timeout 120 python3 bench/device_time.py --out "$OUT/device_time.md" 2>&1 | tail -16
-timeout 330 python3 bench/e2e_megatron.py --config small --variants native cez --pairs 3 --budget-s 280 \
+[ -n "${E2E:-}" ] && timeout 330 python3 bench/e2e_megatron.py --config small --variants native cez --pairs 3 --budget-s 280 \
     --out "$OUT" 2>&1 | tail -12

@@ -47,10 +47,10 @@ from .launch import Launcher
 LAUNCH_CONFIG = {
     "cuda": [
         (65536, {"fwd_block_v": 8192, "slot_width": 16, "fwd_warps": 4, "fwd_per_core": 64,
-                 "bwd_block_v": 16384, "bwd_warps": 16, "bwd_per_core": 64}),
+                 "bwd_block_v": 16384, "bwd_warps": 32, "bwd_per_core": 64}),
         # Narrow slices: as many programs as rows up to 128 per SM (one row each at the
         # shapes measured), which beat the persistent 32 per SM by 3-8 % (bench/NOTES.md).
-        (0, {"fwd_block_v": 8192, "slot_width": 16, "fwd_warps": 4, "fwd_per_core": 128,
+        (0, {"fwd_block_v": 4096, "slot_width": 8, "fwd_warps": 4, "fwd_per_core": 128,
              "bwd_block_v": 16384, "bwd_warps": 4, "bwd_per_core": 128}),
     ],
     "npu": [
