@@ -330,8 +330,9 @@ def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_los
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return out
-    grid, rows_per_program, (slots, slot_width), evict, options = _plan(logits.device, n_rows, n_cols, "fwd")
-    check = logits.device.type == "cuda"
+    device = logits.device
+    grid, rows_per_program, (slots, slot_width), evict, options = _plan(device, n_rows, n_cols, "fwd")
+    check = device.type == "cuda"
     args = (
         logits, logits.stride(0), target, out, n_rows, n_cols, rows_per_program, vocab_start, global_vocab,
         ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),

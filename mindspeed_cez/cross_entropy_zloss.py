@@ -146,6 +146,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         # parameters or user data, so those get a fresh gradient tensor.
         base = logits._base if logits._base is not None else logits
         ctx.in_place = logits.grad_fn is not None and base.grad_fn is not None
+        ctx.backend = backend
         ctx.logits_shape = logits.shape
         ctx.vocab_start = vocab_start
         ctx.global_vocab = global_vocab
@@ -163,7 +164,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
         grad = rows if ctx.in_place else torch.empty_like(rows)
-        kernels.backend_for(rows.device).write_grad(
+        ctx.backend.write_grad(
             rows,
             grad,
             flat_target,
