@@ -17,6 +17,7 @@ per iteration" with ``--log-interval 1``). The table gives, per variant, the med
 and the spread (min-max of the run medians), and the peak allocated memory.
 
     python bench/e2e_megatron.py --config small --pairs 3 --out out/e2e          # on the GPU
+    python bench/e2e_megatron.py --tp 2 --variants native cez --out out/e2e      # 2 GPUs, TP=2
     python bench/e2e_megatron.py --plot out/e2e/e2e_small.json                   # PNG, anywhere
 """
 
@@ -78,10 +79,12 @@ def te_available():
     return True
 
 
-def launch(variant, config, iters, log_path):
+def launch(variant, config, iters, log_path, tp=1):
     args, env_extra = VARIANTS[variant]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), ENTRY, *COMMON, *CONFIGS[config], "--train-iters", str(iters), *args]
+    parallel = ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), ENTRY, *COMMON, *CONFIGS[config], *parallel, "--train-iters", str(iters),
+           *args]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1", **env_extra)
     start = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -89,9 +92,9 @@ def launch(variant, config, iters, log_path):
     with open(log_path, "w") as fh:
         fh.write(" ".join(cmd) + "\n\n" + log)
     steps = {int(i): float(ms) for i, ms in STEP.findall(proc.stdout)}
-    peak = PEAK.search(proc.stdout)
+    peaks = [int(v) for v in PEAK.findall(proc.stdout)]  # one line per rank
     return {"variant": variant, "rc": proc.returncode, "wall_s": time.time() - start, "steps_ms": steps,
-            "peak_bytes": int(peak.group(1)) if peak else None,
+            "peak_bytes": max(peaks) if peaks else None,
             "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)]}
 
 
@@ -143,7 +146,9 @@ def plot(path):
     axes[0].set_ylabel("step time (ms), median; bars: run spread")
     axes[1].bar(names, [summary[v]["peak_gb"] or 0 for v in names], color="#a86848")
     axes[1].set_ylabel("peak allocated (GB)")
-    fig.suptitle(f"Megatron pretrain, 1 GPU, config {data['config']} ({data['device']}, {data['date']})")
+    gpus = data["args"].get("tp", 1)
+    fig.suptitle(f"Megatron pretrain, {gpus} GPU{'s' if gpus > 1 else ''} (TP={gpus}), config {data['config']} "
+                 f"({data['device']}, {data['date']})")
     fig.tight_layout()
     png = os.path.splitext(path)[0] + ".png"
     fig.savefig(png, dpi=120)
@@ -157,6 +162,8 @@ def main(argv=None):
     parser.add_argument("--pairs", type=int, default=3, help="runs per variant, alternated")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="iterations left out of each run's median")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel size (GPUs; with sequence parallelism); z_by_hand needs 1")
     parser.add_argument("--budget-s", type=float, default=540, help="no new launch after this many seconds")
     parser.add_argument("--out", default="out/e2e")
     parser.add_argument("--plot", default=None, help="draw the PNG of a results JSON and exit")
@@ -176,7 +183,10 @@ def main(argv=None):
             json.dump(data, fh, indent=1)
         print(table(data["summary"]))
         return
-    variants = args.variants or [v for v in VARIANTS if v != "te" or te_available()]
+    variants = args.variants or [v for v in VARIANTS if (v != "te" or te_available()) and (v != "z_by_hand" or args.tp == 1)]
+    if args.tp > 1 and "z_by_hand" in variants:
+        parser.error("z_by_hand computes the z-loss on one rank's logits: it needs --tp 1")
+    name = args.config if args.tp == 1 else f"{args.config}_tp{args.tp}"
     os.makedirs(args.out, exist_ok=True)
     import torch
 
@@ -188,7 +198,8 @@ def main(argv=None):
             if time.time() - start > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: stopping before {variant} rep {rep + 1}", flush=True)
                 break
-            run = launch(variant, args.config, args.iters, os.path.join(args.out, f"{args.config}_{variant}_{rep + 1}.log"))
+            run = launch(variant, args.config, args.iters, os.path.join(args.out, f"{name}_{variant}_{rep + 1}.log"),
+                         tp=args.tp)
             runs.append(run)
             steady = [ms for i, ms in sorted(run["steps_ms"].items()) if i > args.skip]
             med = f"{statistics.median(steady):.1f} ms" if steady else "-"
@@ -198,7 +209,7 @@ def main(argv=None):
     summary = summarize(runs, args.skip)
     data = {"config": args.config, "device": device, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
             "command": COMMON + CONFIGS[args.config], "summary": summary, "runs": runs}
-    with open(os.path.join(args.out, f"e2e_{args.config}.json"), "w") as fh:
+    with open(os.path.join(args.out, f"e2e_{name}.json"), "w") as fh:
         json.dump(data, fh, indent=1)
     print(table(summary))
 
