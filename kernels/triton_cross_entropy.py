@@ -48,8 +48,9 @@ LAUNCH_CONFIG = {
     "cuda": [
         (65536, {"fwd_block_v": 8192, "slot_width": 16, "fwd_warps": 4, "fwd_per_core": 64,
                  "bwd_block_v": 16384, "bwd_warps": 32, "bwd_per_core": 64}),
-        # Narrow slices: as many programs as rows up to 128 per SM (one row each at the
-        # shapes measured), which beat the persistent 32 per SM by 3-8 % (bench/NOTES.md).
+        # Narrow slices: as many programs as rows up to 128 per SM (one row each at the shapes
+        # measured) and 4096-column forward tiles (56 registers): fwd+bwd 1.10-1.13x of the
+        # floor instead of 1.20x at 32 programs per SM and 8192 columns (bench/NOTES.md 10-12).
         (0, {"fwd_block_v": 4096, "slot_width": 8, "fwd_warps": 4, "fwd_per_core": 128,
              "bwd_block_v": 16384, "bwd_warps": 4, "bwd_per_core": 128}),
     ],
@@ -291,14 +292,26 @@ def launch_settings(device_type, n_cols):
     raise ValueError(f"no launch settings for {n_cols} columns on {device_type}")
 
 
-# On CUDA the forward asserts on its targets: a debug compile, without integer-overflow checks.
-ASSERT_OPTIONS = (("debug", True), ("sanitize_overflow", False))
+def _assert_options():
+    """On CUDA the forward asserts on its targets: a debug compile, without the integer-overflow
+    checks a debug compile adds where Triton has them (``sanitize_overflow``, Triton 3.2+)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        sanitizer = "sanitize_overflow" in CUDAOptions.__dataclass_fields__
+    except Exception:  # noqa: BLE001 - no NVIDIA backend here (triton-ascend): never launched with it
+        sanitizer = False
+    return (("debug", True),) + ((("sanitize_overflow", False),) if sanitizer else ())
+
+
+ASSERT_OPTIONS = _assert_options()
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(device, n_rows, n_cols, kernel):
-    """(grid, rows per program, constexprs in parameter order, launch options) of the ``"fwd"``
-    or ``"bwd"`` kernel for ``[n_rows, n_cols]`` logits on ``device``."""
+    """(grid, rows per program, tile constexprs, eviction policy, launch options) of the
+    ``"fwd"`` or ``"bwd"`` kernel for ``[n_rows, n_cols]`` logits on ``device``; the tile
+    constexprs are (SLOTS, SLOT_WIDTH) for the forward and (BLOCK_V,) for the backward."""
     config = launch_settings(device.type, n_cols)
     programs = num_programs(device, n_rows, config[f"{kernel}_per_core"])
     block_v = min(config[f"{kernel}_block_v"], triton.next_power_of_2(n_cols))
@@ -322,8 +335,6 @@ def launch_plans_changed():
 def _loss_constants(z_loss_coeff, label_smoothing, global_vocab):
     """The kernels' (z_loss_coeff, target_weight, smoothing_per_col) arguments."""
     return float(z_loss_coeff), 1.0 - float(label_smoothing), float(label_smoothing) / global_vocab
-
-
 
 
 def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_loss_coeff, label_smoothing, finish):
