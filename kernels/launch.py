@@ -32,7 +32,8 @@ _UINT64_START = 2**63
 
 
 def direct_launch_supported() -> bool:
-    return _knobs is not None and hasattr(_CompiledKernel, "launch_metadata") and hasattr(_CompiledKernel, "__getitem__")
+    """Triton with ``knobs`` and a ``CompiledKernel.run`` property (the launcher ``__call__`` uses)."""
+    return _knobs is not None and isinstance(getattr(_CompiledKernel, "run", None), property)
 
 
 def _tensor_key(value):
