@@ -12,17 +12,7 @@
 #   bench_tp.md/.log  2 GPUs (torchrun, NCCL): per-rank kernel / op at TP=1 / op at TP=2
 # Worst case about 20 + 400 + 140 s, inside the device tool's 600 s per command.
 set -u -o pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-OUT=${OUT:-$PWD/out}
-PY=${PYTHON:-python3}
-SITE=${SITE:-/tmp/site}
-mkdir -p "$OUT"
-
-ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: carry .whl" >&2; exit 2; }
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
-$PY -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" . || exit 1
-export PYTHONPATH=$SITE
+source bench/device_setup.sh
 
 {
     nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv

@@ -7,24 +7,18 @@
 #
 #     bash bench/run_gpu_perf.sh
 set -u -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-OUT=${OUT:-$PWD/out}
-SITE=${SITE:-/tmp/site}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" . || exit 1
-export PYTHONPATH=$SITE
+source bench/device_setup.sh
 
 echo "== op tests on CUDA"
-(cd tests && timeout 200 python3 -m pytest -q -p no:cacheprovider -x test_op.py test_op_errors.py test_gpu.py \
+(cd tests && timeout 200 $PY -m pytest -q -p no:cacheprovider -x test_op.py test_op_errors.py test_gpu.py \
     test_launch_configs.py test_launch.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -4
 
 echo "== host time"
-timeout 120 python3 bench/host_time.py --calls 1000 --repeats 5 --profile --out "$OUT/host_time.md" 2>&1 | head -12
+timeout 120 $PY bench/host_time.py --calls 1000 --repeats 5 --profile --out "$OUT/host_time.md" 2>&1 | head -12
 
 echo "== device time (CUDA-graph replay) and memory"
-timeout 150 python3 bench/device_time.py --out "$OUT/device_time.md" 2>&1 | tail -14
+timeout 150 $PY bench/device_time.py --out "$OUT/device_time.md" 2>&1 | tail -14
 
 echo "== beside Liger-Kernel (events)"
-timeout 150 python3 bench/bench_cross_entropy.py --impls mindspeed_cez liger --budget-s 100 --out "$OUT/bench.md" \
+timeout 150 $PY bench/bench_cross_entropy.py --impls mindspeed_cez liger --budget-s 100 --out "$OUT/bench.md" \
     2>&1 | tail -16
