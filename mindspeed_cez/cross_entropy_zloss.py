@@ -37,17 +37,13 @@ def resolve_tp_group(tp_group=None):
     return None
 
 
-_group_ranks = {}
-
-
 def group_rank_and_size(tp_group):
-    """(rank, world size) in ``tp_group``; (0, 1) without a group or without torch.distributed."""
+    """(rank, world size) in ``tp_group``; (0, 1) without a group or without torch.distributed.
+    Asked on every call: a module-level cache would keep process groups alive past
+    ``destroy_process_group``, and gloo's can then abort the process at interpreter exit."""
     if tp_group is None or not dist.is_available() or not dist.is_initialized():
         return 0, 1
-    known = _group_ranks.get(tp_group)
-    if known is None:  # a group's members never change: asked once per group
-        known = _group_ranks[tp_group] = (dist.get_rank(tp_group), dist.get_world_size(tp_group))
-    return known
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
 def _check_arguments(logits, target, z_loss_coeff, label_smoothing):
