@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bench_cross_entropy import GPU_SHAPES, LOGIT_SCALE, Z_LOSS_COEFF, Timer, copy_bandwidth
+from bench_cross_entropy import GPU_SHAPES, LOGIT_SCALE, Z_LOSS_COEFF, Timer, copy_bandwidth, write_report
 from mindspeed_cez import vocab_parallel_cross_entropy_zloss
 
 
@@ -158,11 +158,7 @@ def main(argv=None):
         print(memory_lines[-1], flush=True)
         del pristine, base, target, upstream
         torch.cuda.empty_cache()
-    text = "\n".join(lines + memory_lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+    print(write_report(args.out, lines + memory_lines), end="")
 
 
 if __name__ == "__main__":

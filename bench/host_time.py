@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench_cross_entropy import write_report
 from mindspeed_cez import vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.kernels.launch import Launcher
 
@@ -96,10 +97,7 @@ def main(argv=None):
         stream = io.StringIO()
         pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(25)
         text += "\n\ncProfile of mindspeed_cez fwd+bwd (tottime):\n```\n" + stream.getvalue() + "```\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
+    print(write_report(args.out, [text]), end="")
 
 
 if __name__ == "__main__":
