@@ -39,8 +39,7 @@ def resolve_tp_group(tp_group=None):
 
 def group_rank_and_size(tp_group):
     """(rank, world size) in ``tp_group``; (0, 1) without a group or without torch.distributed.
-    Asked on every call: a module-level cache would keep process groups alive past
-    ``destroy_process_group``, and gloo's can then abort the process at interpreter exit."""
+    Asked on every call (cheap), so no reference to the group is kept here."""
     if tp_group is None or not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
