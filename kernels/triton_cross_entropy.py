@@ -309,21 +309,22 @@ ASSERT_OPTIONS = _assert_options()
 
 @functools.lru_cache(maxsize=256)
 def _plan(device, n_rows, n_cols, kernel):
-    """(grid, rows per program, tile constexprs, eviction policy, launch options) of the
-    ``"fwd"`` or ``"bwd"`` kernel for ``[n_rows, n_cols]`` logits on ``device``; the tile
-    constexprs are (SLOTS, SLOT_WIDTH) for the forward and (BLOCK_V,) for the backward."""
+    """(grid, rows per program, constexprs, eviction policy, launch options) of the ``"fwd"`` or
+    ``"bwd"`` kernel for ``[n_rows, n_cols]`` logits on ``device``; the constexprs are (SLOTS,
+    SLOT_WIDTH, CHECK_TARGETS) for the forward (the check, on CUDA, with its debug options) and
+    (BLOCK_V,) for the backward."""
     config = launch_settings(device.type, n_cols)
     programs = num_programs(device, n_rows, config[f"{kernel}_per_core"])
     block_v = min(config[f"{kernel}_block_v"], triton.next_power_of_2(n_cols))
     evict = EVICTION.get(device.type, "")
     options = (("num_warps", config[f"{kernel}_warps"]),)
-    if kernel == "fwd" and device.type == "cuda":
-        options += ASSERT_OPTIONS
     if kernel == "bwd":
         constexprs = (block_v,)
     else:
         slot_width = min(config["slot_width"] or block_v, block_v)
-        constexprs = (block_v // slot_width, slot_width)
+        check = device.type == "cuda"
+        constexprs = (block_v // slot_width, slot_width, check)
+        options += ASSERT_OPTIONS if check else ()
     return (programs,), triton.cdiv(n_rows, programs), constexprs, evict, options
 
 
@@ -341,9 +342,8 @@ def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_los
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return out
-    device = logits.device
-    grid, rows_per_program, (slots, slot_width), evict, options = _plan(device, n_rows, n_cols, "fwd")
-    check = device.type == "cuda"
+    plan = _plan(logits.device, n_rows, n_cols, "fwd")
+    grid, rows_per_program, (slots, slot_width, check), evict, options = plan
     args = (
         logits, logits.stride(0), target, out, n_rows, n_cols, rows_per_program, vocab_start, global_vocab,
         ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),
