@@ -86,7 +86,17 @@ def validate_lm_z_loss_args(args, defaults=None):
         )
     if fused is False and getattr(args, "lm_z_loss_log_lse", False):
         raise ValueError(f"{FLAG_LOG_LSE} needs the fused kernel, but {FLAG_NO_FUSED} turns it off")
+    if fused_ce_enabled(args):
+        from mindspeed_cez.patches import mindspeed_llm
+
+        mindspeed_llm.check_args(args, _flag_turning_fused_on(args))
     return args
+
+
+def _flag_turning_fused_on(args):
+    if args.lm_z_loss_coeff > 0:
+        return f"{FLAG_COEFF}={args.lm_z_loss_coeff}"
+    return FLAG_FUSED if getattr(args, "lm_fused_ce", None) else FLAG_LOG_LSE
 
 
 def fused_ce_enabled(args):

@@ -70,12 +70,30 @@ def _mindspeed_api():
     return MindSpeedFeature, MindSpeedFeaturesManager, MindSpeedPatchesManager
 
 
+def _stay_in_features_list(features_manager, feature):
+    """Keep ``feature`` in the list when a framework sets a new one (MindSpeed-LLM's
+    ``set_features_list`` at import replaces the list that the features are applied from)."""
+    setter = features_manager.__dict__.get("set_features_list")
+    if not isinstance(setter, classmethod) or getattr(setter.__func__, "__cez_wraps__", None):
+        return
+
+    def set_features_list(cls, features_list):
+        setter.__func__(cls, features_list)
+        if feature not in cls.FEATURES_LIST:
+            cls.FEATURES_LIST.append(feature)
+
+    set_features_list.__cez_wraps__ = setter.__func__
+    features_manager.set_features_list = classmethod(set_features_list)
+
+
 def register():
     """Add our feature to MindSpeed's feature list and apply its patches (idempotent).
 
-    MindSpeed's ``megatron_adaptor`` may already have applied its features (it was imported
-    first), so the patches are registered and applied here too; MindSpeed ignores a wrapper
-    registered twice, so a later ``apply_features_patches`` is harmless.
+    Either import order with a framework's adaptor works: imported after it (MindSpeed's or
+    MindSpeed-LLM's adaptor already applied its features), the patches are registered and applied
+    here; imported before MindSpeed-LLM's, the feature stays in the list MindSpeed-LLM sets and is
+    applied again by its adaptor after that adaptor removes every patch. MindSpeed ignores a
+    wrapper registered twice, so a later ``apply_features_patches`` is harmless.
     Returns the feature instance.
     """
     global _REGISTERED
@@ -86,6 +104,7 @@ def register():
         _REGISTERED = existing[0] if existing else cls()
         if not existing:
             features_manager.FEATURES_LIST.append(_REGISTERED)
+    _stay_in_features_list(features_manager, _REGISTERED)
     _REGISTERED.register_patches(patch_manager, None)
     patch_manager.apply_patches()
     return _REGISTERED

@@ -14,7 +14,8 @@ manager instead (see :mod:`mindspeed_cez.mindspeed_feature`).
 What is patched is listed in :data:`PATCH_TARGETS`; :mod:`mindspeed_cez.patches.megatron_core`
 describes each wrapper. Functions are replaced in their defining module *and* in every loaded
 module that bound a copy (``from x import f``); modules imported later pick up the patched
-attribute. Targets that this megatron-core does not have are skipped.
+attribute. Targets that this megatron-core does not have are skipped. Once MindSpeed-LLM is
+imported, its own model forward and training log join the targets (:mod:`.mindspeed_llm`).
 """
 
 import importlib
@@ -29,7 +30,7 @@ __all__ = ["apply", "remove", "is_applied", "active_settings", "Settings", "PATC
 def _targets():
     from mindspeed_cez import metrics
     from mindspeed_cez.patches import megatron_core as mc
-    from mindspeed_cez.patches import moe_tracker
+    from mindspeed_cez.patches import mindspeed_llm, moe_tracker
 
     lm = "megatron.core.models.common.language_module.language_module"
     targets = [
@@ -44,7 +45,7 @@ def _targets():
         targets.append((report, metrics.moe_metrics_report_wrapper))
     if importlib.util.find_spec("megatron.training") is not None:
         targets.append(("megatron.training.training.training_log", metrics.training_log_wrapper))
-    return targets
+    return targets + mindspeed_llm.patch_targets()
 
 
 def __getattr__(name):

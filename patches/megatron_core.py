@@ -27,6 +27,7 @@ Patched (see ``PATCH_TARGETS`` in ``mindspeed_cez.patches``):
 import functools
 import importlib
 import inspect
+import sys
 import warnings
 
 import torch
@@ -99,20 +100,27 @@ _LOSS_CONTEXT_METHODS = (
 )
 
 
-def loss_context_paths():
-    """Dotted paths of the methods that see ``labels`` and ``loss_mask`` together (feature-detected)."""
+def loss_context_paths(methods=_LOSS_CONTEXT_METHODS, loaded_only=False):
+    """Dotted paths of the methods that see ``labels`` and ``loss_mask`` together (feature-detected).
+
+    Each class is named by its own module and name, so a class registered over another (MindSpeed-LLM's
+    ``GPTModel`` over Megatron's) gets one path whichever name found it. ``loaded_only``: look only in
+    modules already imported (another framework's, which the adaptor never imports itself).
+    """
     paths, seen = [], set()
-    for module_name, class_name, methods in _LOSS_CONTEXT_METHODS:
+    for module_name, class_name, method_names in methods:
+        if loaded_only and module_name not in sys.modules:
+            continue
         try:
             owner = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
             continue
-        for method in methods:
+        for method in method_names:
             fn = vars(owner).get(method)
             if fn is not None and {"labels", "loss_mask"} <= set(inspect.signature(fn).parameters):
                 if fn not in seen:  # one class may live under two names
                     seen.add(fn)
-                    paths.append(f"{module_name}.{class_name}.{method}")
+                    paths.append(f"{owner.__module__}.{owner.__qualname__}.{method}")
                 break
     return paths
 

@@ -1,0 +1,1 @@
+"""Stand-in for MindSpeed's plug-in surface (see ../README.md)."""

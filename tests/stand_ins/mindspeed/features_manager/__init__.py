@@ -1,0 +1,1 @@
+from mindspeed.features_manager.feature import MindSpeedFeature  # noqa: F401
