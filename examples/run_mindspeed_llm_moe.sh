@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# MindSpeed-LLM style MoE pretraining (Ascend NPUs) with the fused LM cross entropy + z-loss.
+# MindSpeed-LLM MoE pretraining (Ascend NPUs) with the fused LM cross entropy + z-loss.
+# The model and parallel flags follow MindSpeed-LLM v26.0.0's Qwen3-30B-A3B pretrain script
+# (examples/mcore/qwen3_moe/pretrain_qwen3_30b_a3b_4K_ptd.sh there), two nodes of 8 NPUs.
 #
-# Not run in this repository's CI (it needs MindSpeed-LLM, MindSpeed and torch_npu); the CI runs
-# the Megatron-LM flavour (examples/run_megatron_lm_moe.sh, tests/test_e2e_megatron_training.py).
-#
-# The integration is the same one line, placed after MindSpeed-LLM's own adaptor (which patches
-# Megatron for the NPU) in MindSpeed-LLM's pretrain_gpt.py:
+# The integration is one import in MindSpeed-LLM's pretrain_gpt.py, before or after its own adaptor:
 #
 #     from mindspeed_llm import megatron_adaptor     # already there
-#     import mindspeed_cez.megatron_adaptor          # registers the lm-z-loss MindSpeed feature
+#     import mindspeed_cez.megatron_adaptor          # the lm-z-loss MindSpeed feature
 #
-# so that MindSpeed's features manager adds --lm-z-loss-coeff / --lm-fused-ce / --no-lm-fused-ce to
-# the parser, validates them, and registers the patches through its patch manager. If you would
-# rather not edit pretrain_gpt.py, this script writes a 4-line launcher that does the two imports
-# and then runs pretrain_gpt.py unchanged (USE_LAUNCHER=1, the default).
+# MindSpeed-LLM's argument parser then knows --lm-z-loss-coeff, its own GPTModel forward computes
+# the loss with the fused kernel (on the logits after --output-multiplier-scale and
+# --output-logit-softcapping), and its training log line shows lm_z_loss next to lm loss.
+# Refused at startup, naming both flags: --loss-compute-mode chunk at TP=1 and CP=1 (its chunked
+# loss never reaches the kernel) and --is-instruction-dataset.
 #
-#   MINDSPEED_LLM_DIR=/path/to/MindSpeed-LLM TOKENIZER_PATH=/path/to/hf_tokenizer \
+# Without editing pretrain_gpt.py, this script writes a launcher that imports this package and then
+# runs pretrain_gpt.py unchanged (USE_LAUNCHER=1, the default). Not run here: no NPU (README).
+#
+#   MINDSPEED_LLM_DIR=/path/to/MindSpeed-LLM TOKENIZER_PATH=/path/to/Qwen3-30B-A3B \
 #   DATA_PATH=/path/to/dataset_text_document bash examples/run_mindspeed_llm_moe.sh
 set -euo pipefail
 
@@ -23,17 +25,20 @@ MINDSPEED_LLM_DIR="${MINDSPEED_LLM_DIR:?set MINDSPEED_LLM_DIR to a MindSpeed-LLM
 TOKENIZER_PATH="${TOKENIZER_PATH:?set TOKENIZER_PATH to a HuggingFace tokenizer directory}"
 DATA_PATH="${DATA_PATH:?set DATA_PATH to a Megatron-preprocessed dataset prefix}"
 NPUS_PER_NODE="${NPUS_PER_NODE:-8}"
-NNODES="${NNODES:-1}"
+NNODES="${NNODES:-2}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-localhost}"
 MASTER_PORT="${MASTER_PORT:-6000}"
-TP="${TP:-2}"
-PP="${PP:-1}"
-EP="${EP:-4}"
+TP="${TP:-1}"
+PP="${PP:-2}"
+EP="${EP:-8}"
+SEQ_LENGTH="${SEQ_LENGTH:-4096}"
+TRAIN_ITERS="${TRAIN_ITERS:-2000}"
 Z_LOSS_COEFF="${Z_LOSS_COEFF:-1e-4}"
-CKPT_SAVE_DIR="${CKPT_SAVE_DIR:-./ckpt_moe_cez}"
+CKPT_SAVE_DIR="${CKPT_SAVE_DIR:-./ckpt_qwen3_moe_cez}"
 USE_LAUNCHER="${USE_LAUNCHER:-1}"
 
+export HCCL_CONNECT_TIMEOUT=1800
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
 # CANN environment (set_env.sh) is expected to be sourced already.
@@ -41,94 +46,62 @@ export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
 cd "$MINDSPEED_LLM_DIR"
 PRETRAIN=pretrain_gpt.py
 if [ "$USE_LAUNCHER" = 1 ]; then
-    PRETRAIN="$(mktemp -d)/pretrain_gpt_cez_launcher.py"
-    cat > "$PRETRAIN" <<EOF
+    PRETRAIN="$(mktemp -d)/pretrain_gpt_cez.py"
+    cat > "$PRETRAIN" <<PY
 import runpy, sys
-from mindspeed_llm import megatron_adaptor  # noqa: F401  MindSpeed-LLM's NPU patches first
-import mindspeed_cez.megatron_adaptor  # noqa: F401  then the lm-z-loss feature
+import mindspeed_cez.megatron_adaptor  # noqa: F401  (pretrain_gpt.py then imports MindSpeed-LLM's adaptor)
 sys.path.insert(0, "$MINDSPEED_LLM_DIR"); sys.argv[0] = "$MINDSPEED_LLM_DIR/pretrain_gpt.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
-EOF
+PY
 fi
 
 DISTRIBUTED_ARGS="--nproc_per_node $NPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
     --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
 
-MOE_ARGS="
-    --num-experts 8 \
-    --expert-model-parallel-size $EP \
-    --moe-router-topk 2 \
-    --moe-router-load-balancing-type aux_loss \
-    --moe-aux-loss-coeff 0.01 \
-    --moe-token-dispatcher-type alltoall \
-    --moe-grouped-gemm \
-    --moe-permutation-async-comm
-"
-
-# The flag: trains on CE + C * logsumexp(logits)^2 per token (lm loss stays CE), logs lm_z_loss (0 = MindSpeed/Megatron CE).
+# The flag: trains on CE + C * logsumexp(logits)^2 per token (lm loss stays CE), logs lm_z_loss.
 Z_LOSS_ARGS=""
 if [ "$Z_LOSS_COEFF" != "0" ]; then
     Z_LOSS_ARGS="--lm-z-loss-coeff $Z_LOSS_COEFF"
 fi
 
+MOE_ARGS="
+    --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 768
+    --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.001
+    --moe-grouped-gemm --moe-permutation-async-comm --moe-token-dispatcher-type alltoall_seq
+    --moe-layer-freq -1 --first-k-dense-replace -1
+"
+OPTIMIZE_ARGS="
+    --use-flash-attn --use-fused-rotary-pos-emb --use-rotary-position-embeddings --use-fused-swiglu
+    --use-fused-rmsnorm --no-masked-softmax-fusion --use-distributed-optimizer --sequence-parallel
+    --gemm-gradient-accumulation-fusion
+    --recompute-method uniform --recompute-granularity full --recompute-num-layers 1
+"
+TRAIN_ARGS="
+    --micro-batch-size 1 --global-batch-size 256 --train-iters $TRAIN_ITERS --seq-length $SEQ_LENGTH
+    --lr 1.25e-6 --min-lr 1.25e-7 --lr-decay-style cosine --lr-warmup-fraction 0.01 --weight-decay 1e-1
+    --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.01 --clip-grad 1.0
+    --adam-beta1 0.9 --adam-beta2 0.95 --initial-loss-scale 4096 --seed 42 --bf16 --no-shared-storage
+"
+MODEL_PARALLEL_ARGS="
+    --tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP --expert-model-parallel-size $EP
+    --context-parallel-size 1
+"
 GPT_ARGS="
-    --use-mcore-models \
-    --tensor-model-parallel-size $TP \
-    --pipeline-model-parallel-size $PP \
-    --sequence-parallel \
-    --use-distributed-optimizer \
-    --num-layers 16 \
-    --hidden-size 2048 \
-    --ffn-hidden-size 5632 \
-    --num-attention-heads 16 \
-    --group-query-attention \
-    --num-query-groups 4 \
-    --seq-length 4096 \
-    --max-position-embeddings 4096 \
-    --position-embedding-type rope \
-    --normalization RMSNorm \
-    --use-fused-rmsnorm \
-    --swiglu \
-    --use-fused-swiglu \
-    --use-fused-rotary-pos-emb \
-    --use-flash-attn \
-    --disable-bias-linear \
-    --untie-embeddings-and-output-weights \
-    --tokenizer-type PretrainedFromHF \
-    --tokenizer-name-or-path $TOKENIZER_PATH \
-    --micro-batch-size 1 \
-    --global-batch-size 64 \
-    --lr 3e-4 \
-    --min-lr 3e-5 \
-    --lr-decay-style cosine \
-    --lr-warmup-fraction 0.01 \
-    --weight-decay 0.1 \
-    --clip-grad 1.0 \
-    --adam-beta1 0.9 \
-    --adam-beta2 0.95 \
-    --init-method-std 0.01 \
-    --train-iters 2000 \
-    --no-gradient-accumulation-fusion \
-    --no-masked-softmax-fusion \
-    --attention-softmax-in-fp32 \
-    --bf16
+    --use-mcore-models --spec mindspeed_llm.tasks.models.spec.qwen3_spec layer_spec
+    --kv-channels 128 --qk-layernorm --norm-topk-prob
+    --tokenizer-type PretrainedFromHF --tokenizer-name-or-path $TOKENIZER_PATH
+    --max-position-embeddings $SEQ_LENGTH --num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144
+    --num-attention-heads 32 --group-query-attention --num-query-groups 4
+    --make-vocab-size-divisible-by 1 --padded-vocab-size 151936 --rotary-base 1000000
+    --untie-embeddings-and-output-weights --disable-bias-linear --position-embedding-type rope
+    --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --attention-softmax-in-fp32
+    --no-gradient-accumulation-fusion --transformer-impl local
 "
-
-DATA_ARGS="
-    --data-path $DATA_PATH \
-    --split 100,0,0
-"
-
-OUTPUT_ARGS="
-    --log-interval 1 \
-    --save-interval 1000 \
-    --eval-interval 1000 \
-    --eval-iters 0 \
-    --save $CKPT_SAVE_DIR
-"
+DATA_ARGS="--data-path $DATA_PATH --split 100,0,0"
+OUTPUT_ARGS="--log-interval 1 --save-interval $TRAIN_ITERS --eval-interval $TRAIN_ITERS --eval-iters 0 --save $CKPT_SAVE_DIR"
 
 mkdir -p logs
 torchrun $DISTRIBUTED_ARGS "$PRETRAIN" \
-    $GPT_ARGS $MOE_ARGS $Z_LOSS_ARGS $DATA_ARGS $OUTPUT_ARGS \
+    $GPT_ARGS $MOE_ARGS $OPTIMIZE_ARGS $TRAIN_ARGS $MODEL_PARALLEL_ARGS $Z_LOSS_ARGS $DATA_ARGS $OUTPUT_ARGS \
     --distributed-backend nccl \
-    "$@" | tee logs/pretrain_moe_cez.log
+    "$@" | tee logs/pretrain_qwen3_moe_cez.log
