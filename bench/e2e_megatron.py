@@ -53,6 +53,12 @@ CONFIGS = {
               "--moe-ffn-hidden-size", "1024", "--num-attention-heads", "16"],
     "large": ["--num-layers", "4", "--hidden-size", "2048", "--ffn-hidden-size", "8192",
               "--moe-ffn-hidden-size", "2048", "--num-attention-heads", "16"],
+    # GPU-bound (issue 22): 8 layers, seq 8192, 4 local experts top-2 of ffn 4096, so each expert's
+    # GEMMs hold ~4096 tokens (Megatron 0.19.2's grouped GEMM needs Transformer Engine, absent here);
+    # core attention recomputed (unfused attention at seq 8192)
+    "gpu": ["--num-layers", "8", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads", "16",
+            "--num-experts", "4", "--moe-ffn-hidden-size", "4096", "--seq-length", "8192",
+            "--max-position-embeddings", "8192", "--recompute-granularity", "selective"],
 }
 VARIANTS = {
     "native": ([], {}),
@@ -79,9 +85,42 @@ def te_available():
     return True
 
 
-def launch(variant, config, iters, log_path, tp=1):
+def gpu_busy_share(trace_dir):
+    """Share of the profiled steps' wall time in which a GPU kernel runs (union of kernel intervals
+    over the span of the ``ProfilerStep#`` annotations), from the torch profiler's chrome trace
+    (Megatron 0.19 writes it to ``<tensorboard dir>/../torch_profile/rank-0.json.gz``)."""
+    import gzip
+
+    paths = [os.path.join(root, f) for root, _, files in os.walk(trace_dir) for f in files
+             if f.endswith((".json", ".json.gz"))]
+    if not paths:
+        return None
+    path = max(paths, key=os.path.getmtime)
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as fh:
+        events = json.load(fh)["traceEvents"]
+    steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#") and "dur" in e]
+    if not steps:
+        return None
+    start, end = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+    kernels = sorted((max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in events
+                     if e.get("cat") == "kernel" and e["ts"] < end and e["ts"] + e["dur"] > start)
+    busy, cur_start, cur_end = 0.0, None, None
+    for a, b in kernels:
+        if cur_end is None or a > cur_end:
+            busy += 0.0 if cur_end is None else cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    busy += 0.0 if cur_end is None else cur_end - cur_start
+    return {"steps": len(steps), "window_ms": (end - start) / 1e3, "gpu_busy_share": busy / (end - start)}
+
+
+def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
     args, env_extra = VARIANTS[variant]
     parallel = ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
+    if profile_dir:  # Megatron's own torch-profiler hook, two steps in the steady state, rank 0
+        parallel += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(iters - 4),
+                     "--profile-step-end", str(iters - 2), "--profile-ranks", "0", "--tensorboard-dir", os.path.join(profile_dir, "tb")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), ENTRY, *COMMON, *CONFIGS[config], *parallel, "--train-iters", str(iters),
            *args]
@@ -95,6 +134,7 @@ def launch(variant, config, iters, log_path, tp=1):
     peaks = [int(v) for v in PEAK.findall(proc.stdout)]  # one line per rank
     return {"variant": variant, "rc": proc.returncode, "wall_s": time.time() - start, "steps_ms": steps,
             "peak_bytes": max(peaks) if peaks else None,
+            "profile": gpu_busy_share(profile_dir) if profile_dir else None,
             "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)]}
 
 
@@ -165,6 +205,8 @@ def main(argv=None):
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel size (GPUs; with sequence parallelism); z_by_hand needs 1")
     parser.add_argument("--budget-s", type=float, default=540, help="no new launch after this many seconds")
+    parser.add_argument("--profile", action="store_true",
+                        help="first rep: torch-profile two steady steps per variant, report the GPU-busy share")
     parser.add_argument("--out", default="out/e2e")
     parser.add_argument("--plot", default=None, help="draw the PNG of a results JSON and exit")
     parser.add_argument("--merge", nargs="+", default=None,
@@ -198,14 +240,18 @@ def main(argv=None):
             if time.time() - start > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: stopping before {variant} rep {rep + 1}", flush=True)
                 break
+            profile_dir = os.path.join(args.out, f"trace_{name}_{variant}") if args.profile and rep == 0 else None
             run = launch(variant, args.config, args.iters, os.path.join(args.out, f"{name}_{variant}_{rep + 1}.log"),
-                         tp=args.tp)
+                         tp=args.tp, profile_dir=profile_dir)
+            if profile_dir:
+                subprocess.run(["rm", "-rf", profile_dir])  # traces are large; the share is kept in the JSON
             runs.append(run)
             steady = [ms for i, ms in sorted(run["steps_ms"].items()) if i > args.skip]
             med = f"{statistics.median(steady):.1f} ms" if steady else "-"
             peak = f"{run['peak_bytes'] / 1e9:.2f} GB" if run["peak_bytes"] else "-"
+            busy = f" gpu busy {run['profile']['gpu_busy_share']:.1%}" if run.get("profile") else ""
             print(f"rep {rep + 1} {variant:10s} rc={run['rc']} median step {med} peak {peak} "
-                  f"wall {run['wall_s']:.0f} s", flush=True)
+                  f"wall {run['wall_s']:.0f} s{busy}", flush=True)
     summary = summarize(runs, args.skip)
     data = {"config": args.config, "device": device, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
             "command": COMMON + CONFIGS[args.config], "summary": summary, "runs": runs}
