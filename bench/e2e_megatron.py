@@ -32,12 +32,16 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import step_profile  # noqa: E402
+
+VOCAB = 151936
 ENTRY = os.path.join(HERE, "pretrain_gpt_bench.py")
 Z_COEFF = 1e-4
 
 COMMON = [
     "--micro-batch-size", "1", "--global-batch-size", "8", "--seq-length", "4096",
-    "--max-position-embeddings", "4096", "--vocab-size", "151936", "--bf16",
+    "--max-position-embeddings", "4096", "--vocab-size", str(VOCAB), "--bf16",
     "--num-experts", "8", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
     "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
     "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -85,34 +89,9 @@ def te_available():
     return True
 
 
-def gpu_busy_share(trace_dir):
-    """Share of the profiled steps' wall time in which a GPU kernel runs (union of kernel intervals
-    over the span of the ``ProfilerStep#`` annotations), from the torch profiler's chrome trace
-    (Megatron 0.19 writes it to ``<tensorboard dir>/../torch_profile/rank-0.json.gz``)."""
-    import gzip
-
-    paths = [os.path.join(root, f) for root, _, files in os.walk(trace_dir) for f in files
-             if f.endswith((".json", ".json.gz"))]
-    if not paths:
-        return None
-    path = max(paths, key=os.path.getmtime)
-    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as fh:
-        events = json.load(fh)["traceEvents"]
-    steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#") and "dur" in e]
-    if not steps:
-        return None
-    start, end = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
-    kernels = sorted((max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in events
-                     if e.get("cat") == "kernel" and e["ts"] < end and e["ts"] + e["dur"] > start)
-    busy, cur_start, cur_end = 0.0, None, None
-    for a, b in kernels:
-        if cur_end is None or a > cur_end:
-            busy += 0.0 if cur_end is None else cur_end - cur_start
-            cur_start, cur_end = a, b
-        else:
-            cur_end = max(cur_end, b)
-    busy += 0.0 if cur_end is None else cur_end - cur_start
-    return {"steps": len(steps), "window_ms": (end - start) / 1e3, "gpu_busy_share": busy / (end - start)}
+def _profile_summary(profile_dir):
+    trace = step_profile.find_trace(profile_dir)
+    return step_profile.summarize(step_profile.load_events(trace), vocab=VOCAB) if trace else None
 
 
 def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
@@ -120,7 +99,8 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
     parallel = ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
     if profile_dir:  # Megatron's own torch-profiler hook, two steps in the steady state, rank 0
         parallel += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(iters - 4),
-                     "--profile-step-end", str(iters - 2), "--profile-ranks", "0", "--tensorboard-dir", os.path.join(profile_dir, "tb")]
+                     "--profile-step-end", str(iters - 2), "--profile-ranks", "0", "--pytorch-profiler-collect-shapes",
+                     "--tensorboard-dir", os.path.join(profile_dir, "tb")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), ENTRY, *COMMON, *CONFIGS[config], *parallel, "--train-iters", str(iters),
            *args]
@@ -134,7 +114,7 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
     peaks = [int(v) for v in PEAK.findall(proc.stdout)]  # one line per rank
     return {"variant": variant, "rc": proc.returncode, "wall_s": time.time() - start, "steps_ms": steps,
             "peak_bytes": max(peaks) if peaks else None,
-            "profile": gpu_busy_share(profile_dir) if profile_dir else None,
+            "profile": _profile_summary(profile_dir) if profile_dir else None,
             "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)]}
 
 
@@ -244,12 +224,15 @@ def main(argv=None):
             run = launch(variant, args.config, args.iters, os.path.join(args.out, f"{name}_{variant}_{rep + 1}.log"),
                          tp=args.tp, profile_dir=profile_dir)
             if profile_dir:
-                subprocess.run(["rm", "-rf", profile_dir])  # traces are large; the share is kept in the JSON
+                if run.get("profile"):
+                    print(json.dumps(run["profile"], indent=1), flush=True)
+                subprocess.run(["rm", "-rf", profile_dir])  # traces are large; the summary is kept in the JSON
             runs.append(run)
             steady = [ms for i, ms in sorted(run["steps_ms"].items()) if i > args.skip]
             med = f"{statistics.median(steady):.1f} ms" if steady else "-"
             peak = f"{run['peak_bytes'] / 1e9:.2f} GB" if run["peak_bytes"] else "-"
-            busy = f" gpu busy {run['profile']['gpu_busy_share']:.1%}" if run.get("profile") else ""
+            prof = run.get("profile")
+            busy = f" gpu busy {prof['gpu_busy_share']:.1%}, lm head {prof['lm_head_share']:.1%}" if prof else ""
             print(f"rep {rep + 1} {variant:10s} rc={run['rc']} median step {med} peak {peak} "
                   f"wall {run['wall_s']:.0f} s{busy}", flush=True)
     summary = summarize(runs, args.skip)
