@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One device-tool call, run from the repository root with .whl carried (bench/README.md):
+#
+#     bash bench/run_device.sh STEP [STEP ...]        (no STEP: env tests device-time)
+#
+# Each step writes to $OUT (the device tool brings it back; put what you keep under
+# bench/results/<date>_<device>/):
+#   env          GPUs, driver, package versions                       env.txt
+#   tests        the op suites on CUDA                                 gpu_tests.log
+#   device-time  the op by CUDA-graph replay at four shapes, memory    device_time.md
+#   host-time    host time per call, with a cProfile of the op         host_time.md
+#   peers        beside Megatron, Liger-Kernel, torch.compile (1 GPU)  bench.md, bench.log
+#   peers-tp     TP=2 over NCCL (2 GPUs)                               bench_tp.md, bench_tp.log
+#   ncu          Nsight Compute of the two kernels at two shapes      ncu_<shape>.txt
+#   tune         launch-setting sweep; $TUNE_ARGS for tune_kernels.py tune.log
+#   e2e          Megatron end to end; $E2E_ARGS for e2e_megatron.py   e2e/
+#                (default: --config gpu --variants native cez --pairs 3 --profile)
+# Mind the device tool's 600 s per command: e2e alone takes most of it.
+set -u -o pipefail
+source bench/device_setup.sh
+
+step_env() {
+    {
+        nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+        (cd /tmp && $PY -c 'import mindspeed_cez.kernels as k, torch, triton; print("mindspeed_cez from", k.__file__); print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "gpus", torch.cuda.device_count())')
+        for pkg in megatron-core liger-kernel cut-cross-entropy mindspeed_cez; do
+            (cd /tmp && $PY -c "import sys; from importlib.metadata import version; print(sys.argv[1], version(sys.argv[1]))" $pkg) 2>/dev/null || echo "$pkg not installed"
+        done
+    } >"$OUT/env.txt" 2>&1
+    cat "$OUT/env.txt"
+}
+step_tests() {
+    (cd tests && timeout 240 $PY -m pytest -q -p no:cacheprovider test_op.py test_op_errors.py test_gpu.py \
+        test_launch_configs.py test_launch.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -4
+}
+step_device-time() { timeout 150 $PY bench/device_time.py --out "$OUT/device_time.md" 2>&1 | tail -14; }
+step_host-time() { timeout 120 $PY bench/host_time.py --calls 1000 --repeats 5 --profile --out "$OUT/host_time.md" 2>&1 | head -12; }
+step_peers() { timeout 400 $PY bench/bench_cross_entropy.py --budget-s 300 --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -20; }
+step_peers-tp() {
+    timeout 140 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+        bench/bench_cross_entropy.py --tp --out "$OUT/bench_tp.md" 2>&1 | tee "$OUT/bench_tp.log" | tail -12
+}
+step_ncu() {
+    for s in "16384 16160" "8192 151936"; do
+        tag=$(echo $s | tr ' ' x)
+        timeout 150 ncu --kernel-name regex:'_forward_kernel|_grad_kernel' --launch-skip 4 --launch-count 2 \
+            --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+            --section MemoryWorkloadAnalysis $PY bench/ncu_op.py $s 5 > "$OUT/ncu_$tag.txt" 2>&1
+        echo "ncu $tag rc=$?"
+    done
+}
+step_tune() { timeout 500 $PY bench/tune_kernels.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -E "best|device"; }
+step_e2e() {
+    timeout 560 $PY bench/e2e_megatron.py ${E2E_ARGS:---config gpu --variants native cez --pairs 3 --profile} \
+        --out "$OUT/e2e" 2>&1 | grep -v '^ *\[20' | tail -40
+}
+
+[ $# -gt 0 ] || set -- env tests device-time
+for step in "$@"; do
+    declare -F "step_$step" >/dev/null || { echo "unknown step: $step" >&2; exit 2; }
+    echo "== $step"
+    "step_$step"
+done
