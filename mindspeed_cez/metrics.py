@@ -163,7 +163,9 @@ def training_log_wrapper(fn):
 
     @functools.wraps(fn)
     def training_log(*args, **kwargs):
-        if _settings.ACTIVE is None:
+        # _REPORTING: an outer wrapper already added our values (the same function wrapped under two
+        # names: MindSpeed-LLM 2.2.0 re-exports Megatron's training_log)
+        if _settings.ACTIVE is None or _REPORTING[0]:
             return fn(*args, **kwargs)
         values = reduce_iteration()
         bound = signature.bind(*args, **kwargs)

@@ -210,3 +210,24 @@ def test_mindspeed_feature_registers_args_validation_and_patches(fake_mindspeed)
     patches.apply(z_loss_coeff=1e-3)
     assert patches.installed_targets() == []
     _assert_ce_value_and_z_loss_gradient(lambda x: tensor_parallel.vocab_parallel_cross_entropy(x, target), logits, target, 1e-3)
+
+
+def test_training_log_wrapped_twice_reports_once():
+    """One training_log reachable under two names gets our wrapper twice (MindSpeed-LLM 2.2.0
+    re-exports Megatron's): the outer adds lm_z_loss, the inner passes the loss_dict through."""
+    from mindspeed_cez import metrics
+
+    seen = []
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration):
+        seen.append(dict(loss_dict))
+
+    twice = metrics.training_log_wrapper(metrics.training_log_wrapper(training_log))
+    patches.apply(z_loss_coeff=0.5)
+    try:
+        z = torch.tensor([1.0, 3.0, 5.0])
+        metrics.record_lm_z_loss(z, torch.tensor([1.0, 1.0, 0.0]))
+        twice({"lm loss": torch.tensor(2.0)}, {}, 1e-4, 1)
+    finally:
+        patches.remove()
+    assert len(seen) == 1 and float(seen[0]["lm_z_loss"]) == pytest.approx(2.0), seen
