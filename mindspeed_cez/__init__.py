@@ -1,6 +1,7 @@
 """mindspeed_cez: fused vocab-parallel cross entropy + z-loss for Megatron-Core / MindSpeed."""
 
 from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
+from mindspeed_cez.linear_cross_entropy import linear_cross_entropy_zloss
 
 __version__ = "0.1.0"
-__all__ = ["vocab_parallel_cross_entropy_zloss", "__version__"]
+__all__ = ["vocab_parallel_cross_entropy_zloss", "linear_cross_entropy_zloss", "__version__"]

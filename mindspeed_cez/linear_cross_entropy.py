@@ -1,0 +1,166 @@
+"""Output projection + vocab-parallel cross entropy + z-loss, without the logits tensor.
+
+``loss = CE(hidden @ weight.T) + c * lse**2`` per token, computed over chunks of tokens: each chunk's
+logits ``[chunk, v_local]`` are made, reduced to the per-row statistics of
+``vocab_parallel_cross_entropy_zloss`` (the same backends, the same two all-reduces under TP) and
+dropped. Backward recomputes each chunk's logits, turns them into their gradient in place and
+multiplies it out into ``dhidden`` and ``dweight`` (four GEMMs in all; docs/fused_linear_cross_entropy.md
+says why and what comes next). Memory beyond the inputs and their gradients: one chunk of logits,
+16 bytes per token of statistics, and an fp32 ``dweight`` accumulator unless Megatron's ``main_grad``
+takes it.
+
+Tensor parallelism as Megatron's ``ColumnParallelLinear`` feeding the loss: each rank holds the
+vocab rows ``weight [v_local, h]``; with ``sequence_parallel`` the hidden states arrive as this
+rank's sequence chunk, are all-gathered along the sequence in forward, and ``dhidden`` is
+reduce-scattered back; without it every rank holds all of ``hidden`` and ``dhidden`` is all-reduced.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_cez import kernels
+from mindspeed_cez.cross_entropy_zloss import _check_target_range, group_rank_and_size, resolve_tp_group
+
+CHUNK_ELEMENTS = 1 << 26  # logits per chunk at most (128 MiB in bf16)
+
+
+def chunk_rows(n_rows, v_local):
+    """Rows per chunk: at most ``CHUNK_ELEMENTS`` logits and 1/32 of the rows, at least 64 rows."""
+    return max(1, min(n_rows, max(64, min(CHUNK_ELEMENTS // v_local, -(-n_rows // 32)))))
+
+
+def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, sequence_parallel):
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() not in (2, 3):
+        raise TypeError(f"hidden must be a floating-point [s, b, h] or [n, h] tensor, got "
+                        f"{getattr(hidden, 'dtype', type(hidden))} {tuple(getattr(hidden, 'shape', ()))}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TypeError(f"weight must be a [v_local, h] tensor, got {tuple(getattr(weight, 'shape', ()))}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise TypeError(f"weight ({weight.dtype}, {weight.device}) and hidden ({hidden.dtype}, {hidden.device}) "
+                        "must share dtype and device")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"hidden width {hidden.shape[-1]} does not match weight [v_local, h] {tuple(weight.shape)}")
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.dtype == torch.bool:
+        raise TypeError(f"target must be an integer tensor of vocab ids, got {getattr(target, 'dtype', type(target))}")
+    rows = hidden.shape[0] * (tp_size if sequence_parallel else 1)
+    expected = (rows, *hidden.shape[1:-1])
+    if tuple(target.shape) != expected:
+        sp = f" (sequence_parallel: hidden holds 1/{tp_size} of the sequence)" if sequence_parallel else ""
+        raise ValueError(f"target {tuple(target.shape)} must be hidden's shape without h, {expected}{sp}")
+    if target.device != hidden.device:
+        raise ValueError(f"target ({target.device}) and hidden ({hidden.device}) are on different devices")
+    if not (isinstance(z_loss_coeff, (int, float)) and math.isfinite(z_loss_coeff) and z_loss_coeff >= 0):
+        raise ValueError(f"z_loss_coeff must be a finite number >= 0, got {z_loss_coeff!r}")
+    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0):
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+
+
+def _gather_sequence(hidden, tp_group, tp_size):
+    out = hidden.new_empty((hidden.shape[0] * tp_size, *hidden.shape[1:]))
+    dist.all_gather_into_tensor(out, hidden.contiguous(), group=tp_group)
+    return out
+
+
+class LinearCrossEntropyZLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
+                sequence_parallel, gradient_accumulation_fusion):
+        rank, tp_size = group_rank_and_size(tp_group)
+        full = _gather_sequence(hidden, tp_group, tp_size) if sequence_parallel and tp_size > 1 else hidden
+        rows = full.reshape(-1, full.shape[-1])
+        flat_target = target.reshape(-1)
+        n, v_local = rows.shape[0], weight.shape[0]
+        global_vocab, vocab_start = v_local * tp_size, rank * v_local
+        backend = kernels.backend_for(rows.device)
+        _check_target_range(flat_target, global_vocab, ignore_index, backend)
+        step = chunk_rows(n, v_local)
+        if tp_size == 1:
+            out = torch.empty((3, n), dtype=torch.float32, device=rows.device)
+            for i in range(0, n, step):
+                logits = rows[i:i + step] @ weight.t()
+                out[:, i:i + step] = backend.fused_loss(logits, flat_target[i:i + step], ignore_index,
+                                                        z_loss_coeff, label_smoothing)
+        else:
+            partials = torch.empty((4, n), dtype=torch.float32, device=rows.device)
+            for i in range(0, n, step):
+                logits = rows[i:i + step] @ weight.t()
+                partials[:, i:i + step] = backend.shard_partials(logits, flat_target[i:i + step], vocab_start,
+                                                                 global_vocab, ignore_index, label_smoothing)
+            dist.all_reduce(partials[0], op=dist.ReduceOp.MAX, group=tp_group)
+            backend.rescale_sum_exp(partials)
+            dist.all_reduce(partials[1:3], op=dist.ReduceOp.SUM, group=tp_group)
+            out = backend.loss_from_partials(partials, flat_target, ignore_index, z_loss_coeff)
+        loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
+
+        ctx.save_for_backward(hidden, weight, flat_target, lse)
+        ctx.settings = (float(z_loss_coeff), float(label_smoothing), ignore_index, tp_group, tp_size,
+                        sequence_parallel, gradient_accumulation_fusion, vocab_start, global_vocab, step)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(z_loss, lse)
+        return loss, z_loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
+        hidden, weight, flat_target, lse = ctx.saved_tensors
+        (z_loss_coeff, label_smoothing, ignore_index, tp_group, tp_size, sequence_parallel,
+         accumulate, vocab_start, global_vocab, step) = ctx.settings
+        gather = sequence_parallel and tp_size > 1
+        full = _gather_sequence(hidden, tp_group, tp_size) if gather else hidden
+        rows = full.reshape(-1, full.shape[-1])
+        lse = lse.reshape(-1)
+        grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
+        backend = kernels.backend_for(rows.device)
+        into_main_grad = accumulate and hasattr(weight, "main_grad")
+        dweight = weight.main_grad if into_main_grad else torch.zeros(weight.shape, dtype=torch.float32,
+                                                                      device=weight.device)
+        drows = torch.empty_like(rows)
+        for i in range(0, rows.shape[0], step):
+            chunk = rows[i:i + step]
+            logits = chunk @ weight.t()
+            backend.write_grad(logits, logits, flat_target[i:i + step], lse[i:i + step], grad_loss[i:i + step],
+                               ignore_index, vocab_start, z_loss_coeff, label_smoothing, global_vocab)
+            torch.matmul(logits, weight, out=drows[i:i + step])
+            dweight.add_(torch.mm(logits.t(), chunk).float())  # fp32 sum over chunks
+        dhidden = drows.view(full.shape)
+        if gather:
+            local = torch.empty_like(hidden)
+            dist.reduce_scatter_tensor(local, dhidden.contiguous(), group=tp_group)
+            dhidden = local
+        elif tp_size > 1:
+            dist.all_reduce(dhidden, group=tp_group)
+        if into_main_grad:
+            weight.grad_added_to_main_grad = True
+            grad_weight = None  # Megatron's convention: the gradient went into main_grad
+        else:
+            grad_weight = dweight.to(weight.dtype)
+        return dhidden, grad_weight, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
+                               tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False):
+    """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
+
+    Args:
+        hidden: ``[s, b, h]`` (or ``[n, h]``), bf16 / fp16 / fp32; with ``sequence_parallel`` this
+            rank's ``[s/tp, b, h]`` sequence chunk, as Megatron's output layer receives it.
+        weight: ``[v_local, h]``, this rank's rows of the output projection (no bias); same dtype.
+        target: ``[s, b]`` (``[n]``) global vocab ids, the whole sequence; may hold ``ignore_index``.
+        z_loss_coeff, label_smoothing, ignore_index: as :func:`vocab_parallel_cross_entropy_zloss`.
+        tp_group: the tensor-parallel group; ``None`` takes Megatron's when initialized.
+        sequence_parallel: hidden is sequence-sharded over ``tp_group`` (all-gathered here).
+        gradient_accumulation_fusion: add ``dweight`` (fp32) into ``weight.main_grad`` as Megatron's
+            linear layers do, and return no gradient for ``weight``.
+
+    Returns:
+        ``(loss, z_loss)``, fp32, shape of ``target``: ``CE + c*lse**2`` per token and the detached
+        ``c*lse**2``, 0 where ignored. ``dhidden`` comes back as ``ColumnParallelLinear`` gives it:
+        this rank's chunk with ``sequence_parallel``, else the full gradient on every rank.
+    """
+    tp_group = resolve_tp_group(tp_group)
+    _check(hidden, weight, target, z_loss_coeff, label_smoothing, group_rank_and_size(tp_group)[1], sequence_parallel)
+    loss, z_loss, _ = LinearCrossEntropyZLoss.apply(hidden, weight, target, z_loss_coeff, label_smoothing,
+                                                     ignore_index, tp_group, sequence_parallel,
+                                                     gradient_accumulation_fusion)
+    return loss, z_loss

@@ -1,0 +1,187 @@
+"""linear_cross_entropy_zloss against float64, over real gloo processes for TP 1/2/4, with and without
+sequence parallelism: loss, z-loss, dhidden (as ColumnParallelLinear gives it) and dweight."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from backends import triton_runs_on_cpu
+from distributed import run_on_ranks
+from float64_reference import cross_entropy_zloss_float64, relative_error
+from mindspeed_cez import kernels, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+import mindspeed_cez.linear_cross_entropy as op_module
+
+SEQ, BATCH, HIDDEN, V_PER_RANK = 13, 3, 24, 53  # 39 tokens; chunks of 16 rows do not divide them
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def _problem(dtype, tp, gen):
+    vocab = V_PER_RANK * tp
+    hidden = torch.randn(SEQ * tp, BATCH, HIDDEN, generator=gen)  # sequence a multiple of tp (SP)
+    weight = torch.randn(vocab, HIDDEN, generator=gen) / HIDDEN**0.5 * 3
+    target = torch.randint(0, vocab, (SEQ * tp, BATCH), generator=gen)
+    target[torch.rand(target.shape, generator=gen) < 0.15] = -100
+    upstream = torch.randn(target.shape, generator=gen)
+    return hidden.to(dtype), weight.to(dtype), target, upstream
+
+
+def _sixteen_rows(n_rows, v_local):
+    return min(n_rows, 16)
+
+
+def _float64(hidden, weight, target, upstream, z, a):
+    h = hidden.double().requires_grad_()
+    w = weight.double().requires_grad_()
+    loss, z_loss, _ = cross_entropy_zloss_float64(h @ w.t(), target, z_loss_coeff=z, label_smoothing=a)
+    (loss * upstream.double()).sum().backward()
+    return loss.detach(), z_loss.detach(), h.grad, w.grad
+
+
+def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend):
+    op_module.chunk_rows = _sixteen_rows  # several chunks, the last one short
+    gen = torch.Generator().manual_seed(4321)  # every rank draws the same full problem
+    hidden, weight, target, upstream = _problem(dtype, world_size, gen)
+    exp_loss, exp_z, exp_dh, exp_dw = _float64(hidden, weight, target, upstream, z, a)
+    rows = slice(rank * V_PER_RANK, (rank + 1) * V_PER_RANK)
+    seq = slice(rank * SEQ, (rank + 1) * SEQ) if sequence_parallel else slice(None)
+    group = dist.group.WORLD
+    h = hidden[seq].clone().requires_grad_()
+    w = weight[rows].clone().requires_grad_()
+    with kernels.use_backend(backend):
+        loss, z_loss = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=z, label_smoothing=a, tp_group=group,
+                                                  sequence_parallel=sequence_parallel)
+        (loss * upstream).sum().backward()
+    errors = {"loss": relative_error(loss, exp_loss), "dhidden": relative_error(h.grad, exp_dh[seq]),
+              "dweight": relative_error(w.grad, exp_dw[rows])}
+    if z:
+        errors["z_loss"] = relative_error(z_loss, exp_z)
+    assert loss.dtype == torch.float32 and h.grad.dtype == dtype and w.grad.dtype == dtype
+    assert all(e < TOLERANCE[dtype] for e in errors.values()), errors
+
+    if dtype == torch.bfloat16:  # no worse than the unfused bf16 path: logits in bf16, then the op
+        hu = hidden.clone().requires_grad_()
+        wu = weight[rows].clone().requires_grad_()
+        lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, z, a, tp_group=group)
+        (lu * upstream).sum().backward()
+        dist.all_reduce(hu.grad, group=group)  # what ColumnParallelLinear's backward does
+        unfused = {"dhidden": relative_error(hu.grad[seq], exp_dh[seq]), "dweight": relative_error(wu.grad, exp_dw[rows])}
+        for key, err in unfused.items():
+            assert errors[key] <= 1.5 * err + 1e-3, (key, errors[key], err)
+
+
+CASES = [
+    # (world size, dtype, z-loss, label smoothing, sequence parallel, backend)
+    (1, torch.float32, 1e-2, 0.0, False, "torch"),
+    (1, torch.bfloat16, 1e-3, 0.1, False, "torch"),
+    (2, torch.float32, 1e-2, 0.1, False, "torch"),
+    (2, torch.bfloat16, 1e-3, 0.0, True, "torch"),
+    (2, torch.float16, 0.0, 0.0, True, "torch"),
+    (4, torch.float32, 1e-3, 0.2, True, "torch"),
+    (4, torch.bfloat16, 1e-2, 0.0, False, "torch"),
+    (2, torch.float32, 1e-2, 0.1, True, "triton"),
+]
+
+
+@pytest.mark.parametrize("world_size,dtype,z,a,sequence_parallel,backend", CASES)
+def test_matches_float64_over_tp(world_size, dtype, z, a, sequence_parallel, backend):
+    if backend == "triton" and not triton_runs_on_cpu():
+        pytest.skip("the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
+    run_on_ranks(world_size, _worker, dtype, z, a, sequence_parallel, backend)
+
+
+def test_chunks_bound_the_logits_and_cover_every_row(monkeypatch):
+    """Several chunks, the last one short: no logits beyond one chunk's, every row once each way."""
+    gen = torch.Generator().manual_seed(7)
+    hidden, weight, target, upstream = _problem(torch.float32, 1, gen)
+    hidden = hidden.requires_grad_()
+    weight = weight.requires_grad_()
+    shapes = []
+    real_mm = torch.Tensor.__matmul__
+
+    def spy(x, y):
+        out = real_mm(x, y)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(op_module, "chunk_rows", _sixteen_rows)
+    monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-2)
+    (loss * upstream).sum().backward()
+    monkeypatch.undo()
+    step = 16
+    assert (SEQ * BATCH) % step
+    logits_shapes = [s for s in shapes if s[-1] == V_PER_RANK]
+    assert logits_shapes and max(s[0] for s in logits_shapes) == step
+    assert sum(s[0] for s in logits_shapes) == 2 * SEQ * BATCH  # forward and backward, every row once
+    exp_loss, _, exp_dh, exp_dw = _float64(hidden.detach(), weight.detach(), target, upstream, 1e-2, 0.0)
+    assert relative_error(loss, exp_loss) < 1e-5 and relative_error(hidden.grad, exp_dh) < 1e-5
+    assert relative_error(weight.grad, exp_dw) < 1e-5
+
+
+def test_gradient_accumulation_fusion_adds_into_main_grad():
+    gen = torch.Generator().manual_seed(8)
+    hidden, weight, target, upstream = _problem(torch.bfloat16, 1, gen)
+    weight = weight.requires_grad_()
+    weight.main_grad = torch.full(weight.shape, 0.5)
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3, gradient_accumulation_fusion=True)
+    (loss * upstream).sum().backward()
+    _, _, _, exp_dw = _float64(hidden, weight.detach(), target, upstream, 1e-3, 0.0)
+    assert weight.grad is None and weight.grad_added_to_main_grad
+    assert relative_error(weight.main_grad - 0.5, exp_dw) < 2e-2
+
+
+def test_tied_embedding_and_output_weight():
+    """The same weight as input embedding and output projection: both gradients add up."""
+    gen = torch.Generator().manual_seed(9)
+    _, weight, target, upstream = _problem(torch.float32, 1, gen)
+    tokens = torch.randint(0, V_PER_RANK, (SEQ, BATCH), generator=gen)
+    w = weight.clone().requires_grad_()
+    loss, _ = linear_cross_entropy_zloss(torch.tanh(F.embedding(tokens, w)), w, target, z_loss_coeff=1e-2)
+    (loss * upstream).sum().backward()
+    w64 = weight.double().requires_grad_()
+    ref, _, _ = cross_entropy_zloss_float64(torch.tanh(F.embedding(tokens, w64)) @ w64.t(), target, z_loss_coeff=1e-2)
+    (ref * upstream.double()).sum().backward()
+    assert relative_error(loss, ref) < 1e-5 and relative_error(w.grad, w64.grad) < 1e-5
+
+
+def test_bad_input_names_the_argument():
+    h = torch.randn(4, 2, 8)
+    w = torch.randn(10, 8)
+    t = torch.zeros(4, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="hidden width"):
+        linear_cross_entropy_zloss(h, torch.randn(10, 7), t)
+    with pytest.raises(TypeError, match="weight"):
+        linear_cross_entropy_zloss(h, torch.randn(10, 8, 1), t)
+    with pytest.raises(TypeError, match="must share dtype"):
+        linear_cross_entropy_zloss(h, w.bfloat16(), t)
+    with pytest.raises(ValueError, match="target"):
+        linear_cross_entropy_zloss(h, w, torch.zeros(4, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="target"):
+        linear_cross_entropy_zloss(h, w, t.float())
+    with pytest.raises(TypeError, match="hidden"):
+        linear_cross_entropy_zloss(h.long(), w, t)
+    with pytest.raises(ValueError, match="z_loss_coeff"):
+        linear_cross_entropy_zloss(h, w, t, z_loss_coeff=-1.0)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        linear_cross_entropy_zloss(h, w, t, label_smoothing=1.0)
+    with pytest.raises(ValueError, match="outside"):
+        linear_cross_entropy_zloss(h, w, torch.full((4, 2), 10))
+
+
+def _sp_shape_worker(rank, world_size):
+    h = torch.randn(3, 2, 8)  # this rank's chunk of a 6-token sequence
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        linear_cross_entropy_zloss(h, torch.randn(5, 8), torch.zeros(5, 2, dtype=torch.long),
+                                   tp_group=dist.group.WORLD, sequence_parallel=True)
+
+
+def test_sequence_parallel_target_must_cover_the_gathered_sequence():
+    run_on_ranks(2, _sp_shape_worker)
+
+
+def test_default_chunk_is_small_beside_the_logits():
+    for n, v in ((8192, 151936), (8192, 37984), (16384, 16160), (4096, 262144), (39, 53)):
+        step = op_module.chunk_rows(n, v)
+        assert 1 <= step <= n and step * v <= max(op_module.CHUNK_ELEMENTS, 64 * v)
+        assert step <= max(64, n // 32 + 1)  # at most ~1/32 of the logits at real sizes
