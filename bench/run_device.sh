@@ -11,6 +11,7 @@
 #   host-time    host time per call, with a cProfile of the op         host_time.md
 #   peers        beside Megatron, Liger-Kernel, torch.compile (1 GPU)  bench.md, bench.log
 #   peers-tp     TP=2 over NCCL (2 GPUs)                               bench_tp.md, bench_tp.log
+#   linear-ce    output projection + loss beside cuBLAS + op, Liger, CCE linear_ce.md
 #   ncu          Nsight Compute of the two kernels at two shapes      ncu_<shape>.txt
 #   tune         launch-setting sweep; $TUNE_ARGS for tune_kernels.py tune.log
 #   e2e          Megatron end to end; $E2E_ARGS for e2e_megatron.py   e2e/
@@ -40,6 +41,7 @@ step_peers-tp() {
     timeout 140 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
         bench/bench_cross_entropy.py --tp --out "$OUT/bench_tp.md" 2>&1 | tee "$OUT/bench_tp.log" | tail -12
 }
+step_linear-ce() { timeout 400 $PY bench/linear_cross_entropy.py --out "$OUT/linear_ce.md" 2>&1 | tail -24; }
 step_ncu() {
     for s in "16384 16160" "8192 151936"; do
         tag=$(echo $s | tr ' ' x)

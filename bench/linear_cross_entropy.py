@@ -1,0 +1,155 @@
+"""Output projection + CE (+ z-loss) forward+backward on one GPU, beside cuBLAS + this package's op
+and the peers (issue 21): time over the 3-GEMM floor, peak memory beyond inputs and gradients (in
+multiples of the logits' size), and the error of dhidden / dweight against float64.
+
+Per shape ``N x h x V``: bf16 hidden ``[N, h]``, weight ``[V, h]``, 10 % ignored targets, loss =
+``sum(per-token loss) / N`` (the peers' mean), ``c = 1e-4`` where the implementation has a z-loss.
+The floor: three GEMMs of ``N x h x V`` (logits, dX, dW) at the rate cuBLAS gives ``[N, h] @ [h, V]``
+in the same run. Time: median of CUDA-event timings of forward+backward (host included).
+
+    python bench/linear_cross_entropy.py --out out/linear_ce.md        # GPU; liger / CCE if installed
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_cross_entropy import write_report  # noqa: E402
+
+Z = 1e-4
+SHAPES = ["8192x4096x151936", "8192x4096x37984", "8192x7168x16160"]  # last: DeepSeek-V3-like slice (V/8)
+
+
+def implementations():
+    from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+
+    impls = {
+        "unfused: cuBLAS + cez op": lambda h, w, t: vocab_parallel_cross_entropy_zloss(h @ w.t(), t, Z)[0].sum(),
+        "cez fused (chunks)": lambda h, w, t: linear_cross_entropy_zloss(h, w, t, Z)[0].sum(),
+    }
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        impls["liger fused linear CE"] = lambda h, w, t: liger_fused_linear_cross_entropy(
+            h, w, t, lse_square_scale=Z, reduction="sum")
+    except ImportError as exc:
+        print(f"liger-kernel not installed ({exc})")
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        impls["CCE default (no z)"] = lambda h, w, t: linear_cross_entropy(h, w, t, reduction="sum")
+        impls["CCE filter off (no z)"] = lambda h, w, t: linear_cross_entropy(h, w, t, reduction="sum", filter_eps=None)
+    except ImportError as exc:
+        print(f"cut-cross-entropy not installed ({exc})")
+    return impls
+
+
+def inputs(n, h, v, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = (torch.randn(n, h, device="cuda", generator=g) * 1.0).bfloat16()
+    weight = (torch.randn(v, h, device="cuda", generator=g) * (4.0 / h**0.5)).bfloat16()
+    target = torch.randint(0, v, (n,), device="cuda", generator=g)
+    target[torch.rand(n, device="cuda", generator=g) < 0.1] = -100
+    return hidden, weight, target
+
+
+def timed(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def gemm_ms(n, h, v, warmup, iters):
+    a = torch.randn(n, h, device="cuda").bfloat16()
+    b = torch.randn(h, v, device="cuda").bfloat16()
+    return timed(lambda: a @ b, warmup, iters)
+
+
+def float64_grads(hidden, weight, target):
+    h = hidden.double().requires_grad_()
+    w = weight.double().requires_grad_()
+    logits = h @ w.t()
+    lse = torch.logsumexp(logits, -1)
+    valid = target != -100
+    tgt = torch.where(valid, target, 0)
+    loss = torch.where(valid, lse - logits.gather(-1, tgt[:, None])[:, 0] + Z * lse**2, 0).sum()
+    loss.backward()
+    return h.grad, w.grad
+
+
+def rel(a, b):
+    return float((a.double() - b).norm() / b.norm())
+
+
+def run(args):
+    impls = implementations()
+    device = torch.cuda.get_device_name()
+    lines = [f"Output projection + CE (+ z-loss), fwd+bwd, bf16, {device}, torch {torch.__version__}, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; median of {args.iters} (CUDA events)", ""]
+    # accuracy at a small shape against float64 (z-loss as implemented: peers without z differ by it)
+    hs, ws, ts = inputs(512, 512, 8192, seed=1)
+    exp_dh, exp_dw = float64_grads(hs, ws, ts)
+    lines += ["| implementation | dhidden rel. error | dweight rel. error (512 x 512 x 8192, vs float64 with z-loss) |",
+              "|---|---|---|"]
+    for name, fn in impls.items():
+        h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+        fn(h, w, ts).backward()
+        lines.append(f"| {name} | {rel(h.grad, exp_dh):.2e} | {rel(w.grad, exp_dw):.2e} |")
+    lines += ["", "| N x h x V | implementation | ms | / 3-GEMM floor | peak extra (x logits) |", "|---|---|---|---|---|"]
+    for shape in args.shapes:
+        n, hdim, v = (int(x) for x in shape.split("x"))
+        floor = 3 * gemm_ms(n, hdim, v, args.warmup, args.iters)
+        logits_bytes = n * v * 2
+        lines.append(f"| {shape} | 3 GEMMs (cuBLAS) | {floor:.3f} | 1.00 | |")
+        for name, fn in impls.items():
+            hidden, weight, target = inputs(n, hdim, v)
+            h, w = hidden.requires_grad_(), weight.requires_grad_()
+
+            def step():
+                h.grad = w.grad = None
+                fn(h, w, target).backward()
+
+            try:
+                step()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()  # inputs and their gradients
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                extra = (torch.cuda.max_memory_allocated() - base) / logits_bytes
+                ms = timed(step, args.warmup, args.iters)
+                lines.append(f"| {shape} | {name} | {ms:.3f} | {ms / floor:.2f} | {extra:.2f} |")
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run a shape is reported
+                lines.append(f"| {shape} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | | |")
+            print(lines[-1], flush=True)
+            del h, w, hidden, weight, target
+            torch.cuda.empty_cache()
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=SHAPES)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    print(write_report(args.out, run(args)))
+
+
+if __name__ == "__main__":
+    main()
