@@ -1,13 +1,13 @@
 """Output projection + vocab-parallel cross entropy + z-loss, without the logits tensor.
 
-``loss = CE(hidden @ weight.T) + c * lse**2`` per token, computed over chunks of tokens: each chunk's
-logits ``[chunk, v_local]`` are made, reduced to the per-row statistics of
-``vocab_parallel_cross_entropy_zloss`` (the same backends, the same two all-reduces under TP) and
-dropped. Backward recomputes each chunk's logits, turns them into their gradient in place and
-multiplies it out into ``dhidden`` and ``dweight`` (four GEMMs in all; docs/fused_linear_cross_entropy.md
-says why and what comes next). Memory beyond the inputs and their gradients: one chunk of logits,
-16 bytes per token of statistics, and an fp32 ``dweight`` accumulator unless Megatron's ``main_grad``
-takes it.
+``loss = CE(hidden @ weight.T) + c * lse**2`` per token, computed over chunks of the vocab: each
+chunk's logits ``[tokens, chunk]`` are made, reduced to the per-row partials of
+``vocab_parallel_cross_entropy_zloss`` (the same backends; merged across chunks online, as its TP
+path merges ranks, with the same two all-reduces under TP) and dropped. Backward recomputes each
+chunk's logits, turns them into their gradient in place, writes that chunk's rows of ``dweight``
+(one GEMM, no accumulation) and adds into an fp32 ``dhidden`` (four GEMMs in all;
+docs/fused_linear_cross_entropy.md says why and what comes next). Memory beyond the inputs and
+their gradients: one chunk of logits, 16 bytes per token of statistics, and ``dhidden`` in fp32.
 
 Tensor parallelism as Megatron's ``ColumnParallelLinear`` feeding the loss: each rank holds the
 vocab rows ``weight [v_local, h]``; with ``sequence_parallel`` the hidden states arrive as this
@@ -26,9 +26,11 @@ from mindspeed_cez.cross_entropy_zloss import _check_target_range, group_rank_an
 CHUNK_ELEMENTS = 1 << 26  # logits per chunk at most (128 MiB in bf16)
 
 
-def chunk_rows(n_rows, v_local):
-    """Rows per chunk: at most ``CHUNK_ELEMENTS`` logits and 1/32 of the rows, at least 64 rows."""
-    return max(1, min(n_rows, max(64, min(CHUNK_ELEMENTS // v_local, -(-n_rows // 32)))))
+def chunk_cols(n_rows, v_local):
+    """Vocab rows of ``weight`` per chunk: at most ``CHUNK_ELEMENTS`` logits and ~1/16 of the slice,
+    at least 256 (GEMMs that stay efficient), a multiple of 128."""
+    cols = max(256, min(CHUNK_ELEMENTS // max(n_rows, 1), -(-v_local // 16)))
+    return min(v_local, -(-cols // 128) * 128)
 
 
 def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, sequence_parallel):
@@ -63,6 +65,16 @@ def _gather_sequence(hidden, tp_group, tp_size):
     return out
 
 
+def _merge(stats, partials):
+    """Fold one vocab chunk's ``[4, n]`` partials (max, sum-exp relative to it, target term, max) into
+    ``stats``: the online softmax across chunks, as the TP path does across ranks."""
+    m = torch.maximum(stats[0], partials[0])
+    stats[1] = stats[1] * torch.exp(stats[0] - m) + partials[1] * torch.exp(partials[0] - m)
+    stats[2] += partials[2]
+    stats[0] = m
+    stats[3] = m
+
+
 class LinearCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
@@ -75,23 +87,18 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
         backend = kernels.backend_for(rows.device)
         _check_target_range(flat_target, global_vocab, ignore_index, backend)
-        step = chunk_rows(n, v_local)
-        if tp_size == 1:
-            out = torch.empty((3, n), dtype=torch.float32, device=rows.device)
-            for i in range(0, n, step):
-                logits = rows[i:i + step] @ weight.t()
-                out[:, i:i + step] = backend.fused_loss(logits, flat_target[i:i + step], ignore_index,
-                                                        z_loss_coeff, label_smoothing)
-        else:
-            partials = torch.empty((4, n), dtype=torch.float32, device=rows.device)
-            for i in range(0, n, step):
-                logits = rows[i:i + step] @ weight.t()
-                partials[:, i:i + step] = backend.shard_partials(logits, flat_target[i:i + step], vocab_start,
-                                                                 global_vocab, ignore_index, label_smoothing)
-            dist.all_reduce(partials[0], op=dist.ReduceOp.MAX, group=tp_group)
-            backend.rescale_sum_exp(partials)
-            dist.all_reduce(partials[1:3], op=dist.ReduceOp.SUM, group=tp_group)
-            out = backend.loss_from_partials(partials, flat_target, ignore_index, z_loss_coeff)
+        step = chunk_cols(n, v_local)
+        stats = torch.zeros((4, n), dtype=torch.float32, device=rows.device)
+        stats[0] = stats[3] = float("-inf")
+        for c in range(0, v_local, step):
+            logits = rows @ weight[c:c + step].t()
+            _merge(stats, backend.shard_partials(logits, flat_target, vocab_start + c, global_vocab, ignore_index,
+                                                 label_smoothing))
+        if tp_size > 1:
+            dist.all_reduce(stats[0], op=dist.ReduceOp.MAX, group=tp_group)
+            backend.rescale_sum_exp(stats)
+            dist.all_reduce(stats[1:3], op=dist.ReduceOp.SUM, group=tp_group)
+        out = backend.loss_from_partials(stats, flat_target, ignore_index, z_loss_coeff)
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
 
         ctx.save_for_backward(hidden, weight, flat_target, lse)
@@ -113,17 +120,19 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
         backend = kernels.backend_for(rows.device)
         into_main_grad = accumulate and hasattr(weight, "main_grad")
-        dweight = weight.main_grad if into_main_grad else torch.zeros(weight.shape, dtype=torch.float32,
-                                                                      device=weight.device)
-        drows = torch.empty_like(rows)
-        for i in range(0, rows.shape[0], step):
-            chunk = rows[i:i + step]
-            logits = chunk @ weight.t()
-            backend.write_grad(logits, logits, flat_target[i:i + step], lse[i:i + step], grad_loss[i:i + step],
-                               ignore_index, vocab_start, z_loss_coeff, label_smoothing, global_vocab)
-            torch.matmul(logits, weight, out=drows[i:i + step])
-            dweight.add_(torch.mm(logits.t(), chunk).float())  # fp32 sum over chunks
-        dhidden = drows.view(full.shape)
+        dweight = None if into_main_grad else torch.empty_like(weight)
+        drows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+        for c in range(0, weight.shape[0], step):
+            w = weight[c:c + step]
+            logits = rows @ w.t()
+            backend.write_grad(logits, logits, flat_target, lse, grad_loss, ignore_index, vocab_start + c,
+                               z_loss_coeff, label_smoothing, global_vocab)
+            drows += logits @ w  # fp32 sum over vocab chunks
+            if into_main_grad:
+                weight.main_grad[c:c + step] += logits.t() @ rows
+            else:
+                torch.matmul(logits.t(), rows, out=dweight[c:c + step])
+        dhidden = drows.to(rows.dtype).view(full.shape)
         if gather:
             local = torch.empty_like(hidden)
             dist.reduce_scatter_tensor(local, dhidden.contiguous(), group=tp_group)
@@ -132,10 +141,8 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
             dist.all_reduce(dhidden, group=tp_group)
         if into_main_grad:
             weight.grad_added_to_main_grad = True
-            grad_weight = None  # Megatron's convention: the gradient went into main_grad
-        else:
-            grad_weight = dweight.to(weight.dtype)
-        return dhidden, grad_weight, None, None, None, None, None, None, None
+            return dhidden, None, None, None, None, None, None, None, None  # Megatron's convention
+        return dhidden, dweight, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,

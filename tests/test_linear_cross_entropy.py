@@ -26,8 +26,8 @@ def _problem(dtype, tp, gen):
     return hidden.to(dtype), weight.to(dtype), target, upstream
 
 
-def _sixteen_rows(n_rows, v_local):
-    return min(n_rows, 16)
+def _sixteen_cols(n_rows, v_local):
+    return min(v_local, 16)
 
 
 def _float64(hidden, weight, target, upstream, z, a):
@@ -39,7 +39,7 @@ def _float64(hidden, weight, target, upstream, z, a):
 
 
 def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend):
-    op_module.chunk_rows = _sixteen_rows  # several chunks, the last one short
+    op_module.chunk_cols = _sixteen_cols  # several vocab chunks, the last one short
     gen = torch.Generator().manual_seed(4321)  # every rank draws the same full problem
     hidden, weight, target, upstream = _problem(dtype, world_size, gen)
     exp_loss, exp_z, exp_dh, exp_dw = _float64(hidden, weight, target, upstream, z, a)
@@ -90,10 +90,11 @@ def test_matches_float64_over_tp(world_size, dtype, z, a, sequence_parallel, bac
     run_on_ranks(world_size, _worker, dtype, z, a, sequence_parallel, backend)
 
 
-def test_chunks_bound_the_logits_and_cover_every_row(monkeypatch):
-    """Several chunks, the last one short: no logits beyond one chunk's, every row once each way."""
+def test_chunks_bound_the_logits_and_cover_every_vocab_row(monkeypatch):
+    """Several vocab chunks, the last one short: no logits beyond one chunk's, each column once per pass."""
     gen = torch.Generator().manual_seed(7)
     hidden, weight, target, upstream = _problem(torch.float32, 1, gen)
+    rows = hidden.reshape(-1, HIDDEN)  # the op's [n, h] view: its logits chunks are [n, <=16]
     hidden = hidden.requires_grad_()
     weight = weight.requires_grad_()
     shapes = []
@@ -104,16 +105,14 @@ def test_chunks_bound_the_logits_and_cover_every_row(monkeypatch):
         shapes.append(tuple(out.shape))
         return out
 
-    monkeypatch.setattr(op_module, "chunk_rows", _sixteen_rows)
+    monkeypatch.setattr(op_module, "chunk_cols", _sixteen_cols)
     monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
     loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-2)
     (loss * upstream).sum().backward()
     monkeypatch.undo()
-    step = 16
-    assert (SEQ * BATCH) % step
-    logits_shapes = [s for s in shapes if s[-1] == V_PER_RANK]
-    assert logits_shapes and max(s[0] for s in logits_shapes) == step
-    assert sum(s[0] for s in logits_shapes) == 2 * SEQ * BATCH  # forward and backward, every row once
+    logits_shapes = [s for s in shapes if s[0] == rows.shape[0] and s[1] != HIDDEN]
+    assert V_PER_RANK % 16 and max(s[1] for s in logits_shapes) == 16
+    assert sum(s[1] for s in logits_shapes) == 2 * V_PER_RANK  # forward and backward, every column once
     exp_loss, _, exp_dh, exp_dw = _float64(hidden.detach(), weight.detach(), target, upstream, 1e-2, 0.0)
     assert relative_error(loss, exp_loss) < 1e-5 and relative_error(hidden.grad, exp_dh) < 1e-5
     assert relative_error(weight.grad, exp_dw) < 1e-5
@@ -182,6 +181,6 @@ def test_sequence_parallel_target_must_cover_the_gathered_sequence():
 
 def test_default_chunk_is_small_beside_the_logits():
     for n, v in ((8192, 151936), (8192, 37984), (16384, 16160), (4096, 262144), (39, 53)):
-        step = op_module.chunk_rows(n, v)
-        assert 1 <= step <= n and step * v <= max(op_module.CHUNK_ELEMENTS, 64 * v)
-        assert step <= max(64, n // 32 + 1)  # at most ~1/32 of the logits at real sizes
+        step = op_module.chunk_cols(n, v)
+        assert 1 <= step <= v and (step % 128 == 0 or step == v)
+        assert step <= max(256, v // 16 + 128) and n * step <= max(op_module.CHUNK_ELEMENTS, 256 * n)
