@@ -141,14 +141,52 @@ def run(args):
     return lines
 
 
+def sweep_chunks(args):
+    """This package's fused op alone at each ``--chunk-cols`` (vocab rows per chunk)."""
+    import mindspeed_cez.linear_cross_entropy as op
+    from mindspeed_cez import linear_cross_entropy_zloss
+
+    lines = [f"chunk sweep, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             "", "| N x h x V | chunk cols | ms | / 3-GEMM floor | peak extra (x logits) |", "|---|---|---|---|---|"]
+    default = op.chunk_cols
+    for shape in args.shapes:
+        n, hdim, v = (int(x) for x in shape.split("x"))
+        floor = 3 * gemm_ms(n, hdim, v, args.warmup, args.iters)
+        hidden, weight, target = inputs(n, hdim, v)
+        h, w = hidden.requires_grad_(), weight.requires_grad_()
+
+        def step():
+            h.grad = w.grad = None
+            linear_cross_entropy_zloss(h, w, target, Z)[0].sum().backward()
+
+        for cols in args.chunk_cols + [0]:
+            op.chunk_cols = default if cols == 0 else (lambda rows, v_local, c=cols: min(v_local, c))
+            step()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            extra = (torch.cuda.max_memory_allocated() - base) / (n * v * 2)
+            ms = timed(step, args.warmup, args.iters)
+            label = f"default ({default(n, v)})" if cols == 0 else str(cols)
+            lines.append(f"| {shape} | {label} | {ms:.3f} | {ms / floor:.2f} | {extra:.2f} |")
+            print(lines[-1], flush=True)
+        op.chunk_cols = default
+        del h, w, hidden, weight, target
+        torch.cuda.empty_cache()
+    return lines
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=SHAPES)
+    parser.add_argument("--chunk-cols", nargs="+", type=int, default=None,
+                        help="sweep this package's op over vocab chunk widths instead")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    print(write_report(args.out, run(args)))
+    print(write_report(args.out, sweep_chunks(args) if args.chunk_cols else run(args)))
 
 
 if __name__ == "__main__":

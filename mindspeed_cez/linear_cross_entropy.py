@@ -27,10 +27,10 @@ CHUNK_ELEMENTS = 1 << 26  # logits per chunk at most (128 MiB in bf16)
 
 
 def chunk_cols(n_rows, v_local):
-    """Vocab rows of ``weight`` per chunk: at most ``CHUNK_ELEMENTS`` logits and ~1/16 of the slice,
-    at least 256 (GEMMs that stay efficient), a multiple of 128."""
-    cols = max(256, min(CHUNK_ELEMENTS // max(n_rows, 1), -(-v_local // 16)))
-    return min(v_local, -(-cols // 128) * 128)
+    """Vocab rows of ``weight`` per chunk: 4096 (the H100 sweep's best trade of time for memory,
+    bench/results/2026-11-24_h100/linear_ce_chunks.md), fewer where that would exceed
+    ``CHUNK_ELEMENTS`` logits, never under 1024 (GEMMs that stay efficient)."""
+    return min(v_local, max(1024, min(4096, CHUNK_ELEMENTS // max(n_rows, 1))))
 
 
 def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, sequence_parallel):
