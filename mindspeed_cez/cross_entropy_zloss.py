@@ -58,6 +58,10 @@ def _check_arguments(logits, target, z_loss_coeff, label_smoothing):
         raise ValueError("logits has an empty vocab dimension")
     if logits.device != target.device:
         raise ValueError(f"logits ({logits.device}) and target ({target.device}) are on different devices")
+    check_coefficients(z_loss_coeff, label_smoothing)
+
+
+def check_coefficients(z_loss_coeff, label_smoothing):
     if not (isinstance(z_loss_coeff, (int, float)) and math.isfinite(z_loss_coeff) and z_loss_coeff >= 0):
         raise ValueError(f"z_loss_coeff must be a finite number >= 0, got {z_loss_coeff!r}")
     if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0):

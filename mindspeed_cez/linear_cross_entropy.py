@@ -15,13 +15,12 @@ rank's sequence chunk, are all-gathered along the sequence in forward, and ``dhi
 reduce-scattered back; without it every rank holds all of ``hidden`` and ``dhidden`` is all-reduced.
 """
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from mindspeed_cez import kernels
-from mindspeed_cez.cross_entropy_zloss import _check_target_range, group_rank_and_size, resolve_tp_group
+from mindspeed_cez.cross_entropy_zloss import (_check_target_range, check_coefficients, group_rank_and_size,
+                                               resolve_tp_group)
 
 CHUNK_ELEMENTS = 1 << 26  # logits per chunk at most (128 MiB in bf16)
 
@@ -53,10 +52,7 @@ def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, seque
         raise ValueError(f"target {tuple(target.shape)} must be hidden's shape without h, {expected}{sp}")
     if target.device != hidden.device:
         raise ValueError(f"target ({target.device}) and hidden ({hidden.device}) are on different devices")
-    if not (isinstance(z_loss_coeff, (int, float)) and math.isfinite(z_loss_coeff) and z_loss_coeff >= 0):
-        raise ValueError(f"z_loss_coeff must be a finite number >= 0, got {z_loss_coeff!r}")
-    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0):
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    check_coefficients(z_loss_coeff, label_smoothing)
 
 
 def _gather_sequence(hidden, tp_group, tp_size):
