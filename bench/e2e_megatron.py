@@ -89,9 +89,10 @@ def te_available():
     return True
 
 
-def _profile_summary(profile_dir):
+def _profile_summary(profile_dir, tp):
     trace = step_profile.find_trace(profile_dir)
-    return step_profile.summarize(step_profile.load_events(trace), vocab=VOCAB) if trace else None
+    # the output layer's ops carry this rank's vocab slice
+    return step_profile.summarize(step_profile.load_events(trace), vocab=VOCAB // tp) if trace else None
 
 
 def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
@@ -114,7 +115,7 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
     peaks = [int(v) for v in PEAK.findall(proc.stdout)]  # one line per rank
     return {"variant": variant, "rc": proc.returncode, "wall_s": time.time() - start, "steps_ms": steps,
             "peak_bytes": max(peaks) if peaks else None,
-            "profile": _profile_summary(profile_dir) if profile_dir else None,
+            "profile": _profile_summary(profile_dir, tp) if profile_dir else None,
             "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)]}
 
 
