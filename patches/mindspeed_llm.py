@@ -21,6 +21,7 @@ Megatron core 0.12.1. MindSpeed-LLM replaces the Megatron code the other patches
 Nothing here imports MindSpeed-LLM: only its modules already imported are looked at.
 """
 
+import importlib.util
 import sys
 
 PACKAGE = "mindspeed_llm"
@@ -44,7 +45,8 @@ def patch_targets():
     from mindspeed_cez.patches import megatron_core as mc
 
     targets = [(path, mc.loss_context_wrapper) for path in mc.loss_context_paths(LOSS_CONTEXT_METHODS, loaded_only=True)]
-    targets.append((f"{TRAINING}.training_log", metrics.training_log_wrapper))
+    if importlib.util.find_spec(TRAINING) is not None:  # MindSpeed's manager fails on a missing module
+        targets.append((f"{TRAINING}.training_log", metrics.training_log_wrapper))
     return targets
 
 
