@@ -71,6 +71,18 @@ def _merge(stats, partials):
     stats[3] = m
 
 
+def _main_grad_placeholder(weight):
+    """What Megatron's linear layers return for a weight whose gradient went into ``main_grad``: a
+    dummy gradient where the weight carries ``grad_added_to_main_grad`` (so its DDP hook runs and
+    skips the add), else None."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
 class LinearCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
@@ -136,9 +148,18 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         elif tp_size > 1:
             dist.all_reduce(dhidden, group=tp_group)
         if into_main_grad:
-            weight.grad_added_to_main_grad = True
-            return dhidden, None, None, None, None, None, None, None, None  # Megatron's convention
+            dweight = _main_grad_placeholder(weight)
         return dhidden, dweight, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0,
+                                        ignore_index=-100, tp_group=None, sequence_parallel=False,
+                                        gradient_accumulation_fusion=False):
+    """:func:`linear_cross_entropy_zloss` that also returns the detached per-token lse."""
+    tp_group = resolve_tp_group(tp_group)
+    _check(hidden, weight, target, z_loss_coeff, label_smoothing, group_rank_and_size(tp_group)[1], sequence_parallel)
+    return LinearCrossEntropyZLoss.apply(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index,
+                                         tp_group, sequence_parallel, gradient_accumulation_fusion)
 
 
 def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
@@ -154,16 +175,15 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         tp_group: the tensor-parallel group; ``None`` takes Megatron's when initialized.
         sequence_parallel: hidden is sequence-sharded over ``tp_group`` (all-gathered here).
         gradient_accumulation_fusion: add ``dweight`` (fp32) into ``weight.main_grad`` as Megatron's
-            linear layers do, and return no gradient for ``weight``.
+            linear layers do; the gradient returned for ``weight`` is then Megatron's placeholder
+            (a dummy where ``weight.grad_added_to_main_grad`` exists, else None).
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``CE + c*lse**2`` per token and the detached
         ``c*lse**2``, 0 where ignored. ``dhidden`` comes back as ``ColumnParallelLinear`` gives it:
         this rank's chunk with ``sequence_parallel``, else the full gradient on every rank.
     """
-    tp_group = resolve_tp_group(tp_group)
-    _check(hidden, weight, target, z_loss_coeff, label_smoothing, group_rank_and_size(tp_group)[1], sequence_parallel)
-    loss, z_loss, _ = LinearCrossEntropyZLoss.apply(hidden, weight, target, z_loss_coeff, label_smoothing,
-                                                     ignore_index, tp_group, sequence_parallel,
-                                                     gradient_accumulation_fusion)
+    loss, z_loss, _ = linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff, label_smoothing,
+                                                           ignore_index, tp_group, sequence_parallel,
+                                                           gradient_accumulation_fusion)
     return loss, z_loss

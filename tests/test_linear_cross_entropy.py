@@ -118,16 +118,29 @@ def test_chunks_bound_the_logits_and_cover_every_vocab_row(monkeypatch):
     assert relative_error(weight.grad, exp_dw) < 1e-5
 
 
-def test_gradient_accumulation_fusion_adds_into_main_grad():
+@pytest.mark.parametrize("flag", [None, False, "zero_out"], ids=["no-flag", "grad_added_to_main_grad", "zero_out_wgrad"])
+def test_gradient_accumulation_fusion_adds_into_main_grad(flag):
+    """As Megatron's linear layers: dweight into main_grad; the weight's own gradient is None, or,
+    where the weight carries ``grad_added_to_main_grad`` (Megatron's DDP), a placeholder so the
+    DDP hook runs (zeros with ``zero_out_wgrad``) and the flag set."""
     gen = torch.Generator().manual_seed(8)
     hidden, weight, target, upstream = _problem(torch.bfloat16, 1, gen)
     weight = weight.requires_grad_()
     weight.main_grad = torch.full(weight.shape, 0.5)
+    if flag is not None:
+        weight.grad_added_to_main_grad = False
+    if flag == "zero_out":
+        weight.zero_out_wgrad = True
     loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3, gradient_accumulation_fusion=True)
     (loss * upstream).sum().backward()
     _, _, _, exp_dw = _float64(hidden, weight.detach(), target, upstream, 1e-3, 0.0)
-    assert weight.grad is None and weight.grad_added_to_main_grad
     assert relative_error(weight.main_grad - 0.5, exp_dw) < 2e-2
+    if flag is None:
+        assert weight.grad is None and not hasattr(weight, "grad_added_to_main_grad")
+    else:
+        assert weight.grad is not None and weight.grad.shape == weight.shape and weight.grad_added_to_main_grad
+    if flag == "zero_out":
+        assert not weight.grad.any()
 
 
 def test_tied_embedding_and_output_weight():
