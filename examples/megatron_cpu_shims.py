@@ -74,7 +74,7 @@ def tiny_gpt_layer_spec(num_experts=None):
     return layer, TransformerBlockSubmodules
 
 
-def build_tiny_gpt(config, vocab_size, seq_length, num_experts=None, layer_norm=CPULayerNorm):
+def build_tiny_gpt(config, vocab_size, seq_length, num_experts=None, layer_norm=CPULayerNorm, share_embeddings=False):
     """A GPTModel from the local spec; the final norm is ``layer_norm`` too."""
     from megatron.core.models.gpt import GPTModel
 
@@ -86,7 +86,7 @@ def build_tiny_gpt(config, vocab_size, seq_length, num_experts=None, layer_norm=
         vocab_size=vocab_size,
         max_sequence_length=seq_length,
         position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=share_embeddings,
     )
 
 

@@ -12,6 +12,9 @@ Flags (one argument group, shown in ``--help``):
     Opt out: Megatron's own cross entropy, whatever else is set (``C > 0`` is then an error).
 ``--lm-z-loss-log-lse``
     Also log the mean log-sum-exp as ``lm_lse``.
+``--lm-fused-output-layer``
+    Compute GPT's output layer and the LM loss as one op (``linear_cross_entropy_zloss``): no
+    logits tensor on the training path; turns the fused loss on like ``--lm-fused-ce``.
 
 Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider`` and
 :func:`validate_lm_z_loss_args` as a validation hook (it raises ``ValueError`` naming the flag).
@@ -24,6 +27,7 @@ FLAG_COEFF = "--lm-z-loss-coeff"
 FLAG_FUSED = "--lm-fused-ce"
 FLAG_NO_FUSED = "--no-lm-fused-ce"
 FLAG_LOG_LSE = "--lm-z-loss-log-lse"
+FLAG_OUTPUT_LAYER = "--lm-fused-output-layer"
 GROUP_TITLE = "mindspeed_cez: fused LM cross entropy + z-loss"
 
 __all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate_lm_z_loss_args", "settings_from_args", "has_lm_z_loss_args"]
@@ -50,6 +54,11 @@ def add_lm_z_loss_args(parser):
     group.add_argument(
         FLAG_LOG_LSE, action="store_true", default=False, dest="lm_z_loss_log_lse",
         help="Also log the mean log-sum-exp of the logits as lm_lse (taken from the fused kernel, no extra pass).",
+    )
+    group.add_argument(
+        FLAG_OUTPUT_LAYER, action="store_true", default=False, dest="lm_fused_output_layer",
+        help="Compute the GPT output layer and the LM loss (CE + z-loss) as one fused op, without the "
+             "logits tensor (labels given: training and validation; logits are still made without labels).",
     )
     return parser
 
@@ -86,6 +95,13 @@ def validate_lm_z_loss_args(args, defaults=None):
         )
     if fused is False and getattr(args, "lm_z_loss_log_lse", False):
         raise ValueError(f"{FLAG_LOG_LSE} needs the fused kernel, but {FLAG_NO_FUSED} turns it off")
+    if getattr(args, "lm_fused_output_layer", False):
+        if fused is False:
+            raise ValueError(f"{FLAG_OUTPUT_LAYER} is a fused kernel, but {FLAG_NO_FUSED} turns it off")
+        for dest, flag in (("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute"),
+                           ("use_mup", "--use-mup")):
+            if getattr(args, dest, False):
+                raise ValueError(f"{FLAG_OUTPUT_LAYER} does not serve {flag}; drop one of them")
     if fused_ce_enabled(args):
         from mindspeed_cez.patches import mindspeed_llm
 
@@ -96,7 +112,9 @@ def validate_lm_z_loss_args(args, defaults=None):
 def _flag_turning_fused_on(args):
     if args.lm_z_loss_coeff > 0:
         return f"{FLAG_COEFF}={args.lm_z_loss_coeff}"
-    return FLAG_FUSED if getattr(args, "lm_fused_ce", None) else FLAG_LOG_LSE
+    if getattr(args, "lm_fused_ce", None):
+        return FLAG_FUSED
+    return FLAG_OUTPUT_LAYER if getattr(args, "lm_fused_output_layer", False) else FLAG_LOG_LSE
 
 
 def fused_ce_enabled(args):
@@ -104,7 +122,8 @@ def fused_ce_enabled(args):
     fused = getattr(args, "lm_fused_ce", None)
     if fused is False:
         return False
-    return bool(fused) or args.lm_z_loss_coeff > 0 or bool(getattr(args, "lm_z_loss_log_lse", False))
+    return (bool(fused) or args.lm_z_loss_coeff > 0 or bool(getattr(args, "lm_z_loss_log_lse", False))
+            or bool(getattr(args, "lm_fused_output_layer", False)))
 
 
 def settings_from_args(args):
@@ -119,6 +138,7 @@ def settings_from_args(args):
         label_smoothing=getattr(args, "label_smoothing", None),
         log_z_loss=True,
         log_lse=bool(getattr(args, "lm_z_loss_log_lse", False)),
+        fused_output_layer=bool(getattr(args, "lm_fused_output_layer", False)),
     )
 
 

@@ -30,7 +30,7 @@ __all__ = ["apply", "remove", "is_applied", "active_settings", "Settings", "PATC
 def _targets():
     from mindspeed_cez import metrics
     from mindspeed_cez.patches import megatron_core as mc
-    from mindspeed_cez.patches import mindspeed_llm, moe_tracker
+    from mindspeed_cez.patches import mindspeed_llm, moe_tracker, output_layer
 
     lm = "megatron.core.models.common.language_module.language_module"
     targets = [
@@ -38,6 +38,7 @@ def _targets():
         ("megatron.core.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy", mc.vocab_parallel_cross_entropy_wrapper),
         ("megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy", mc.fused_vocab_parallel_cross_entropy_wrapper),
         (f"{lm}.te_parallel_cross_entropy", mc.te_parallel_cross_entropy_wrapper),
+        ("megatron.core.tensor_parallel.layers.ColumnParallelLinear.forward", output_layer.column_parallel_forward_wrapper),
     ]
     targets += [(path, mc.loss_context_wrapper) for path in mc.loss_context_paths()]
     report = moe_tracker.report_path()
@@ -128,7 +129,7 @@ def install_patches():
     return sorted(_APPLIED)
 
 
-def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False):
+def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False):
     """Use the fused op for Megatron's LM loss: per token, the gradient of ``CE + z_loss_coeff * lse**2``
     and the value of the CE (Megatron's convention for auxiliary losses: ``lm loss`` stays CE).
 
@@ -138,11 +139,13 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
             model config has that field (megatron-core 0.16/0.19 do not), else 0.
         log_z_loss: record ``lm_z_loss`` in Megatron's MoE metrics tracker (when ``c > 0``).
         log_lse: also record the mean log-sum-exp as ``lm_lse``.
+        fused_output_layer: compute GPT's output layer and the LM loss together with
+            :func:`mindspeed_cez.linear_cross_entropy_zloss` (no logits tensor), see :mod:`.output_layer`.
 
     Returns the active :class:`Settings`. Idempotent: a second call only replaces the settings.
     """
     settings = Settings(z_loss_coeff=float(z_loss_coeff), label_smoothing=label_smoothing,
-                        log_z_loss=log_z_loss, log_lse=log_lse)
+                        log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer))
     feature = sys.modules.get("mindspeed_cez.mindspeed_feature")
     if feature is not None and feature.registered_with_mindspeed():
         feature.register_patches_now()  # MindSpeed's patch manager owns the patching

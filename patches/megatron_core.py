@@ -19,9 +19,11 @@ Patched (see ``PATCH_TARGETS`` in ``mindspeed_cez.patches``):
   the language module's ``te_parallel_cross_entropy``, for code that calls them directly; every
   module that bound a copy (``from x import f``) is patched too.
 * ``GPTModel._postprocess`` (``forward`` on 0.12), ``HybridModel.forward`` / ``MambaModel.forward``
-  -- only to see the ``loss_mask`` the training script passes, so that ``lm_z_loss`` is the
-  loss-mask-weighted mean (see :mod:`mindspeed_cez.metrics`). Other models (BERT, T5) pass
-  none: their metric averages every token, with a one-time warning.
+  -- to see the ``loss_mask`` the training script passes, so that ``lm_z_loss`` is the
+  loss-mask-weighted mean (see :mod:`mindspeed_cez.metrics`), and, with
+  ``--lm-fused-output-layer``, to defer the output layer's call (:mod:`.output_layer`). Other
+  models (BERT, T5) pass no mask: their metric averages every token, with a one-time warning.
+* ``ColumnParallelLinear.forward`` -- only for that deferral; every other call runs unchanged.
 """
 
 import functools
@@ -33,6 +35,7 @@ import warnings
 import torch
 
 from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse, group_rank_and_size, resolve_tp_group
+from mindspeed_cez.patches import output_layer as _output_layer
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
 
@@ -126,7 +129,8 @@ def loss_context_paths(methods=_LOSS_CONTEXT_METHODS, loaded_only=False):
 
 
 def loss_context_wrapper(fn):
-    """Remember ``(labels, loss_mask)`` of the LM loss in progress, for the ``lm_z_loss`` metric."""
+    """Remember ``(labels, loss_mask)`` of the LM loss in progress, for the ``lm_z_loss`` metric, and
+    open the output layer's deferral of ``--lm-fused-output-layer`` (:mod:`.output_layer`)."""
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
@@ -135,9 +139,11 @@ def loss_context_wrapper(fn):
             return fn(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs).arguments
         _MASK_CONTEXT.append((bound.get("labels"), bound.get("loss_mask")))
+        _output_layer.push(_output_layer.pending_for(self, bound, _settings.ACTIVE))
         try:
             return fn(self, *args, **kwargs)
         finally:
+            _output_layer.pop()
             _MASK_CONTEXT.pop()
 
     with_loss_context.__cez_wraps__ = fn
@@ -194,7 +200,20 @@ def compute_language_model_loss_wrapper(fn):
         coeff = settings.z_loss_coeff if is_main else 0.0  # MTP heads: plain CE
         # [b s] => [s b], as Megatron does
         target = labels.transpose(0, 1).contiguous()
-        loss, z_loss, lse = fused_loss(logits, target, _module_tp_group(self), smoothing, coeff)
+        tp_group = _module_tp_group(self)
+        if isinstance(logits, _output_layer.DeferredLogits):
+            if not is_main:
+                raise _output_layer.FusedOutputLayerError(
+                    f"{_output_layer.FLAG}: an MTP head's loss got the main head's deferred output layer call")
+            global_vocab = logits.weight.shape[0] * _tp_world_size(tp_group)
+            loss, z_loss, lse = _output_layer.linear_loss(
+                logits, target, tp_group, megatron_to_torch_smoothing(smoothing, global_vocab), coeff)
+        else:
+            if is_main and _output_layer.expects_deferred():
+                raise _output_layer.FusedOutputLayerError(
+                    f"{_output_layer.FLAG}: the LM loss got logits, not the deferred output layer call "
+                    f"(output layer {type(getattr(self, 'output_layer', None)).__name__}); this model's forward is not served")
+            loss, z_loss, lse = fused_loss(logits, target, tp_group, smoothing, coeff)
         if is_main:
             _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, bool(_MASK_CONTEXT))
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged

@@ -23,12 +23,15 @@ class Settings:
         ``None`` takes ``config.label_smoothing`` when the model config has such a field, else 0.
     log_z_loss: record ``lm_z_loss`` in Megatron's MoE metrics tracker (only when ``c > 0``).
     log_lse: also record the mean log-sum-exp as ``lm_lse`` (the op's own lse: no extra pass).
+    fused_output_layer: GPT's output layer and LM loss as one op, without the logits tensor
+        (``--lm-fused-output-layer``, :mod:`mindspeed_cez.patches.output_layer`).
     """
 
     z_loss_coeff: float = 0.0
     label_smoothing: Optional[float] = None
     log_z_loss: bool = True
     log_lse: bool = False
+    fused_output_layer: bool = False
 
     def __post_init__(self):
         c = self.z_loss_coeff

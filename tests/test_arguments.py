@@ -22,6 +22,7 @@ def _parse(argv):
         (["--lm-z-loss-coeff", "nan"], "--lm-z-loss-coeff must be a finite number >= 0, got nan"),
         (["--lm-z-loss-coeff", "inf"], "--lm-z-loss-coeff"),
         (["--lm-z-loss-coeff", "1e-4", "--no-lm-fused-ce"], "--no-lm-fused-ce"),
+        (["--lm-fused-output-layer", "--no-lm-fused-ce"], "--lm-fused-output-layer .*--no-lm-fused-ce"),
     ],
 )
 def test_invalid_values_fail_validation_naming_the_flag(argv, message):
@@ -37,6 +38,15 @@ def test_settings_from_flags():
     assert s is not None and s.z_loss_coeff == 0.0 and s.metric_names() == []
     s = arguments.settings_from_args(_parse(["--lm-z-loss-coeff", "3e-4", "--lm-z-loss-log-lse"]))
     assert math.isclose(s.z_loss_coeff, 3e-4) and s.metric_names() == ["lm_z_loss", "lm_lse"]
+    s = arguments.settings_from_args(_parse(["--lm-fused-output-layer"]))
+    assert s is not None and s.fused_output_layer and s.z_loss_coeff == 0.0
+    s = arguments.settings_from_args(_parse(["--lm-z-loss-coeff", "1e-4"]))
+    assert not s.fused_output_layer
+    for dest, flag in (("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute"), ("use_mup", "--use-mup")):
+        args = _parse(["--lm-fused-output-layer"])
+        setattr(args, dest, True)  # Megatron's own flags, on its parser
+        with pytest.raises(ValueError, match=f"--lm-fused-output-layer does not serve {flag}"):
+            arguments.validate_lm_z_loss_args(args)
     # objects without the flags (MindSpeed hands TransformerConfigs to validate hooks) pass through
     other = argparse.Namespace(hidden_size=8)
     assert arguments.validate_lm_z_loss_args(other) is other

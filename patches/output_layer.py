@@ -1,0 +1,126 @@
+"""``--lm-fused-output-layer``: a GPT model's output layer and LM loss as one op, no logits tensor.
+
+While a GPT model's forward runs with labels (the loss context of :mod:`.megatron_core`) and
+``Settings.fused_output_layer`` is on, the output layer's call for the main head returns
+:class:`DeferredLogits` (its input and weight) instead of logits, and the patched
+``compute_language_model_loss`` hands them to :func:`mindspeed_cez.linear_cross_entropy_zloss`.
+The main head's call is the last one: MTP heads (``config.mtp_num_layers``) call the output layer
+first and get real logits, as without the flag. Anything unexpected fails loudly, naming the
+flag: deferred logits reaching anything but the main loss, a main loss that got real logits, an
+output layer the op cannot stand in for (bias, gathered output, deferred embedding wgrad).
+"""
+
+import functools
+
+from mindspeed_cez.linear_cross_entropy import linear_cross_entropy_zloss_with_lse
+
+FLAG = "--lm-fused-output-layer"
+
+
+class FusedOutputLayerError(RuntimeError):
+    pass
+
+
+class DeferredLogits:
+    """The main head's output layer call, not yet made: ``hidden`` ``[s, b, h]`` (this rank's
+    sequence chunk under sequence parallelism), ``weight`` ``[v_local, h]``, the layer."""
+
+    __slots__ = ("hidden", "weight", "layer")
+
+    def __init__(self, hidden, weight, layer):
+        self.hidden, self.weight, self.layer = hidden, weight, layer
+
+    def __getattr__(self, name):
+        raise FusedOutputLayerError(
+            f"{FLAG}: the model used the output layer's logits ('.{name}'), which this flag never "
+            "makes; only the LM loss may take them. Run without the flag for this model.")
+
+
+class Pending:
+    """One forward's deferral: the output layer whose call number ``main_call`` (0-based) is the
+    main head's; ``deferred`` once it was handed out."""
+
+    __slots__ = ("layer", "main_call", "calls", "deferred")
+
+    def __init__(self, layer, main_call):
+        self.layer, self.main_call, self.calls, self.deferred = layer, main_call, 0, False
+
+
+_PENDING = []  # stack, one entry per GPT forward with labels in progress (None: no deferral)
+
+
+def pending_for(model, bound_args, settings):
+    """The deferral for a model forward with ``bound_args``, or None (flag off, no labels, no output
+    layer on this stage, inference)."""
+    if settings is None or not settings.fused_output_layer or bound_args.get("labels") is None:
+        return None
+    if any(bound_args.get(k) is not None for k in ("inference_context", "inference_params")):
+        return None
+    layer = getattr(model, "output_layer", None)
+    if layer is None or not getattr(model, "post_process", True):
+        return None
+    if getattr(getattr(model, "config", None), "use_mup", False):
+        raise FusedOutputLayerError(f"{FLAG} does not serve MuP's output scaling (--use-mup)")
+    return Pending(layer, getattr(model.config, "mtp_num_layers", None) or 0)
+
+
+def push(pending):
+    _PENDING.append(pending)
+
+
+def pop():
+    _PENDING.pop()
+
+
+def _check_layer(layer, runtime_gather_output):
+    gather = layer.gather_output if runtime_gather_output is None else runtime_gather_output
+    if gather:
+        raise FusedOutputLayerError(f"{FLAG} needs vocab-parallel logits; the output layer gathers them "
+                                    "(parallel_output=False or runtime_gather_output=True)")
+    if getattr(layer, "bias", None) is not None:
+        raise FusedOutputLayerError(f"{FLAG}: the output layer has a bias, which the fused op does not take")
+    if getattr(layer.config, "defer_embedding_wgrad_compute", False):
+        raise FusedOutputLayerError(f"{FLAG} does not serve --defer-embedding-wgrad-compute")
+
+
+def column_parallel_forward_wrapper(fn):
+    """``ColumnParallelLinear.forward``: the main head's call under a deferral returns
+    ``(DeferredLogits, None)``; every other call runs unchanged."""
+
+    @functools.wraps(fn)
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        pending = _PENDING[-1] if _PENDING else None
+        if pending is None or pending.layer is not self:
+            return fn(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        call, pending.calls = pending.calls, pending.calls + 1
+        if call != pending.main_call:
+            return fn(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        _check_layer(self, runtime_gather_output)
+        if weight is None:
+            weight = self.weight
+        if weight is None:
+            raise RuntimeError("weight was not supplied to ColumnParallelLinear forward pass "
+                               "and skip_weight_param_allocation is True.")
+        pending.deferred = True
+        return DeferredLogits(input_, weight, self), None
+
+    forward.__cez_wraps__ = fn
+    return forward
+
+
+def expects_deferred():
+    """Whether the innermost forward was to defer its main head's output layer."""
+    return bool(_PENDING) and _PENDING[-1] is not None
+
+
+def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff):
+    """``(loss, z_loss, lse)`` of the deferred output layer, ``[s, b]``: the value of the CE, the
+    gradient of ``CE + c*lse**2`` (Megatron's convention for auxiliary losses)."""
+    layer = deferred.layer
+    loss, z_loss, lse = linear_cross_entropy_zloss_with_lse(
+        deferred.hidden, deferred.weight, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
+        tp_group=tp_group, sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
+        gradient_accumulation_fusion=bool(getattr(layer, "gradient_accumulation_fusion", False)))
+    if z_loss_coeff > 0:
+        loss = loss - z_loss
+    return loss, z_loss, lse

@@ -1,0 +1,126 @@
+"""``--lm-fused-output-layer`` on a tiny megatron-core MoE GPTModel (CPU, real gloo processes).
+
+The flag's run against the unfused adaptor's (the same model, the same micro-batches, z-loss on):
+per-token losses (CE), every parameter gradient, ``lm_z_loss`` / ``lm_lse``; the output layer
+hands out no logits on the training path; ``labels=None`` returns the same logits as without the
+flag; an eval forward gives CE; tied input-embedding / output weights; an output layer the op
+cannot stand in for fails naming the flag. Layouts: TP=1 x DP=2 and TP=2 with sequence
+parallelism x DP=2. Runs on every megatron-core of CI leg 1 (0.12.1 to 0.16.1) and on 0.19.2.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from test_adaptor_gpt import BATCH, COEFF, LAYERS, SEQ, _micro_batches, _setup, shims  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo test; GPU machines run tests/run_gpu_checks.sh"),
+]
+
+
+def _run(model, batches, track_output=None):
+    """Forward + backward of every micro-batch (objective ``sum(loss*mask) / sum(mask)``);
+    per-token losses, parameter gradients and the reported metrics."""
+    from mindspeed_cez import metrics
+
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    mask = shims.causal_attention_mask(SEQ)
+    total = sum(float(m.sum()) for _, _, m in batches)
+    handle = None
+    if track_output is not None:
+        handle = model.output_layer.register_forward_hook(lambda mod, inp, out: track_output.append(type(out[0])))
+    model.zero_grad(set_to_none=True)
+    losses = []
+    try:
+        for tokens, labels, loss_mask in batches:
+            loss = model(tokens, position_ids, mask, labels=labels, loss_mask=loss_mask)
+            losses.append(loss.detach().clone())
+            ((loss * loss_mask).sum() / total).backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+    shims.allreduce_sequence_parallel_grads(model)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    scalars = metrics.report(1, len(batches), LAYERS, track_names=["load_balancing_loss"])
+    return losses, grads, scalars
+
+
+def _compare(fused, unfused, what):
+    (lf, gf, sf), (lu, gu, su) = fused, unfused
+    for a, b in zip(lf, lu):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{what}: per-token loss")
+    assert gf.keys() == gu.keys(), (what, sorted(set(gf) ^ set(gu)))
+    for name in gf:
+        torch.testing.assert_close(gf[name], gu[name], rtol=1e-4, atol=1e-6, msg=f"{what}: {name}")
+    for key in ("lm_z_loss", "lm_lse", "load_balancing_loss"):
+        assert sf[key] == pytest.approx(su[key], rel=1e-5), (what, key, sf, su)
+
+
+def _worker(rank, world_size, tp, share_embeddings):
+    from megatron.core import parallel_state as ps
+
+    import mindspeed_cez.patches as patches
+    from mindspeed_cez.patches.output_layer import DeferredLogits, FusedOutputLayerError
+
+    model = _setup(tp) if not share_embeddings else _setup_tied(tp)
+    model.train()
+    batches = _micro_batches(ps.get_data_parallel_rank())
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    mask = shims.causal_attention_mask(SEQ)
+
+    patches.apply(z_loss_coeff=COEFF, log_lse=True)
+    with torch.no_grad():
+        logits_unfused = model(batches[0][0], position_ids, mask)
+    unfused = _run(model, batches)
+
+    patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True)
+    outputs = []
+    fused = _run(model, batches, track_output=outputs)
+    assert outputs == [DeferredLogits] * len(batches), outputs  # no logits on the training path
+    _compare(fused, unfused, f"tp={tp} tied={share_embeddings}")
+    assert fused[2]["lm_z_loss"] > 0
+
+    with torch.no_grad():  # no labels: the logits, as without the flag
+        assert torch.equal(model(batches[0][0], position_ids, mask), logits_unfused)
+    model.eval()
+    with torch.no_grad():  # validation: CE, as the unfused run
+        tokens, labels, loss_mask = batches[1]
+        loss = model(tokens, position_ids, mask, labels=labels, loss_mask=loss_mask)
+    torch.testing.assert_close(loss, unfused[0][1], rtol=1e-5, atol=1e-5)
+    model.train()
+
+    model.output_layer.gather_output = True  # an output layer the op cannot stand in for
+    with pytest.raises(FusedOutputLayerError, match="--lm-fused-output-layer"):
+        model(*batches[0][:1], position_ids, mask, labels=batches[0][1], loss_mask=batches[0][2])
+    model.output_layer.gather_output = False
+
+    patches.apply(z_loss_coeff=0.0, fused_output_layer=True)  # --lm-fused-output-layer alone: plain CE
+    plain = _run(model, batches)
+    patches.apply(z_loss_coeff=0.0)
+    reference = _run(model, batches)
+    for a, b in zip(plain[0], reference[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for name in plain[1]:
+        torch.testing.assert_close(plain[1][name], reference[1][name], rtol=1e-4, atol=1e-6, msg=name)
+    patches.remove()
+
+
+def _setup_tied(tp):
+    import test_adaptor_gpt
+
+    original = shims.build_tiny_gpt
+    shims.build_tiny_gpt = lambda *a, **k: original(*a, share_embeddings=True, **k)
+    try:
+        model = test_adaptor_gpt._setup(tp)
+    finally:
+        shims.build_tiny_gpt = original
+    assert model.share_embeddings_and_output_weights and model.output_layer.weight is None
+    return model
+
+
+@pytest.mark.parametrize("tp,tied", [(1, False), (2, False), (1, True)], ids=["tp1-dp2", "tp2sp-dp2", "tied-tp1-dp2"])
+def test_fused_output_layer_matches_the_unfused_loss(tp, tied):
+    shims.run_on_ranks(2 * tp, _worker, tp, tied, timeout=600)
