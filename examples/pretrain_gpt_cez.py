@@ -192,6 +192,14 @@ def _keep_logits_hook(module, inputs, output):
     name = _dump_name(module.training)
     if name is not None:
         logits = output[0] if isinstance(output, tuple) else output
+        if type(logits).__name__ == "DeferredLogits":  # --lm-fused-output-layer: made here for the dump only
+            with torch.no_grad():
+                hidden = logits.hidden
+                if module.sequence_parallel:
+                    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+                    hidden = gather_from_sequence_parallel_region(hidden)
+                logits = hidden @ logits.weight.t()
         _CURRENT_BATCH["logits"] = (name, logits.detach().to("cpu", torch.float32, copy=True))
 
 

@@ -152,18 +152,115 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         return dhidden, dweight, None, None, None, None, None, None, None
 
 
+def _accumulate_mm(out, a, b):
+    """``out += a @ b`` into fp32 ``out`` from bf16 / fp16 ``a``, ``b``: one GEMM with an fp32
+    output on CUDA, fp32 copies of the (chunk-sized) operands elsewhere."""
+    if out.is_cuda and a.dtype != torch.float32:
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    else:
+        out.addmm_(a.float(), b.float())
+
+
+def row_block(n_rows, v_local):
+    """Token rows per block of the gradients-in-forward path: ``[block, v_local]`` logits at most
+    ``CHUNK_ELEMENTS``, at least 128 rows."""
+    return min(n_rows, max(128, CHUNK_ELEMENTS // max(v_local, 1)))
+
+
+class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
+    """Gradients made during the forward, three GEMMs in all (no recomputation): blocks of token
+    rows with their whole vocab slice, each turned into its gradient for a unit upstream gradient.
+    ``dhidden`` per token is kept unscaled (exact for any upstream gradient); ``dweight`` is summed
+    with ``token_weights`` and scaled in backward by ``k = sum(g*w) / sum(w*w)``, exact when the
+    upstream gradient is ``k * token_weights`` (Megatron's ``loss * loss_mask / num_tokens``);
+    anything else trips a device-side assert in backward (no host sync), never a silent number.
+    Memory: ``dweight`` in fp32 and ``dhidden`` in fp32 live from forward to backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, token_weights, z_loss_coeff, label_smoothing, ignore_index, tp_group,
+                sequence_parallel, gradient_accumulation_fusion):
+        rank, tp_size = group_rank_and_size(tp_group)
+        full = _gather_sequence(hidden, tp_group, tp_size) if sequence_parallel and tp_size > 1 else hidden
+        rows = full.reshape(-1, full.shape[-1])
+        flat_target, weights = target.reshape(-1), token_weights.reshape(-1).float()
+        n, v_local = rows.shape[0], weight.shape[0]
+        global_vocab, vocab_start = v_local * tp_size, rank * v_local
+        backend = kernels.backend_for(rows.device)
+        _check_target_range(flat_target, global_vocab, ignore_index, backend)
+        out = torch.empty((3, n), dtype=torch.float32, device=rows.device)
+        drows = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+        dweight = torch.zeros(weight.shape, dtype=torch.float32, device=rows.device)
+        unit = torch.ones(n, dtype=torch.float32, device=rows.device)
+        step = row_block(n, v_local)
+        for r in range(0, n, step):
+            x, t = rows[r:r + step], flat_target[r:r + step]
+            logits = x @ weight.t()
+            stats = backend.shard_partials(logits, t, vocab_start, global_vocab, ignore_index, label_smoothing)
+            if tp_size > 1:
+                dist.all_reduce(stats[0], op=dist.ReduceOp.MAX, group=tp_group)
+                backend.rescale_sum_exp(stats)
+                dist.all_reduce(stats[1:3], op=dist.ReduceOp.SUM, group=tp_group)
+            out[:, r:r + step] = backend.loss_from_partials(stats, t, ignore_index, z_loss_coeff)
+            backend.write_grad(logits, logits, t, out[2, r:r + step], unit[r:r + step], ignore_index, vocab_start,
+                               z_loss_coeff, label_smoothing, global_vocab)
+            drows[r:r + step] = 0
+            _accumulate_mm(drows[r:r + step], logits, weight)
+            _accumulate_mm(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
+        loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
+        ctx.save_for_backward(drows, dweight, weights, weight)
+        ctx.settings = (tp_group, tp_size, sequence_parallel, gradient_accumulation_fusion, full.shape, hidden.dtype)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(z_loss, lse)
+        return loss, z_loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
+        drows, dweight_sum, weights, weight = ctx.saved_tensors
+        tp_group, tp_size, sequence_parallel, accumulate, full_shape, dtype = ctx.settings
+        if grad_loss is None:
+            return (None,) * 10
+        g = grad_loss.reshape(-1).float()
+        k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
+        torch._assert_async(((g - k * weights).abs() <= 1e-3 * (k * weights).abs() + 1e-30).all(),
+                            "linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w")
+        dhidden = (drows * g[:, None]).to(dtype).view(full_shape)
+        if sequence_parallel and tp_size > 1:
+            local = dhidden.new_empty((full_shape[0] // tp_size, *full_shape[1:]))
+            dist.reduce_scatter_tensor(local, dhidden.contiguous(), group=tp_group)
+            dhidden = local
+        elif tp_size > 1:
+            dist.all_reduce(dhidden, group=tp_group)
+        dweight_sum.mul_(k)
+        if accumulate and hasattr(weight, "main_grad"):
+            weight.main_grad.add_(dweight_sum)
+            dweight = _main_grad_placeholder(weight)
+        else:
+            dweight = dweight_sum.to(weight.dtype)
+        return dhidden, dweight, None, None, None, None, None, None, None, None
+
+
 def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0,
                                         ignore_index=-100, tp_group=None, sequence_parallel=False,
-                                        gradient_accumulation_fusion=False):
+                                        gradient_accumulation_fusion=False, token_weights=None):
     """:func:`linear_cross_entropy_zloss` that also returns the detached per-token lse."""
     tp_group = resolve_tp_group(tp_group)
     _check(hidden, weight, target, z_loss_coeff, label_smoothing, group_rank_and_size(tp_group)[1], sequence_parallel)
-    return LinearCrossEntropyZLoss.apply(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index,
-                                         tp_group, sequence_parallel, gradient_accumulation_fusion)
+    if token_weights is None:
+        return LinearCrossEntropyZLoss.apply(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index,
+                                             tp_group, sequence_parallel, gradient_accumulation_fusion)
+    if not isinstance(token_weights, torch.Tensor) or tuple(token_weights.shape) != tuple(target.shape):
+        raise ValueError(f"token_weights must be a tensor of target's shape {tuple(target.shape)}, got "
+                         f"{tuple(getattr(token_weights, 'shape', ())) or type(token_weights).__name__}")
+    if token_weights.device != target.device:
+        raise ValueError(f"token_weights ({token_weights.device}) and target ({target.device}) are on different devices")
+    return LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(), z_loss_coeff,
+                                                     label_smoothing, ignore_index, tp_group, sequence_parallel,
+                                                     gradient_accumulation_fusion)
 
 
 def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
-                               tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False):
+                               tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False,
+                               token_weights=None):
     """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
 
     Args:
@@ -177,6 +274,11 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         gradient_accumulation_fusion: add ``dweight`` (fp32) into ``weight.main_grad`` as Megatron's
             linear layers do; the gradient returned for ``weight`` is then Megatron's placeholder
             (a dummy where ``weight.grad_added_to_main_grad`` exists, else None).
+        token_weights: ``None`` (default): backward recomputes the logits (four GEMMs; any upstream
+            gradient). A tensor of ``target``'s shape (Megatron: the loss mask): the gradients are
+            made during the forward (three GEMMs, ``dweight`` held in fp32 until backward), for an
+            upstream gradient ``k * token_weights`` with one scalar ``k`` (checked on the device in
+            backward, without a host sync).
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``CE + c*lse**2`` per token and the detached
@@ -185,5 +287,5 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
     """
     loss, z_loss, _ = linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff, label_smoothing,
                                                            ignore_index, tp_group, sequence_parallel,
-                                                           gradient_accumulation_fusion)
+                                                           gradient_accumulation_fusion, token_weights)
     return loss, z_loss

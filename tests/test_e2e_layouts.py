@@ -12,6 +12,10 @@ micro-batch and rank):
   data-parallel ranks, recomputed from the same logits;
 * every logged loss is finite, and the runs end (no hang: each launch has a time limit).
 
+Each layout also runs with ``--lm-fused-output-layer`` (the output layer and the loss as one op)
+against the z-loss run: iteration 1's ``lm loss``, ``lm_z_loss``, MTP losses and ``grad norm``
+equal, iteration 3 as recomputed from its dumped logits; resume covers it too.
+
 Layouts: PP=2; PP=2 with virtual pipeline stages (interleaved 1F1B); EP=2 over DP=2 with the
 alltoall dispatcher; EP=2 x TP=2 (expert TP 1); DP=2 with a dense model; MTP
 (``--mtp-num-layers 1``: Megatron's ``mtp_1 loss`` stays CE, without z-loss); checkpoint save and
@@ -53,17 +57,40 @@ CUDA_ONLY = {"ep2-dp2-overlap"}
 FLAG = ["--lm-z-loss-coeff", str(Z_COEFF)]
 
 
+FUSED_OUTPUT_LAYER = FLAG + ["--lm-fused-output-layer"]
+
+
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def runs(request, tmp_path_factory):
     name = request.param
     if name in CUDA_ONLY and not torch.cuda.is_available():
         pytest.skip(f"{name}: Megatron runs it in bf16 only, which its optimizer supports on CUDA only")
     out = tmp_path_factory.mktemp(name)
-    return name, launch(out / "z_loss", LAYOUTS[name] + FLAG), launch(out / "no_flag", LAYOUTS[name])
+    return (name, launch(out / "z_loss", LAYOUTS[name] + FLAG), launch(out / "no_flag", LAYOUTS[name]),
+            launch(out / "fused_output_layer", LAYOUTS[name] + FUSED_OUTPUT_LAYER))
+
+
+def test_fused_output_layer(runs):
+    """``--lm-fused-output-layer`` against the unfused run: iteration 1's lm loss, lm_z_loss and
+    grad norm (same weights), iteration 3's numbers from its own dumped logits, MTP losses."""
+    name, z_run, _, fused_run = runs
+    first, reference = fused_run["rows"][1], z_run["rows"][1]
+    losses = [key for key in reference if "loss" in key]  # lm loss, lm_z_loss, MoE and MTP losses
+    assert "lm_z_loss" in losses and {k for k in first if "loss" in k} == set(losses), (name, first, reference)
+    for key in losses:
+        assert first[key] == pytest.approx(reference[key], rel=1e-5), (name, key, first, reference)
+    # printed with three decimals: one unit of the last digit
+    assert first["grad norm"] == pytest.approx(reference["grad norm"], abs=1.01e-3), (name, first, reference)
+    assert "grad norm" in first and "lm_z_loss" in first, first
+    micro_batches = recompute_from_dump(fused_run["dump"])
+    row = fused_run["rows"][DUMP_ITERATION]
+    assert row["lm_z_loss"] == pytest.approx(z_loss_mean(micro_batches), rel=1e-5), (name, row)
+    assert row["lm loss"] == pytest.approx(ce_mean(micro_batches), rel=1e-5), (name, row)
+    assert row["lm loss"] == pytest.approx(z_run["rows"][DUMP_ITERATION]["lm loss"], rel=1e-4), name
 
 
 def test_layout(runs):
-    name, z_run, plain_run = runs
+    name, z_run, plain_run, _ = runs
     for run in (z_run, plain_run):
         for it, row in run["rows"].items():
             assert all(math.isfinite(v) for v in row.values()), (name, it, row)
@@ -87,9 +114,14 @@ def test_layout(runs):
             assert z_run["rows"][1][key] == pytest.approx(plain_run["rows"][1][key], rel=1e-5), key
 
 
-def test_checkpoint_save_and_resume(tmp_path):
+@pytest.mark.parametrize("fused_output_layer", [False, True], ids=["loss", "fused-output-layer"])
+def test_checkpoint_save_and_resume(tmp_path, fused_output_layer):
+    """Save at iteration 2, resume: iteration 3 as the uninterrupted run (with
+    ``--lm-fused-output-layer`` the saving and resumed runs use it, the uninterrupted one not)."""
     args = with_args(TINY_GPT, global_batch_size=4, tensor_model_parallel_size=2) + ["--sequence-parallel"] + MOE + FLAG
     whole = launch(tmp_path / "whole", args)
+    if fused_output_layer:
+        args = args + ["--lm-fused-output-layer"]
     ckpt = tmp_path / "ckpt"
     launch(tmp_path / "first", with_args(args, train_iters=ITERS - 1, save=ckpt, save_interval=ITERS - 1),
            iters=ITERS - 1)
@@ -98,6 +130,7 @@ def test_checkpoint_save_and_resume(tmp_path):
                      args + ["--load", str(ckpt), "--use-checkpoint-args", "--override-opt_param-scheduler"])
     assert sorted(resumed["rows"]) == [ITERS], resumed["rows"]
     for key in ("lm loss", "lm_z_loss", "load_balancing_loss"):
-        assert resumed["rows"][ITERS][key] == pytest.approx(whole["rows"][ITERS][key], rel=1e-5), key
+        rel = 1e-4 if fused_output_layer else 1e-5  # two optimizer steps on gradients summed in another order
+        assert resumed["rows"][ITERS][key] == pytest.approx(whole["rows"][ITERS][key], rel=rel), key
     micro_batches = recompute_from_dump(resumed["dump"])
     assert resumed["rows"][ITERS]["lm_z_loss"] == pytest.approx(z_loss_mean(micro_batches), rel=1e-5)

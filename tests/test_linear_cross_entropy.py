@@ -38,10 +38,21 @@ def _float64(hidden, weight, target, upstream, z, a):
     return loss.detach(), z_loss.detach(), h.grad, w.grad
 
 
-def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend):
+def _token_weights(target, gen):
+    """A loss mask with zeros (and a few halves) and its upstream gradient ``k * mask`` (Megatron's)."""
+    mask = (torch.rand(target.shape, generator=gen) < 0.8).float()
+    mask[torch.rand(target.shape, generator=gen) < 0.1] = 0.5
+    return mask, 0.37 * mask
+
+
+def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_grads=False):
     op_module.chunk_cols = _sixteen_cols  # several vocab chunks, the last one short
+    op_module.row_block = lambda n_rows, v_local: min(n_rows, 16)  # several token blocks, the last one short
     gen = torch.Generator().manual_seed(4321)  # every rank draws the same full problem
     hidden, weight, target, upstream = _problem(dtype, world_size, gen)
+    token_weights = None
+    if forward_grads:
+        token_weights, upstream = _token_weights(target, gen)
     exp_loss, exp_z, exp_dh, exp_dw = _float64(hidden, weight, target, upstream, z, a)
     rows = slice(rank * V_PER_RANK, (rank + 1) * V_PER_RANK)
     seq = slice(rank * SEQ, (rank + 1) * SEQ) if sequence_parallel else slice(None)
@@ -50,7 +61,7 @@ def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend):
     w = weight[rows].clone().requires_grad_()
     with kernels.use_backend(backend):
         loss, z_loss = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=z, label_smoothing=a, tp_group=group,
-                                                  sequence_parallel=sequence_parallel)
+                                                  sequence_parallel=sequence_parallel, token_weights=token_weights)
         (loss * upstream).sum().backward()
     errors = {"loss": relative_error(loss, exp_loss), "dhidden": relative_error(h.grad, exp_dh[seq]),
               "dweight": relative_error(w.grad, exp_dw[rows])}
@@ -71,7 +82,7 @@ def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend):
 
 
 CASES = [
-    # (world size, dtype, z-loss, label smoothing, sequence parallel, backend)
+    # (world size, dtype, z-loss, label smoothing, sequence parallel, backend[, gradients in forward])
     (1, torch.float32, 1e-2, 0.0, False, "torch"),
     (1, torch.bfloat16, 1e-3, 0.1, False, "torch"),
     (2, torch.float32, 1e-2, 0.1, False, "torch"),
@@ -80,14 +91,36 @@ CASES = [
     (4, torch.float32, 1e-3, 0.2, True, "torch"),
     (4, torch.bfloat16, 1e-2, 0.0, False, "torch"),
     (2, torch.float32, 1e-2, 0.1, True, "triton"),
+    # token_weights: the gradients made during the forward
+    (1, torch.float32, 1e-2, 0.1, False, "torch", True),
+    (1, torch.bfloat16, 1e-3, 0.0, False, "torch", True),
+    (2, torch.bfloat16, 1e-3, 0.1, True, "torch", True),
+    (2, torch.float16, 1e-2, 0.0, False, "torch", True),
+    (4, torch.float32, 1e-3, 0.2, True, "torch", True),
+    (2, torch.float32, 1e-2, 0.1, False, "triton", True),
 ]
 
 
-@pytest.mark.parametrize("world_size,dtype,z,a,sequence_parallel,backend", CASES)
-def test_matches_float64_over_tp(world_size, dtype, z, a, sequence_parallel, backend):
+@pytest.mark.parametrize("world_size,dtype,z,a,sequence_parallel,backend,forward_grads",
+                         [c if len(c) == 7 else (*c, False) for c in CASES])
+def test_matches_float64_over_tp(world_size, dtype, z, a, sequence_parallel, backend, forward_grads):
     if backend == "triton" and not triton_runs_on_cpu():
         pytest.skip("the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
-    run_on_ranks(world_size, _worker, dtype, z, a, sequence_parallel, backend)
+    run_on_ranks(world_size, _worker, dtype, z, a, sequence_parallel, backend, forward_grads)
+
+
+def test_token_weights_need_an_upstream_gradient_proportional_to_them():
+    """Gradients in forward hold ``dweight`` summed with the weights: any other upstream gradient
+    fails in backward (on CUDA a device-side assert), never a silent wrong dweight."""
+    gen = torch.Generator().manual_seed(11)
+    hidden, weight, target, upstream = _problem(torch.float32, 1, gen)
+    mask, _ = _token_weights(target, gen)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask)
+    with pytest.raises(RuntimeError, match="upstream gradient must be k"):
+        (loss * upstream).sum().backward()
+    with pytest.raises(ValueError, match="token_weights must be a tensor of target's shape"):
+        linear_cross_entropy_zloss(h, w, target, token_weights=mask[:-1])
 
 
 def test_chunks_bound_the_logits_and_cover_every_vocab_row(monkeypatch):
