@@ -70,6 +70,9 @@ VARIANTS = {
     "te": (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"], {}),
     "z_by_hand": ([], {"CEZ_BENCH_HAND_Z": str(Z_COEFF)}),
     "cez": (["--lm-z-loss-coeff", str(Z_COEFF)], {}),
+    # --lm-fused-output-layer: output layer + loss as one op (logits recomputed / grads in forward)
+    "cez_fol": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-fused-output-layer"], {}),
+    "cez_fol_fwd": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-fused-output-layer", "forward"], {}),
 }
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")

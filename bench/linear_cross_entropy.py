@@ -32,6 +32,9 @@ def implementations():
     impls = {
         "unfused: cuBLAS + cez op": lambda h, w, t: vocab_parallel_cross_entropy_zloss(h @ w.t(), t, Z)[0].sum(),
         "cez fused (chunks)": lambda h, w, t: linear_cross_entropy_zloss(h, w, t, Z)[0].sum(),
+        # the loss mask as token weights (upstream gradient mask / const, as in Megatron)
+        "cez fused, grads in forward": lambda h, w, t: linear_cross_entropy_zloss(
+            h, w, t, Z, token_weights=(t != -100).float())[0].sum(),
     }
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -138,6 +141,42 @@ def run(args):
             print(lines[-1], flush=True)
             del h, w, hidden, weight, target
             torch.cuda.empty_cache()
+    lines += profile_breakdown(impls, args.shapes[0])
+    return lines
+
+
+def profile_breakdown(impls, shape, steps=3):
+    """Device time per fwd+bwd (sum of kernel durations, torch profiler / CUPTI) of each
+    implementation at ``shape``, split into GEMMs and the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n, hdim, v = (int(x) for x in shape.split("x"))
+    lines = ["", f"Device time per fwd+bwd at {shape} (torch profiler, sum of kernel durations, {steps} steps)", "",
+             "| implementation | device ms | GEMM ms | other ms | kernels |", "|---|---|---|---|---|"]
+    for name, fn in impls.items():
+        hidden, weight, target = inputs(n, hdim, v)
+        h, w = hidden.requires_grad_(), weight.requires_grad_()
+        try:
+            fn(h, w, target).backward()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    h.grad = w.grad = None
+                    fn(h, w, target).backward()
+                torch.cuda.synchronize()
+            gemm = other = count = 0.0
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+                    count += 1
+                    is_gemm = any(k in e.name.lower() for k in ("gemm", "sm90", "cutlass", "xmma", "nvjet"))
+                    gemm, other = (gemm + e.device_time, other) if is_gemm else (gemm, other + e.device_time)
+            lines.append(f"| {name} | {(gemm + other) / 1e3 / steps:.3f} | {gemm / 1e3 / steps:.3f} | "
+                         f"{other / 1e3 / steps:.3f} | {count / steps:.0f} |")
+        except Exception as exc:  # noqa: BLE001
+            lines.append(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | |")
+        print(lines[-1], flush=True)
+        del h, w, hidden, weight, target
+        torch.cuda.empty_cache()
     return lines
 
 

@@ -12,9 +12,10 @@ Flags (one argument group, shown in ``--help``):
     Opt out: Megatron's own cross entropy, whatever else is set (``C > 0`` is then an error).
 ``--lm-z-loss-log-lse``
     Also log the mean log-sum-exp as ``lm_lse``.
-``--lm-fused-output-layer``
+``--lm-fused-output-layer [recompute|forward]``
     Compute GPT's output layer and the LM loss as one op (``linear_cross_entropy_zloss``): no
     logits tensor on the training path; turns the fused loss on like ``--lm-fused-ce``.
+    ``forward``: gradients made in the forward with the loss mask as token weights.
 
 Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider`` and
 :func:`validate_lm_z_loss_args` as a validation hook (it raises ``ValueError`` naming the flag).
@@ -28,6 +29,7 @@ FLAG_FUSED = "--lm-fused-ce"
 FLAG_NO_FUSED = "--no-lm-fused-ce"
 FLAG_LOG_LSE = "--lm-z-loss-log-lse"
 FLAG_OUTPUT_LAYER = "--lm-fused-output-layer"
+OUTPUT_LAYER_GRADS = ("recompute", "forward")
 GROUP_TITLE = "mindspeed_cez: fused LM cross entropy + z-loss"
 
 __all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate_lm_z_loss_args", "settings_from_args", "has_lm_z_loss_args"]
@@ -56,9 +58,13 @@ def add_lm_z_loss_args(parser):
         help="Also log the mean log-sum-exp of the logits as lm_lse (taken from the fused kernel, no extra pass).",
     )
     group.add_argument(
-        FLAG_OUTPUT_LAYER, action="store_true", default=False, dest="lm_fused_output_layer",
+        FLAG_OUTPUT_LAYER, nargs="?", const="recompute", default=None, choices=OUTPUT_LAYER_GRADS,
+        dest="lm_fused_output_layer",
         help="Compute the GPT output layer and the LM loss (CE + z-loss) as one fused op, without the "
-             "logits tensor (labels given: training and validation; logits are still made without labels).",
+             "logits tensor (labels given: training and validation; logits are still made without labels). "
+             "'recompute' (default): backward recomputes the logits in chunks (4 GEMMs, least memory); "
+             "'forward': the gradients are made during the forward with the loss mask (3 GEMMs, the "
+             "output weight's gradient held in fp32 from forward to backward).",
     )
     return parser
 
@@ -95,7 +101,10 @@ def validate_lm_z_loss_args(args, defaults=None):
         )
     if fused is False and getattr(args, "lm_z_loss_log_lse", False):
         raise ValueError(f"{FLAG_LOG_LSE} needs the fused kernel, but {FLAG_NO_FUSED} turns it off")
-    if getattr(args, "lm_fused_output_layer", False):
+    mode = getattr(args, "lm_fused_output_layer", None)
+    if mode not in (None, False, True, *OUTPUT_LAYER_GRADS):
+        raise ValueError(f"{FLAG_OUTPUT_LAYER} takes one of {OUTPUT_LAYER_GRADS}, got {mode!r}")
+    if mode:
         if fused is False:
             raise ValueError(f"{FLAG_OUTPUT_LAYER} is a fused kernel, but {FLAG_NO_FUSED} turns it off")
         for dest, flag in (("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute"),
@@ -138,7 +147,9 @@ def settings_from_args(args):
         label_smoothing=getattr(args, "label_smoothing", None),
         log_z_loss=True,
         log_lse=bool(getattr(args, "lm_z_loss_log_lse", False)),
-        fused_output_layer=bool(getattr(args, "lm_fused_output_layer", False)),
+        fused_output_layer=bool(getattr(args, "lm_fused_output_layer", None)),
+        output_layer_grads=(getattr(args, "lm_fused_output_layer", None) if
+                            getattr(args, "lm_fused_output_layer", None) in OUTPUT_LAYER_GRADS else "recompute"),
     )
 
 

@@ -129,7 +129,8 @@ def install_patches():
     return sorted(_APPLIED)
 
 
-def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False):
+def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
+          output_layer_grads="recompute"):
     """Use the fused op for Megatron's LM loss: per token, the gradient of ``CE + z_loss_coeff * lse**2``
     and the value of the CE (Megatron's convention for auxiliary losses: ``lm loss`` stays CE).
 
@@ -141,11 +142,14 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
         log_lse: also record the mean log-sum-exp as ``lm_lse``.
         fused_output_layer: compute GPT's output layer and the LM loss together with
             :func:`mindspeed_cez.linear_cross_entropy_zloss` (no logits tensor), see :mod:`.output_layer`.
+        output_layer_grads: ``"recompute"`` or ``"forward"`` (gradients during the forward, with the
+            loss mask as the op's ``token_weights``).
 
     Returns the active :class:`Settings`. Idempotent: a second call only replaces the settings.
     """
     settings = Settings(z_loss_coeff=float(z_loss_coeff), label_smoothing=label_smoothing,
-                        log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer))
+                        log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer),
+                        output_layer_grads=output_layer_grads)
     feature = sys.modules.get("mindspeed_cez.mindspeed_feature")
     if feature is not None and feature.registered_with_mindspeed():
         feature.register_patches_now()  # MindSpeed's patch manager owns the patching

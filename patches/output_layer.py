@@ -12,6 +12,8 @@ output layer the op cannot stand in for (bias, gathered output, deferred embeddi
 
 import functools
 
+import torch
+
 from mindspeed_cez.linear_cross_entropy import linear_cross_entropy_zloss_with_lse
 
 FLAG = "--lm-fused-output-layer"
@@ -113,14 +115,16 @@ def expects_deferred():
     return bool(_PENDING) and _PENDING[-1] is not None
 
 
-def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff):
+def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, token_weights=None):
     """``(loss, z_loss, lse)`` of the deferred output layer, ``[s, b]``: the value of the CE, the
-    gradient of ``CE + c*lse**2`` (Megatron's convention for auxiliary losses)."""
+    gradient of ``CE + c*lse**2`` (Megatron's convention for auxiliary losses). ``token_weights``
+    (``[s, b]``, the loss mask): gradients made during the forward."""
     layer = deferred.layer
     loss, z_loss, lse = linear_cross_entropy_zloss_with_lse(
         deferred.hidden, deferred.weight, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
         tp_group=tp_group, sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
-        gradient_accumulation_fusion=bool(getattr(layer, "gradient_accumulation_fusion", False)))
+        gradient_accumulation_fusion=bool(getattr(layer, "gradient_accumulation_fusion", False)),
+        token_weights=token_weights if torch.is_grad_enabled() else None)
     if z_loss_coeff > 0:
         loss = loss - z_loss
     return loss, z_loss, lse

@@ -25,6 +25,8 @@ class Settings:
     log_lse: also record the mean log-sum-exp as ``lm_lse`` (the op's own lse: no extra pass).
     fused_output_layer: GPT's output layer and LM loss as one op, without the logits tensor
         (``--lm-fused-output-layer``, :mod:`mindspeed_cez.patches.output_layer`).
+    output_layer_grads: ``"recompute"`` (logits recomputed in backward) or ``"forward"`` (gradients
+        made in the forward with the loss mask as token weights).
     """
 
     z_loss_coeff: float = 0.0
@@ -32,6 +34,7 @@ class Settings:
     log_z_loss: bool = True
     log_lse: bool = False
     fused_output_layer: bool = False
+    output_layer_grads: str = "recompute"
 
     def __post_init__(self):
         c = self.z_loss_coeff
@@ -40,6 +43,8 @@ class Settings:
         a = self.label_smoothing
         if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a < 1.0):
             raise ValueError(f"label_smoothing must be None or in [0, 1), got {a!r}")
+        if self.output_layer_grads not in ("recompute", "forward"):
+            raise ValueError(f"output_layer_grads must be 'recompute' or 'forward', got {self.output_layer_grads!r}")
 
     def metric_names(self):
         """The tracker names this run reports; identical on every rank (collectives depend on it)."""

@@ -3,7 +3,7 @@
 The flag's run against the unfused adaptor's (the same model, the same micro-batches, z-loss on):
 per-token losses (CE), every parameter gradient, ``lm_z_loss`` / ``lm_lse``; the output layer
 hands out no logits on the training path; ``labels=None`` returns the same logits as without the
-flag; an eval forward gives CE; tied input-embedding / output weights; an output layer the op
+flag; an eval forward gives CE; both gradient paths (recompute, ``forward`` with the loss mask); tied input-embedding / output weights; an output layer the op
 cannot stand in for fails naming the flag. Layouts: TP=1 x DP=2 and TP=2 with sequence
 parallelism x DP=2. Runs on every megatron-core of CI leg 1 (0.12.1 to 0.16.1) and on 0.19.2.
 """
@@ -82,6 +82,10 @@ def _worker(rank, world_size, tp, share_embeddings):
     assert outputs == [DeferredLogits] * len(batches), outputs  # no logits on the training path
     _compare(fused, unfused, f"tp={tp} tied={share_embeddings}")
     assert fused[2]["lm_z_loss"] > 0
+    # gradients made during the forward, the loss mask as token weights
+    patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True, output_layer_grads="forward")
+    _compare(_run(model, batches), unfused, f"forward grads tp={tp} tied={share_embeddings}")
+    patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True)
 
     with torch.no_grad():  # no labels: the logits, as without the flag
         assert torch.equal(model(batches[0][0], position_ids, mask), logits_unfused)
