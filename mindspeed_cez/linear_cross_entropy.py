@@ -172,7 +172,8 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
     rows with their whole vocab slice, each turned into its gradient for a unit upstream gradient.
     ``dhidden`` per token is kept unscaled (exact for any upstream gradient); ``dweight`` is summed
     with ``token_weights`` and scaled in backward by ``k = sum(g*w) / sum(w*w)``, exact when the
-    upstream gradient is ``k * token_weights`` (Megatron's ``loss * loss_mask / num_tokens``);
+    upstream gradient is ``k * token_weights`` on every token not ignored (Megatron's
+    ``loss * loss_mask / num_tokens``);
     anything else trips a device-side assert in backward (no host sync), never a silent number.
     Memory: ``dweight`` in fp32 and ``dhidden`` in fp32 live from forward to backward."""
 
@@ -182,7 +183,8 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         rank, tp_size = group_rank_and_size(tp_group)
         full = _gather_sequence(hidden, tp_group, tp_size) if sequence_parallel and tp_size > 1 else hidden
         rows = full.reshape(-1, full.shape[-1])
-        flat_target, weights = target.reshape(-1), token_weights.reshape(-1).float()
+        flat_target = target.reshape(-1)
+        weights = torch.where(flat_target == ignore_index, 0.0, token_weights.reshape(-1).float())
         n, v_local = rows.shape[0], weight.shape[0]
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
         backend = kernels.backend_for(rows.device)
@@ -207,7 +209,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             _accumulate_mm(drows[r:r + step], logits, weight)
             _accumulate_mm(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
-        ctx.save_for_backward(drows, dweight, weights, weight)
+        ctx.save_for_backward(drows, dweight, weights, weight, flat_target != ignore_index)
         ctx.settings = (tp_group, tp_size, sequence_parallel, gradient_accumulation_fusion, full.shape, hidden.dtype)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
@@ -215,13 +217,14 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
-        drows, dweight_sum, weights, weight = ctx.saved_tensors
+        drows, dweight_sum, weights, weight, counted = ctx.saved_tensors
         tp_group, tp_size, sequence_parallel, accumulate, full_shape, dtype = ctx.settings
         if grad_loss is None:
             return (None,) * 10
         g = grad_loss.reshape(-1).float()
         k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
-        torch._assert_async(((g - k * weights).abs() <= 1e-3 * (k * weights).abs() + 1e-30).all(),
+        proportional = ((g - k * weights).abs() <= 1e-3 * (k * weights).abs() + 1e-30) | ~counted  # ignored: any g
+        torch._assert_async(proportional.all(),
                             "linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w")
         dhidden = (drows * g[:, None]).to(dtype).view(full_shape)
         if sequence_parallel and tp_size > 1:

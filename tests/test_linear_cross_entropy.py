@@ -119,6 +119,12 @@ def test_token_weights_need_an_upstream_gradient_proportional_to_them():
     loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask)
     with pytest.raises(RuntimeError, match="upstream gradient must be k"):
         (loss * upstream).sum().backward()
+    # ignored tokens (loss 0, gradient 0) may get any upstream gradient
+    loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask)
+    g = torch.where(target == -100, 5.0, 0.37 * mask)
+    (loss * g).sum().backward()
+    exp = _float64(hidden.detach(), weight.detach(), target, 0.37 * mask, 1e-3, 0.0)
+    assert relative_error(w.grad, exp[3]) < 1e-5 and relative_error(h.grad, exp[2]) < 1e-5
     with pytest.raises(ValueError, match="token_weights must be a tensor of target's shape"):
         linear_cross_entropy_zloss(h, w, target, token_weights=mask[:-1])
 

@@ -45,7 +45,7 @@ def test_matches_float64_at_a_real_size(forward_grads, label_smoothing):
     lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, Z, label_smoothing)
     (lu * upstream).sum().backward()
 
-    assert relative_error(loss, exp_loss) < 1e-4
-    for ours, unfused, exp in ((h.grad, hu.grad, exp_dh), (w.grad, wu.grad, exp_dw)):
+    # bf16 logits bound every path's error (the float64 reference takes exact products)
+    for ours, unfused, exp in ((loss, lu, exp_loss), (h.grad, hu.grad, exp_dh), (w.grad, wu.grad, exp_dw)):
         assert relative_error(ours, exp) <= 1.5 * relative_error(unfused, exp) + 1e-4, (
             relative_error(ours, exp), relative_error(unfused, exp))
