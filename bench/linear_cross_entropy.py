@@ -216,16 +216,62 @@ def sweep_chunks(args):
     return lines
 
 
+def sweep_row_blocks(args):
+    """The gradients-in-forward path alone at each ``--row-blocks`` (token rows per block)."""
+    import mindspeed_cez.linear_cross_entropy as op
+    from mindspeed_cez import linear_cross_entropy_zloss
+
+    lines = [f"row-block sweep (grads in forward), {torch.cuda.get_device_name()}, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+             "| N x h x V | rows per block | ms | / 3-GEMM floor | / unfused | peak extra (x logits) |",
+             "|---|---|---|---|---|---|"]
+    default = op.row_block
+    for shape in args.shapes:
+        n, hdim, v = (int(x) for x in shape.split("x"))
+        floor = 3 * gemm_ms(n, hdim, v, args.warmup, args.iters)
+        hidden, weight, target = inputs(n, hdim, v)
+        mask = (target != -100).float()
+        h, w = hidden.requires_grad_(), weight.requires_grad_()
+        h.grad = w.grad = None
+        from mindspeed_cez import vocab_parallel_cross_entropy_zloss
+        unfused = timed(lambda: vocab_parallel_cross_entropy_zloss(h @ w.t(), target, Z)[0].sum().backward(),
+                        args.warmup, args.iters)
+
+        def step():
+            h.grad = w.grad = None
+            linear_cross_entropy_zloss(h, w, target, Z, token_weights=mask)[0].sum().backward()
+
+        for rows in args.row_blocks + [0]:
+            op.row_block = default if rows == 0 else (lambda n_rows, v_local, r=rows: min(n_rows, r))
+            step()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            extra = (torch.cuda.max_memory_allocated() - base) / (n * v * 2)
+            ms = timed(step, args.warmup, args.iters)
+            label = f"default ({default(n, v)})" if rows == 0 else str(rows)
+            lines.append(f"| {shape} | {label} | {ms:.3f} | {ms / floor:.2f} | {ms / unfused:.2f} | {extra:.2f} |")
+            print(lines[-1], flush=True)
+        op.row_block = default
+        del h, w, hidden, weight, target
+        torch.cuda.empty_cache()
+    return lines
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=SHAPES)
     parser.add_argument("--chunk-cols", nargs="+", type=int, default=None,
                         help="sweep this package's op over vocab chunk widths instead")
+    parser.add_argument("--row-blocks", nargs="+", type=int, default=None,
+                        help="sweep the gradients-in-forward path over token rows per block instead")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    print(write_report(args.out, sweep_chunks(args) if args.chunk_cols else run(args)))
+    report = sweep_chunks(args) if args.chunk_cols else sweep_row_blocks(args) if args.row_blocks else run(args)
+    print(write_report(args.out, report))
 
 
 if __name__ == "__main__":
