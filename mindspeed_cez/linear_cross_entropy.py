@@ -162,9 +162,11 @@ def _accumulate_mm(out, a, b):
 
 
 def row_block(n_rows, v_local):
-    """Token rows per block of the gradients-in-forward path: ``[block, v_local]`` logits at most
-    ``CHUNK_ELEMENTS``, at least 128 rows."""
-    return min(n_rows, max(128, CHUNK_ELEMENTS // max(v_local, 1)))
+    """Token rows per block of the gradients-in-forward path: 4096, the H100 sweep's best trade of
+    time for memory (bench/results/2026-11-24_h100/linear_ce_row_blocks.md): each block adds one
+    read and write of the fp32 ``dweight``, which blocks of ~441 rows (2**26 logits at V=151936)
+    made 1.84x the unfused path's time."""
+    return min(n_rows, 4096)
 
 
 class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
