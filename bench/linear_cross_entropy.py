@@ -180,6 +180,17 @@ def profile_breakdown(impls, shape, steps=3):
     return lines
 
 
+def time_and_peak(step, logits_bytes, args):
+    """(median ms, peak memory beyond what one step leaves allocated, in multiples of the logits)."""
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    extra = (torch.cuda.max_memory_allocated() - base) / logits_bytes
+    return timed(step, args.warmup, args.iters), extra
+
+
 def sweep_chunks(args):
     """This package's fused op alone at each ``--chunk-cols`` (vocab rows per chunk)."""
     import mindspeed_cez.linear_cross_entropy as op
@@ -200,13 +211,7 @@ def sweep_chunks(args):
 
         for cols in args.chunk_cols + [0]:
             op.chunk_cols = default if cols == 0 else (lambda rows, v_local, c=cols: min(v_local, c))
-            step()
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            extra = (torch.cuda.max_memory_allocated() - base) / (n * v * 2)
-            ms = timed(step, args.warmup, args.iters)
+            ms, extra = time_and_peak(step, n * v * 2, args)
             label = f"default ({default(n, v)})" if cols == 0 else str(cols)
             lines.append(f"| {shape} | {label} | {ms:.3f} | {ms / floor:.2f} | {extra:.2f} |")
             print(lines[-1], flush=True)
@@ -243,13 +248,7 @@ def sweep_row_blocks(args):
 
         for rows in args.row_blocks + [0]:
             op.row_block = default if rows == 0 else (lambda n_rows, v_local, r=rows: min(n_rows, r))
-            step()
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            extra = (torch.cuda.max_memory_allocated() - base) / (n * v * 2)
-            ms = timed(step, args.warmup, args.iters)
+            ms, extra = time_and_peak(step, n * v * 2, args)
             label = f"default ({default(n, v)})" if rows == 0 else str(rows)
             lines.append(f"| {shape} | {label} | {ms:.3f} | {ms / floor:.2f} | {ms / unfused:.2f} | {extra:.2f} |")
             print(lines[-1], flush=True)
