@@ -27,11 +27,18 @@ SHAPES = ["8192x4096x151936", "8192x4096x37984", "8192x7168x16160"]  # last: Dee
 
 
 def implementations():
-    from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+    from mindspeed_cez import kernels, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+
+    def fused(backend):
+        def loss(h, w, t):
+            with kernels.use_linear_backend(backend):
+                return linear_cross_entropy_zloss(h, w, t, Z)[0].sum()
+        return loss
 
     impls = {
         "unfused: cuBLAS + cez op": lambda h, w, t: vocab_parallel_cross_entropy_zloss(h @ w.t(), t, Z)[0].sum(),
-        "cez fused (chunks)": lambda h, w, t: linear_cross_entropy_zloss(h, w, t, Z)[0].sum(),
+        "cez fused, Triton tl.dot": fused("triton"),
+        "cez fused, cuBLAS chunks": fused("gemm"),
         # the loss mask as token weights (upstream gradient mask / const, as in Megatron)
         "cez fused, grads in forward": lambda h, w, t: linear_cross_entropy_zloss(
             h, w, t, Z, token_weights=(t != -100).float())[0].sum(),
@@ -193,8 +200,8 @@ def time_and_peak(step, logits_bytes, args):
 
 def sweep_chunks(args):
     """This package's fused op alone at each ``--chunk-cols`` (vocab rows per chunk)."""
-    import mindspeed_cez.linear_cross_entropy as op
     from mindspeed_cez import linear_cross_entropy_zloss
+    from mindspeed_cez.kernels import chunked_linear as op
 
     lines = [f"chunk sweep, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              "", "| N x h x V | chunk cols | ms | / 3-GEMM floor | peak extra (x logits) |", "|---|---|---|---|---|"]

@@ -14,6 +14,8 @@
 #   linear-ce    output projection + loss beside cuBLAS + op, Liger, CCE linear_ce.md
 #   ncu          Nsight Compute of the two kernels at two shapes      ncu_<shape>.txt
 #   tune         launch-setting sweep; $TUNE_ARGS for tune_kernels.py tune.log
+#   tune-linear  tile sweep of the fused output projection's kernels;  tune_linear.md
+#                $TUNE_LINEAR_ARGS for tune_linear_kernels.py
 #   e2e          Megatron end to end; $E2E_ARGS for e2e_megatron.py   e2e/
 #                (default: --config gpu --variants native cez --pairs 3 --profile)
 # Mind the device tool's 600 s per command: e2e alone takes most of it.
@@ -52,6 +54,9 @@ step_ncu() {
     done
 }
 step_tune() { timeout 500 $PY bench/tune_kernels.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -E "best|device"; }
+step_tune-linear() {
+    timeout 450 $PY bench/tune_linear_kernels.py ${TUNE_LINEAR_ARGS:-} --out "$OUT/tune_linear.md" 2>&1 | tail -30
+}
 step_e2e() {
     timeout 560 $PY bench/e2e_megatron.py ${E2E_ARGS:---config gpu --variants native cez --pairs 3 --profile} \
         --out "$OUT/e2e" 2>&1 | grep -v '^ *\[20' | tail -40

@@ -37,6 +37,8 @@ BACKENDS = ("torch", "triton")
 _forced = os.environ.get("MINDSPEED_CEZ_BACKEND") or None
 _triton_module = None
 _triton_error = None
+_forced_linear = os.environ.get("MINDSPEED_CEZ_LINEAR_BACKEND") or None
+LINEAR_BACKENDS = {"gemm": ".chunked_linear", "triton": ".triton_linear_cross_entropy"}
 
 
 def _load_triton():
@@ -72,6 +74,18 @@ def backend_for(device):
     return torch_reference
 
 
+def linear_backend_for(device):
+    """The fused output projection's backend, with ``linear_partials`` and ``linear_grad``:
+    ``"triton"`` (``triton_linear_cross_entropy``: ``tl.dot`` tiles, no logits in memory) or
+    ``"gemm"`` (``chunked_linear``: ``torch.matmul`` on vocab chunks and the cross-entropy
+    backend's kernels). Default: Triton where ``backend_for`` picks Triton, else GEMMs;
+    ``MINDSPEED_CEZ_LINEAR_BACKEND`` or ``use_linear_backend`` forces one."""
+    name = _forced_linear or ("triton" if backend_for(device) is not torch_reference else "gemm")
+    if name not in LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear backend {name!r}; choose one of {LINEAR_BACKENDS}")
+    return importlib.import_module(LINEAR_BACKENDS[name], __name__)
+
+
 @contextlib.contextmanager
 def use_backend(name):
     """Force a backend (``"torch"``, ``"triton"``, or ``None`` for automatic) inside the block."""
@@ -83,3 +97,16 @@ def use_backend(name):
         yield
     finally:
         _forced = previous
+
+
+@contextlib.contextmanager
+def use_linear_backend(name):
+    """Force the fused output projection's backend (``"gemm"``, ``"triton"``, ``None``) inside the block."""
+    global _forced_linear
+    if name is not None and name not in LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear backend {name!r}; choose one of {tuple(LINEAR_BACKENDS)}")
+    previous, _forced_linear = _forced_linear, name
+    try:
+        yield
+    finally:
+        _forced_linear = previous

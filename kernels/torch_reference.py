@@ -104,3 +104,4 @@ def check_targets(target, global_vocab, ignore_index):
     if target.device.type == "cuda":
         valid = valid_targets(target, global_vocab, ignore_index)
         torch._assert_async(valid.all(), "target outside [0, vocab) and not ignore_index")
+

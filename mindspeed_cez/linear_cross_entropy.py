@@ -1,13 +1,17 @@
 """Output projection + vocab-parallel cross entropy + z-loss, without the logits tensor.
 
-``loss = CE(hidden @ weight.T) + c * lse**2`` per token, computed over chunks of the vocab: each
-chunk's logits ``[tokens, chunk]`` are made, reduced to the per-row partials of
-``vocab_parallel_cross_entropy_zloss`` (the same backends; merged across chunks online, as its TP
-path merges ranks, with the same two all-reduces under TP) and dropped. Backward recomputes each
-chunk's logits, turns them into their gradient in place, writes that chunk's rows of ``dweight``
-(one GEMM, no accumulation) and adds into an fp32 ``dhidden`` (four GEMMs in all;
-docs/fused_linear_cross_entropy.md says why and what comes next). Memory beyond the inputs and
-their gradients: one chunk of logits, 16 bytes per token of statistics, and ``dhidden`` in fp32.
+``loss = CE(hidden @ weight.T) + c * lse**2`` per token, for the per-row partials of
+``vocab_parallel_cross_entropy_zloss`` (with its two all-reduces under TP). Two paths:
+
+- recompute (``LinearCrossEntropyZLoss``): the forward reduces the logits to the partials as
+  they are made (Triton: ``tl.dot`` tiles in registers, kernels/triton_linear_cross_entropy.py;
+  torch: GEMMs on chunks of the vocab); backward recomputes them one vocab chunk at a time into
+  their gradient (a ``[tokens, chunk]`` buffer), then one GEMM adds that chunk's share into an
+  fp32 ``dhidden`` and one writes its rows of ``dweight``: four GEMMs in all.
+- gradients in forward (``LinearCrossEntropyZLossForwardGrads``, ``token_weights`` given): blocks
+  of token rows with the whole vocab slice, three GEMMs, fp32 ``dweight`` kept until backward.
+
+docs/fused_linear_cross_entropy.md compares them with measurements.
 
 Tensor parallelism as Megatron's ``ColumnParallelLinear`` feeding the loss: each rank holds the
 vocab rows ``weight [v_local, h]``; with ``sequence_parallel`` the hidden states arrive as this
@@ -19,18 +23,9 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_cez import kernels
+from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.cross_entropy_zloss import (_check_target_range, check_coefficients, group_rank_and_size,
                                                resolve_tp_group)
-
-CHUNK_ELEMENTS = 1 << 26  # logits per chunk at most (128 MiB in bf16)
-
-
-def chunk_cols(n_rows, v_local):
-    """Vocab rows of ``weight`` per chunk: 4096 (the H100 sweep's best trade of time for memory,
-    bench/results/2026-11-24_h100/linear_ce_chunks.md), fewer where that would exceed
-    ``CHUNK_ELEMENTS`` logits, never under 1024 (GEMMs that stay efficient)."""
-    return min(v_local, max(1024, min(4096, CHUNK_ELEMENTS // max(n_rows, 1))))
-
 
 def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, sequence_parallel):
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() not in (2, 3):
@@ -55,20 +50,22 @@ def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, seque
     check_coefficients(z_loss_coeff, label_smoothing)
 
 
+def _check_targets(target, global_vocab, ignore_index):
+    """CPU: a Python exception; CUDA: an asynchronous device-side assert (the linear kernels do not
+    assert themselves); elsewhere an out-of-range target gives a NaN loss."""
+    _check_target_range(target, global_vocab, ignore_index, kernels.torch_reference)
+
+
+def _rows(hidden):
+    """``[..., h]`` -> ``[n, h]`` with unit column stride (the kernels' layout)."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def _gather_sequence(hidden, tp_group, tp_size):
     out = hidden.new_empty((hidden.shape[0] * tp_size, *hidden.shape[1:]))
     dist.all_gather_into_tensor(out, hidden.contiguous(), group=tp_group)
     return out
-
-
-def _merge(stats, partials):
-    """Fold one vocab chunk's ``[4, n]`` partials (max, sum-exp relative to it, target term, max) into
-    ``stats``: the online softmax across chunks, as the TP path does across ranks."""
-    m = torch.maximum(stats[0], partials[0])
-    stats[1] = stats[1] * torch.exp(stats[0] - m) + partials[1] * torch.exp(partials[0] - m)
-    stats[2] += partials[2]
-    stats[0] = m
-    stats[3] = m
 
 
 def _main_grad_placeholder(weight):
@@ -83,25 +80,30 @@ def _main_grad_placeholder(weight):
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
+def _accumulate_mm(out, a, b):
+    """``out += a @ b`` into fp32 ``out`` from bf16 / fp16 ``a``, ``b``: one GEMM with an fp32
+    output on CUDA, fp32 copies of the (chunk-sized) operands elsewhere."""
+    if out.is_cuda and a.dtype != torch.float32:
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    else:
+        out.addmm_(a.float(), b.float())
+
+
 class LinearCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
                 sequence_parallel, gradient_accumulation_fusion):
         rank, tp_size = group_rank_and_size(tp_group)
         full = _gather_sequence(hidden, tp_group, tp_size) if sequence_parallel and tp_size > 1 else hidden
-        rows = full.reshape(-1, full.shape[-1])
+        rows = _rows(full)
         flat_target = target.reshape(-1)
         n, v_local = rows.shape[0], weight.shape[0]
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
         backend = kernels.backend_for(rows.device)
-        _check_target_range(flat_target, global_vocab, ignore_index, backend)
-        step = chunk_cols(n, v_local)
-        stats = torch.zeros((4, n), dtype=torch.float32, device=rows.device)
-        stats[0] = stats[3] = float("-inf")
-        for c in range(0, v_local, step):
-            logits = rows @ weight[c:c + step].t()
-            _merge(stats, backend.shard_partials(logits, flat_target, vocab_start + c, global_vocab, ignore_index,
-                                                 label_smoothing))
+        _check_targets(flat_target, global_vocab, ignore_index)
+        linear = kernels.linear_backend_for(rows.device)  # backward uses the forward's
+        stats = linear.linear_partials(rows, weight, flat_target, vocab_start, global_vocab, ignore_index,
+                                       label_smoothing)
         if tp_size > 1:
             dist.all_reduce(stats[0], op=dist.ReduceOp.MAX, group=tp_group)
             backend.rescale_sum_exp(stats)
@@ -111,7 +113,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
 
         ctx.save_for_backward(hidden, weight, flat_target, lse)
         ctx.settings = (float(z_loss_coeff), float(label_smoothing), ignore_index, tp_group, tp_size,
-                        sequence_parallel, gradient_accumulation_fusion, vocab_start, global_vocab, step)
+                        sequence_parallel, gradient_accumulation_fusion, vocab_start, global_vocab, linear)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
         return loss, z_loss, lse
@@ -120,26 +122,26 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
         hidden, weight, flat_target, lse = ctx.saved_tensors
         (z_loss_coeff, label_smoothing, ignore_index, tp_group, tp_size, sequence_parallel,
-         accumulate, vocab_start, global_vocab, step) = ctx.settings
+         accumulate, vocab_start, global_vocab, linear) = ctx.settings
         gather = sequence_parallel and tp_size > 1
         full = _gather_sequence(hidden, tp_group, tp_size) if gather else hidden
-        rows = full.reshape(-1, full.shape[-1])
+        rows = _rows(full)
         lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
-        backend = kernels.backend_for(rows.device)
         into_main_grad = accumulate and hasattr(weight, "main_grad")
         dweight = None if into_main_grad else torch.empty_like(weight)
         drows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+        step = chunked_linear.chunk_cols(rows.shape[0], weight.shape[0])
+        chunk = rows.new_empty((rows.shape[0], step))
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
-            logits = rows @ w.t()
-            backend.write_grad(logits, logits, flat_target, lse, grad_loss, ignore_index, vocab_start + c,
-                               z_loss_coeff, label_smoothing, global_vocab)
-            drows += logits @ w  # fp32 sum over vocab chunks
+            dlogits = linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss, ignore_index,
+                                         vocab_start + c, z_loss_coeff, label_smoothing, global_vocab)
+            _accumulate_mm(drows, dlogits, w)  # fp32 sum over vocab chunks
             if into_main_grad:
-                weight.main_grad[c:c + step] += logits.t() @ rows
+                _accumulate_mm(weight.main_grad[c:c + step], dlogits.t(), rows)
             else:
-                torch.matmul(logits.t(), rows, out=dweight[c:c + step])
+                torch.matmul(dlogits.t(), rows, out=dweight[c:c + step])
         dhidden = drows.to(rows.dtype).view(full.shape)
         if gather:
             local = torch.empty_like(hidden)
@@ -150,15 +152,6 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         if into_main_grad:
             dweight = _main_grad_placeholder(weight)
         return dhidden, dweight, None, None, None, None, None, None, None
-
-
-def _accumulate_mm(out, a, b):
-    """``out += a @ b`` into fp32 ``out`` from bf16 / fp16 ``a``, ``b``: one GEMM with an fp32
-    output on CUDA, fp32 copies of the (chunk-sized) operands elsewhere."""
-    if out.is_cuda and a.dtype != torch.float32:
-        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-    else:
-        out.addmm_(a.float(), b.float())
 
 
 def row_block(n_rows, v_local):

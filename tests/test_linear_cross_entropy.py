@@ -11,6 +11,7 @@ from distributed import run_on_ranks
 from float64_reference import cross_entropy_zloss_float64, relative_error
 from mindspeed_cez import kernels, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
 import mindspeed_cez.linear_cross_entropy as op_module
+from mindspeed_cez.kernels import chunked_linear
 
 SEQ, BATCH, HIDDEN, V_PER_RANK = 13, 3, 24, 53  # 39 tokens; chunks of 16 rows do not divide them
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -46,7 +47,7 @@ def _token_weights(target, gen):
 
 
 def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_grads=False):
-    op_module.chunk_cols = _sixteen_cols  # several vocab chunks, the last one short
+    chunked_linear.chunk_cols = _sixteen_cols  # several vocab chunks, the last one short
     op_module.row_block = lambda n_rows, v_local: min(n_rows, 16)  # several token blocks, the last one short
     gen = torch.Generator().manual_seed(4321)  # every rank draws the same full problem
     hidden, weight, target, upstream = _problem(dtype, world_size, gen)
@@ -59,7 +60,8 @@ def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_g
     group = dist.group.WORLD
     h = hidden[seq].clone().requires_grad_()
     w = weight[rows].clone().requires_grad_()
-    with kernels.use_backend(backend):
+    backend, _, linear = backend.partition("+")  # "triton+gemm": Triton's CE kernels on GEMM chunks
+    with kernels.use_backend(backend), kernels.use_linear_backend(linear or None):
         loss, z_loss = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=z, label_smoothing=a, tp_group=group,
                                                   sequence_parallel=sequence_parallel, token_weights=token_weights)
         (loss * upstream).sum().backward()
@@ -90,7 +92,11 @@ CASES = [
     (2, torch.float16, 0.0, 0.0, True, "torch"),
     (4, torch.float32, 1e-3, 0.2, True, "torch"),
     (4, torch.bfloat16, 1e-2, 0.0, False, "torch"),
+    (1, torch.bfloat16, 1e-3, 0.1, False, "triton"),
     (2, torch.float32, 1e-2, 0.1, True, "triton"),
+    (2, torch.float16, 0.0, 0.0, False, "triton"),
+    (2, torch.bfloat16, 1e-3, 0.1, True, "triton+gemm"),
+    (4, torch.bfloat16, 1e-2, 0.2, True, "triton"),
     # token_weights: the gradients made during the forward
     (1, torch.float32, 1e-2, 0.1, False, "torch", True),
     (1, torch.bfloat16, 1e-3, 0.0, False, "torch", True),
@@ -104,7 +110,7 @@ CASES = [
 @pytest.mark.parametrize("world_size,dtype,z,a,sequence_parallel,backend,forward_grads",
                          [c if len(c) == 7 else (*c, False) for c in CASES])
 def test_matches_float64_over_tp(world_size, dtype, z, a, sequence_parallel, backend, forward_grads):
-    if backend == "triton" and not triton_runs_on_cpu():
+    if backend.startswith("triton") and not triton_runs_on_cpu():
         pytest.skip("the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
     run_on_ranks(world_size, _worker, dtype, z, a, sequence_parallel, backend, forward_grads)
 
@@ -130,7 +136,8 @@ def test_token_weights_need_an_upstream_gradient_proportional_to_them():
 
 
 def test_chunks_bound_the_logits_and_cover_every_vocab_row(monkeypatch):
-    """Several vocab chunks, the last one short: no logits beyond one chunk's, each column once per pass."""
+    """The torch backend, several vocab chunks, the last one short: no logits beyond one chunk's,
+    each column once per pass."""
     gen = torch.Generator().manual_seed(7)
     hidden, weight, target, upstream = _problem(torch.float32, 1, gen)
     rows = hidden.reshape(-1, HIDDEN)  # the op's [n, h] view: its logits chunks are [n, <=16]
@@ -144,8 +151,15 @@ def test_chunks_bound_the_logits_and_cover_every_vocab_row(monkeypatch):
         shapes.append(tuple(out.shape))
         return out
 
-    monkeypatch.setattr(op_module, "chunk_cols", _sixteen_cols)
+    def spy_out(x, y, out=None):
+        out = real_matmul(x, y, out=out)
+        shapes.append(tuple(out.shape))
+        return out
+
+    real_matmul = torch.matmul
+    monkeypatch.setattr(chunked_linear, "chunk_cols", _sixteen_cols)
     monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
+    monkeypatch.setattr(torch, "matmul", spy_out)
     loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-2)
     (loss * upstream).sum().backward()
     monkeypatch.undo()
@@ -233,6 +247,34 @@ def test_sequence_parallel_target_must_cover_the_gathered_sequence():
 
 def test_default_chunk_is_small_beside_the_logits():
     for n, v in ((8192, 151936), (8192, 37984), (65536, 151936), (16384, 16160), (39, 53)):
-        step = op_module.chunk_cols(n, v)
+        step = chunked_linear.chunk_cols(n, v)
         assert 1 <= step <= v and (step == v or 1024 <= step <= 4096)
-        assert n * step <= max(op_module.CHUNK_ELEMENTS, 1024 * n)
+        assert n * step <= max(chunked_linear.CHUNK_LOGITS, 1024 * n)
+
+
+@pytest.mark.skipif(not triton_runs_on_cpu(), reason="the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_linear_kernels_match_float64(label_smoothing):
+    """The tl.dot kernels at shapes that divide no tile: rows, h and columns past the last block, a
+    vocab slice that starts at 100, targets on other slices and ignored; partials and gradient."""
+    from mindspeed_cez.kernels import triton_linear_cross_entropy as tlce
+
+    gen = torch.Generator().manual_seed(12)
+    n, h, cols, start, vocab = 37, 40, 150, 100, 300
+    x, w = torch.randn(n, h, generator=gen), torch.randn(cols, h, generator=gen) * 0.5
+    target = torch.randint(0, vocab, (n,), generator=gen)
+    target[:3] = torch.tensor([-100, start, start + cols - 1])
+    assert tlce.groups(cols, "cpu") > 1
+    logits = x.double() @ w.double().t()
+    exp = kernels.torch_reference.shard_partials(logits, target, start, vocab, -100, label_smoothing)
+    got = tlce.linear_partials(x, w, target, start, vocab, -100, label_smoothing)
+    assert torch.allclose(got, exp, rtol=1e-5, atol=1e-5), (got - exp).abs().max()
+    lse, g = torch.rand(n, generator=gen, dtype=torch.float64) + logits.amax(1), torch.randn(n, generator=gen)
+    a, z, local = label_smoothing, 1e-2, target - start
+    gd = torch.where(target == -100, 0.0, g.double())[:, None]
+    exp_grad = gd * (torch.exp(logits - lse[:, None]) * (1 + 2 * z * lse[:, None]) - a / vocab)
+    owned = (local >= 0) & (local < cols)
+    exp_grad[owned, local[owned]] -= gd[owned, 0] * (1 - a)
+    grad = torch.full((n, cols + 5), 7.0)[:, :cols]  # a row stride wider than the columns
+    tlce.linear_grad(x, w, grad, target, lse.float(), g, -100, start, 1e-2, label_smoothing, vocab)
+    assert relative_error(grad, exp_grad) < 1e-5 and not grad[0].any()  # ignored row: 0

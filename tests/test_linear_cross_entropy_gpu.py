@@ -1,12 +1,14 @@
-"""The fused output projection + CE + z-loss on a GPU at a real size, both of its paths (logits
-recomputed in backward; gradients made in forward with the loss mask as token weights), against
-float64 and no worse than the unfused bf16 path (cuBLAS logits, then the op). Skipped without CUDA."""
+"""The fused output projection + CE + z-loss on a GPU at a real size, each of its paths (logits
+recomputed in backward by the Triton ``tl.dot`` kernels or by GEMM chunks; gradients made in
+forward with the loss mask as token weights), against float64 and no worse than the unfused path
+of the same dtype (cuBLAS logits, then the op); the Triton path captured in a CUDA graph.
+Skipped without CUDA."""
 
 import pytest
 import torch
 
 from float64_reference import relative_error
-from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import kernels, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -25,12 +27,17 @@ def _float64(hidden, weight, target, upstream, label_smoothing):
     return loss.detach(), h.grad, w.grad
 
 
+PATHS = [("triton", torch.bfloat16), ("triton", torch.float16), ("triton", torch.float32), ("gemm", torch.bfloat16),
+         ("forward", torch.bfloat16)]
+
+
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("forward_grads", [False, True], ids=["recompute", "grads-in-forward"])
-def test_matches_float64_at_a_real_size(forward_grads, label_smoothing):
+@pytest.mark.parametrize("path,dtype", PATHS, ids=[f"{p}-{str(d)[6:]}" for p, d in PATHS])
+def test_matches_float64_at_a_real_size(path, dtype, label_smoothing):
+    forward_grads = path == "forward"
     g = torch.Generator(device="cuda").manual_seed(5)
-    hidden = torch.randn(N, H, device="cuda", generator=g).bfloat16()
-    weight = (torch.randn(V, H, device="cuda", generator=g) * 4 / H**0.5).bfloat16()
+    hidden = torch.randn(N, H, device="cuda", generator=g).to(dtype)
+    weight = (torch.randn(V, H, device="cuda", generator=g) * 4 / H**0.5).to(dtype)
     target = torch.randint(0, V, (N,), device="cuda", generator=g)
     target[torch.rand(N, device="cuda", generator=g) < 0.1] = -100
     mask = (torch.rand(N, device="cuda", generator=g) < 0.9).float()
@@ -38,14 +45,48 @@ def test_matches_float64_at_a_real_size(forward_grads, label_smoothing):
     exp_loss, exp_dh, exp_dw = _float64(hidden, weight, target, upstream, label_smoothing)
 
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, _ = linear_cross_entropy_zloss(h, w, target, Z, label_smoothing,
-                                         token_weights=mask if forward_grads else None)
-    (loss * upstream).sum().backward()
+    with kernels.use_linear_backend(None if forward_grads else path):
+        loss, _ = linear_cross_entropy_zloss(h, w, target, Z, label_smoothing,
+                                             token_weights=mask if forward_grads else None)
+        (loss * upstream).sum().backward()
     hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, Z, label_smoothing)
     (lu * upstream).sum().backward()
 
-    # bf16 logits bound every path's error (the float64 reference takes exact products)
+    # logits in the inputs' dtype bound the unfused path's error (the float64 reference takes exact products)
     for ours, unfused, exp in ((loss, lu, exp_loss), (h.grad, hu.grad, exp_dh), (w.grad, wu.grad, exp_dw)):
         assert relative_error(ours, exp) <= 1.5 * relative_error(unfused, exp) + 1e-4, (
             relative_error(ours, exp), relative_error(unfused, exp))
+
+
+def test_triton_path_captures_in_a_cuda_graph():
+    n, h, v = 1000, 256, 5000  # no dimension a multiple of the tiles
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(v, h, device="cuda") / h**0.5 * 4).bfloat16()
+    target = torch.randint(0, v, (n,), device="cuda")
+    upstream = torch.randn(n, device="cuda")
+
+    def step():
+        x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        with kernels.use_linear_backend("triton"):
+            loss, z_loss = linear_cross_entropy_zloss(x, w, target, Z, 0.1)
+            return (loss, z_loss, *torch.autograd.grad(loss, (x, w), upstream))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in range(2):
+        torch.manual_seed(seed)
+        hidden.copy_(torch.randn(n, h, device="cuda"))
+        target.copy_(torch.randint(0, v, (n,), device="cuda"))
+        upstream.copy_(torch.randn(n, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for replayed, eager in zip(out, step()):
+            assert torch.equal(replayed, eager)

@@ -1,0 +1,258 @@
+"""Triton kernels of the fused output projection + cross entropy + z-loss (``tl.dot`` tiles).
+
+One source for NVIDIA and Ascend (``tl.dot`` lowers to wgmma on Hopper, to the cube unit on
+Ascend). Neither kernel writes logits: each computes ``[BLOCK_M, BLOCK_N]`` tiles of
+``hidden @ weight.T`` in registers (fp32 accumulation over ``h`` in ``BLOCK_K`` steps) and
+turns them into what the op needs.
+
+``partials``: the forward. A task is a block of ``BLOCK_M`` token rows and a group of
+``GROUP_N`` consecutive vocab tiles; it keeps the online softmax (row max, sum-exp) and the
+target term over its tiles and writes them as one group's ``[4, n]`` partials of an fp32
+``[groups, 4, n]`` tensor, which ``merge`` folds into the ``[4, n]`` partials of the vocab
+slice (the layout of ``triton_cross_entropy.shard_partials``).
+
+``grad``: the backward, one vocab chunk at a time. A task is one ``[BLOCK_M, BLOCK_N]`` tile:
+the logits are recomputed and replaced by their gradient
+``g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)``, written in the inputs' dtype into the
+chunk's ``[n, chunk]`` buffer, which two GEMMs then turn into ``dhidden`` and ``dweight``.
+
+Both launch a persistent grid (``device_cores.num_programs``); program ``p`` takes tasks
+``p, p + programs, ...`` in an order that keeps ``SWIZZLE_M`` row blocks on the same vocab
+columns, so concurrently running tasks share their ``hidden`` and ``weight`` tiles in cache.
+Offsets are int64; nothing reads tensor values on the host (CUDA-graph capturable).
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .device_cores import num_programs
+from .launch import Launcher
+from .triton_cross_entropy import LOG2E, PARTIAL_ROWS, _loss_constants
+
+# Tiles per device type: BLOCK_M token rows x BLOCK_N vocab columns, BLOCK_K of h per dot, a task
+# of GROUP_N vocab tiles in the forward, SWIZZLE_M row blocks sweeping the same columns, warps,
+# software-pipeline stages (CUDA), programs per core. Ascend: one program per cube core and an
+# fp32 [64, 128] tile (32 KiB) plus operands well inside the on-chip buffers.
+LAUNCH_CONFIG = {
+    "cuda": {"block_m": 128, "block_n": 128, "block_k": 64, "group_n": 16, "swizzle_m": 8, "warps": 8,
+             "stages": 3, "per_core": 1},
+    "npu": {"block_m": 64, "block_n": 128, "block_k": 64, "group_n": 16, "swizzle_m": 4, "warps": 4,
+            "stages": 1, "per_core": 1},
+    "cpu": {"block_m": 16, "block_n": 32, "block_k": 16, "group_n": 2, "swizzle_m": 2, "warps": 4,
+            "stages": 1, "per_core": 1},  # the interpreter
+}
+# fp32 inputs: exact fp32 products (torch.matmul's default), not TF32.
+DOT_PRECISION = {torch.float32: "ieee", torch.bfloat16: "tf32", torch.float16: "tf32"}
+
+
+@triton.jit
+def _task_tile(task, m_blocks, n_tasks, SWIZZLE_M: tl.constexpr):
+    """(row block, column task) of ``task``: SWIZZLE_M row blocks per column task before the next."""
+    band = SWIZZLE_M * n_tasks
+    first_m = (task // band) * SWIZZLE_M
+    rows_in_band = tl.minimum(m_blocks - first_m, SWIZZLE_M)
+    return first_m + (task % band) % rows_in_band, (task % band) // rows_in_band
+
+
+@triton.jit
+def _logits_tile(x_ptr, x_row_stride, w_ptr, w_row_stride, rows, cols, n_rows, n_cols, h,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 ``[BLOCK_M, BLOCK_N]`` of ``x[rows] @ w[cols].T`` (0 outside the rows / columns).
+    ``PRECISION`` "fp32" (Triton's CPU interpreter, whose dot multiplies bf16's raw bits): the
+    operands are widened to fp32 first, the same products (exact in fp32) and accumulation."""
+    ks = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + rows[:, None] * x_row_stride + ks[None, :]
+    w_tile = w_ptr + cols[None, :] * w_row_stride + ks[:, None]  # [BLOCK_K, BLOCK_N]: w.T
+    row_ok = rows[:, None] < n_rows
+    col_ok = cols[None, :] < n_cols
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, h, BLOCK_K):
+        a = tl.load(x_tile, mask=row_ok & (ks[None, :] < h - k), other=0.0)
+        b = tl.load(w_tile, mask=col_ok & (ks[:, None] < h - k), other=0.0)
+        if PRECISION == "fp32":
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _partials_kernel(
+    x_ptr, x_row_stride,  # [n, h]
+    w_ptr, w_row_stride,  # [n_cols, h]: this rank's vocab rows
+    target_ptr,  # [n] global ids
+    out_ptr,  # fp32 [groups, PARTIAL_ROWS, n]
+    n_rows, n_cols, h, vocab_start, global_vocab, ignore_index,
+    target_weight,  # 1 - label_smoothing
+    smoothing_per_col,  # label_smoothing / global_vocab
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    SWIZZLE_M: tl.constexpr, WITH_LOGIT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+):
+    m_blocks = tl.cdiv(n_rows, BLOCK_M)
+    groups = tl.cdiv(n_cols, BLOCK_N * GROUP_N)
+    for task in range(tl.program_id(0), m_blocks * groups, tl.num_programs(0)):
+        m, group = _task_tile(task, m_blocks, groups, SWIZZLE_M)
+        rows = m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        target = tl.load(target_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+        local = target - vocab_start
+        row_max = tl.full([BLOCK_M], -float("inf"), tl.float32)
+        sum_exp = tl.zeros([BLOCK_M], tl.float32)
+        picked = tl.zeros([BLOCK_M], tl.float32)
+        logit_sum = tl.zeros([BLOCK_M], tl.float32)
+        first_col = group.to(tl.int64) * (BLOCK_N * GROUP_N)
+        for j in range(0, GROUP_N):
+            cols = first_col + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            logits = _logits_tile(x_ptr, x_row_stride, w_ptr, w_row_stride, rows, cols, n_rows, n_cols, h,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+            col_ok = cols[None, :] < n_cols
+            new_max = tl.maximum(row_max, tl.max(tl.where(col_ok, logits, -float("inf")), axis=1))
+            ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E  # a group past the end
+            tile_sum = tl.sum(tl.where(col_ok, tl.exp2(logits * LOG2E - ref[:, None]), 0.0), axis=1)
+            sum_exp = sum_exp * tl.exp2(row_max * LOG2E - ref) + tile_sum
+            row_max = new_max
+            picked += tl.sum(tl.where(cols[None, :] == local[:, None], logits, 0.0), axis=1)
+            if WITH_LOGIT_SUM:
+                logit_sum += tl.sum(tl.where(col_ok, logits, 0.0), axis=1)
+        term = target_weight * picked
+        if WITH_LOGIT_SUM:
+            term += smoothing_per_col * logit_sum
+        invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
+        term = tl.where(invalid, float("nan"), term)
+        out = out_ptr + group.to(tl.int64) * (PARTIAL_ROWS * n_rows) + rows
+        tl.store(out, row_max, mask=row_ok)
+        tl.store(out + n_rows, sum_exp, mask=row_ok)
+        tl.store(out + 2 * n_rows, term, mask=row_ok)
+        tl.store(out + 3 * n_rows, row_max, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(groups_ptr, out_ptr, n_rows, n_groups, BLOCK: tl.constexpr):
+    """``[groups, 4, n]`` -> ``[4, n]``: max, sum-exp rescaled to it, summed target terms."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < n_rows
+    row_max = tl.full([BLOCK], -float("inf"), tl.float32)
+    sum_exp = tl.zeros([BLOCK], tl.float32)
+    term = tl.zeros([BLOCK], tl.float32)
+    for g in range(0, n_groups):
+        part = groups_ptr + g * (PARTIAL_ROWS * n_rows) + rows
+        g_max = tl.load(part, mask=mask, other=-float("inf"))
+        g_sum = tl.load(part + n_rows, mask=mask, other=0.0)
+        new_max = tl.maximum(row_max, g_max)
+        ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E
+        sum_exp = sum_exp * tl.exp2(row_max * LOG2E - ref) + g_sum * tl.exp2(g_max * LOG2E - ref)
+        row_max = new_max
+        term += tl.load(part + 2 * n_rows, mask=mask, other=0.0)
+    tl.store(out_ptr + rows, row_max, mask=mask)
+    tl.store(out_ptr + n_rows + rows, sum_exp, mask=mask)
+    tl.store(out_ptr + 2 * n_rows + rows, term, mask=mask)
+    tl.store(out_ptr + 3 * n_rows + rows, row_max, mask=mask)
+
+
+@triton.jit
+def _grad_kernel(
+    x_ptr, x_row_stride,  # [n, h]
+    w_ptr, w_row_stride,  # [n_cols, h]: this chunk's vocab rows
+    grad_ptr, grad_row_stride,  # [n, n_cols] in the inputs' dtype
+    target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride,
+    n_rows, n_cols, h, vocab_start,  # global id of the chunk's first column
+    ignore_index, z_loss_coeff, target_weight, smoothing_per_col,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIZZLE_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    m_blocks = tl.cdiv(n_rows, BLOCK_M)
+    n_blocks = tl.cdiv(n_cols, BLOCK_N)
+    for task in range(tl.program_id(0), m_blocks * n_blocks, tl.num_programs(0)):
+        m, n = _task_tile(task, m_blocks, n_blocks, SWIZZLE_M)
+        rows = m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < n_rows
+        target = tl.load(target_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        g = tl.load(grad_loss_ptr + rows * grad_loss_stride, mask=row_ok, other=0.0).to(tl.float32)
+        g = tl.where(target == ignore_index, 0.0, g)
+        logits = _logits_tile(x_ptr, x_row_stride, w_ptr, w_row_stride, rows, cols, n_rows, n_cols, h,
+                              BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        scale = g * (1.0 + 2.0 * z_loss_coeff * lse)
+        dx = tl.exp2(logits * LOG2E - (lse * LOG2E)[:, None]) * scale[:, None] - (g * smoothing_per_col)[:, None]
+        dx = tl.where(cols[None, :] == (target - vocab_start)[:, None], dx - (g * target_weight)[:, None], dx)
+        tl.store(grad_ptr + rows[:, None] * grad_row_stride + cols[None, :], dx.to(grad_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols[None, :] < n_cols))
+
+
+_launch_partials = Launcher(_partials_kernel)
+_launch_merge = Launcher(_merge_kernel)
+_launch_grad = Launcher(_grad_kernel)
+MERGE_BLOCK = 1024
+
+
+def launch_settings(device_type):
+    return LAUNCH_CONFIG.get(device_type, LAUNCH_CONFIG["npu"])
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(device, n_rows, n_cols, dtype, kernel):
+    """(grid, constexprs, options) of the ``"partials"`` or ``"grad"`` kernel."""
+    c = launch_settings(device.type)
+    tasks = triton.cdiv(n_rows, c["block_m"]) * triton.cdiv(n_cols, c["block_n"] * (c["group_n"] if kernel == "partials"
+                                                                                    else 1))
+    grid = (num_programs(device, tasks, c["per_core"]),)
+    constexprs = (c["block_m"], c["block_n"], c["block_k"]) + ((c["group_n"],) if kernel == "partials" else ()) + (
+        c["swizzle_m"],)
+    options = (("num_warps", c["warps"]),) + ((("num_stages", c["stages"]),) if device.type == "cuda" else ())
+    return grid, constexprs, options, "fp32" if device.type == "cpu" else DOT_PRECISION[dtype]
+
+
+def launch_plans_changed():
+    """Forget the plans computed so far; call after changing ``LAUNCH_CONFIG``."""
+    _plan.cache_clear()
+
+
+def groups(n_cols, device_type):
+    """How many ``[4, n]`` partials ``linear_partials`` makes for a slice of ``n_cols`` columns."""
+    c = launch_settings(device_type)
+    return triton.cdiv(n_cols, c["block_n"] * c["group_n"])
+
+
+def _unit_stride(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0):
+    """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``, no logits."""
+    rows, weight = _unit_stride(rows), _unit_stride(weight)
+    n_rows, h = rows.shape
+    n_cols = weight.shape[0]
+    out = torch.empty(PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
+    if n_rows == 0:
+        return out
+    grid, constexprs, options, precision = _plan(rows.device, n_rows, n_cols, rows.dtype, "partials")
+    n_groups = groups(n_cols, rows.device.type)
+    per_group = torch.empty(n_groups, PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
+    _, target_weight, smoothing_per_col = _loss_constants(0.0, label_smoothing, global_vocab)
+    args = (rows, rows.stride(0), weight, weight.stride(0), target, per_group, n_rows, n_cols, h, vocab_start,
+            global_vocab, ignore_index, target_weight, smoothing_per_col, *constexprs, label_smoothing > 0, precision)
+    _launch_partials(grid, args, options)
+    _launch_merge((triton.cdiv(n_rows, MERGE_BLOCK),), (per_group, out, n_rows, n_groups, MERGE_BLOCK), ())
+    return out
+
+
+def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff,
+                label_smoothing, global_vocab):
+    """Writes the gradient of ``rows @ weight.T``'s loss into ``grad`` ``[n, weight rows]``."""
+    rows, weight = _unit_stride(rows), _unit_stride(weight)
+    n_rows, h = rows.shape
+    n_cols = weight.shape[0]
+    if n_rows == 0:
+        return grad
+    grid, constexprs, options, precision = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad")
+    args = (rows, rows.stride(0), weight, weight.stride(0), grad, grad.stride(0), target, lse, grad_loss,
+            grad_loss.stride(0), n_rows, n_cols, h, vocab_start, ignore_index,
+            *_loss_constants(z_loss_coeff, label_smoothing, global_vocab), *constexprs, precision)
+    _launch_grad(grid, args, options)
+    return grad
