@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mindspeed_cez.kernels import triton_cross_entropy as tce
-from mindspeed_cez.kernels.variants import variants
+from mindspeed_cez.kernels.variants import linear_variants, variants
 
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64
@@ -57,7 +57,8 @@ def report(settings_name, arch=90, dtype="bf16", n_cols=151936, sass_dir=None, t
     else:
         settings = settings_name
     rows = []
-    for variant in variants(settings, dtype, n_cols):
+    linear = linear_variants(settings_name, dtype) if isinstance(settings_name, str) else []
+    for variant in variants(settings, dtype, n_cols) + linear:
         name, warps = variant.name, variant.num_warps
         kernel = _compile(variant, arch)
         regs, stack, cubin = _resources(kernel, tmpdir)

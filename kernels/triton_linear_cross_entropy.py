@@ -32,6 +32,8 @@ from .device_cores import num_programs
 from .launch import Launcher
 from .triton_cross_entropy import LOG2E, PARTIAL_ROWS, _loss_constants
 
+PARTIALS = tl.constexpr(PARTIAL_ROWS)  # rows of one group's partials, inside the kernels
+
 # Tiles per device type: BLOCK_M token rows x BLOCK_N vocab columns, BLOCK_K of h per dot, a task
 # of GROUP_N vocab tiles in the forward, SWIZZLE_M row blocks sweeping the same columns, warps,
 # software-pipeline stages (CUDA), programs per core. Ascend: one program per cube core and an
@@ -124,7 +126,7 @@ def _partials_kernel(
             term += smoothing_per_col * logit_sum
         invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
         term = tl.where(invalid, float("nan"), term)
-        out = out_ptr + group.to(tl.int64) * (PARTIAL_ROWS * n_rows) + rows
+        out = out_ptr + group.to(tl.int64) * (PARTIALS * n_rows) + rows
         tl.store(out, row_max, mask=row_ok)
         tl.store(out + n_rows, sum_exp, mask=row_ok)
         tl.store(out + 2 * n_rows, term, mask=row_ok)
@@ -140,7 +142,7 @@ def _merge_kernel(groups_ptr, out_ptr, n_rows, n_groups, BLOCK: tl.constexpr):
     sum_exp = tl.zeros([BLOCK], tl.float32)
     term = tl.zeros([BLOCK], tl.float32)
     for g in range(0, n_groups):
-        part = groups_ptr + g * (PARTIAL_ROWS * n_rows) + rows
+        part = groups_ptr + g * (PARTIALS * n_rows) + rows
         g_max = tl.load(part, mask=mask, other=-float("inf"))
         g_sum = tl.load(part + n_rows, mask=mask, other=0.0)
         new_max = tl.maximum(row_max, g_max)

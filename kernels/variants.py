@@ -14,7 +14,7 @@ from . import triton_cross_entropy as tce
 
 # Arguments that Triton's launcher finds divisible by 16 in real use (it specializes on that at
 # run time): every pointer, the row strides, and the vocab width (a multiple of 128 in Megatron).
-DIVISIBLE = ("row_stride", "logits_row_stride", "grad_row_stride", "n_cols")
+DIVISIBLE = ("row_stride", "logits_row_stride", "grad_row_stride", "n_cols", "x_row_stride", "w_row_stride", "h")
 
 
 @dataclass(frozen=True)
@@ -65,4 +65,31 @@ def variants(settings, dtype="bf16", n_cols=151936):
                        {"partials_ptr": "*fp32", "target_ptr": "*i64", "n_rows": "i32", "ignore_index": "i32",
                         "z_loss_coeff": "fp32"},
                        {"BLOCK": tce.VECTOR_BLOCK}, 4))
+    return out
+
+
+def linear_variants(device_type, dtype="bf16"):
+    """The variants of the fused output projection's kernels (``triton_linear_cross_entropy``)
+    under ``device_type``'s tile settings for ``dtype`` inputs."""
+    from . import triton_linear_cross_entropy as tlce
+
+    c = tlce.launch_settings(device_type)
+    precision = "ieee" if dtype == "fp32" else "tf32"
+    tiles = {"BLOCK_M": c["block_m"], "BLOCK_N": c["block_n"], "BLOCK_K": c["block_k"]}
+    options = {"num_stages": c["stages"]} if device_type == "cuda" else {}
+    ints = {k: "i32" for k in ("n_rows", "n_cols", "h", "vocab_start")}
+    operands = {"x_ptr": f"*{dtype}", "x_row_stride": "i32", "w_ptr": f"*{dtype}", "w_row_stride": "i32"}
+    partials_sig = {**operands, "target_ptr": "*i64", "out_ptr": "*fp32", **ints, "global_vocab": "i32",
+                    "ignore_index": "i32", "target_weight": "fp32", "smoothing_per_col": "fp32"}
+    grad_sig = {**operands, "grad_ptr": f"*{dtype}", "grad_row_stride": "i32", "target_ptr": "*i64",
+                "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32", "grad_loss_stride": "i32", **ints,
+                "ignore_index": "i32", "z_loss_coeff": "fp32", "target_weight": "fp32", "smoothing_per_col": "fp32"}
+    out = [Variant(f"linear partials logit_sum={s}", tlce._partials_kernel, partials_sig,
+                   {**tiles, "GROUP_N": c["group_n"], "SWIZZLE_M": c["swizzle_m"], "WITH_LOGIT_SUM": s,
+                    "PRECISION": precision}, c["warps"], options=options) for s in (False, True)]
+    out.append(Variant("linear grad", tlce._grad_kernel, grad_sig,
+                       {**tiles, "SWIZZLE_M": c["swizzle_m"], "PRECISION": precision}, c["warps"], options=options))
+    out.append(Variant("linear merge", tlce._merge_kernel,
+                       {"groups_ptr": "*fp32", "out_ptr": "*fp32", "n_rows": "i32", "n_groups": "i32"},
+                       {"BLOCK": tlce.MERGE_BLOCK}, 4))
     return out
