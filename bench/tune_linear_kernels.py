@@ -37,10 +37,11 @@ def timed(fn, warmup=2, iters=7):
 
 
 def settings(args):
-    for bm, bn, bk, warps, stages, group_n, swizzle in itertools.product(
-            args.block_m, args.block_n, args.block_k, args.warps, args.stages, args.group_n, args.swizzle_m):
+    for bm, bn, bk, warps, stages, group_n, swizzle, per_core in itertools.product(
+            args.block_m, args.block_n, args.block_k, args.warps, args.stages, args.group_n, args.swizzle_m,
+            args.per_core):
         yield {"block_m": bm, "block_n": bn, "block_k": bk, "group_n": group_n, "swizzle_m": swizzle,
-               "warps": warps, "stages": stages, "per_core": 1}
+               "warps": warps, "stages": stages, "per_core": per_core}
 
 
 def main(argv=None):
@@ -53,6 +54,7 @@ def main(argv=None):
     parser.add_argument("--stages", nargs="+", type=int, default=[3, 4])
     parser.add_argument("--group-n", nargs="+", type=int, default=[16])
     parser.add_argument("--swizzle-m", nargs="+", type=int, default=[8])
+    parser.add_argument("--per-core", nargs="+", type=int, default=[1])
     parser.add_argument("--budget-s", type=float, default=400)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -65,7 +67,7 @@ def main(argv=None):
     lines = [f"Fused output projection kernels, bf16, {torch.cuda.get_device_name()}, triton "
              f"{__import__('triton').__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
              f"default {default}", "",
-             "| N x h x V | BM BN BK warps stages group_n swizzle | fwd ms | / GEMM | grad ms | / GEMM |",
+             "| N x h x V | BM BN BK warps stages group_n swizzle per_core | fwd ms | / GEMM | grad ms | / GEMM |",
              "|---|---|---|---|---|---|"]
     for shape in args.shapes:
         n, h, v = (int(x) for x in shape.split("x"))
@@ -92,7 +94,7 @@ def main(argv=None):
             tlce.LAUNCH_CONFIG["cuda"] = s
             tlce.launch_plans_changed()
             label = " ".join(str(s[k]) for k in ("block_m", "block_n", "block_k", "warps", "stages", "group_n",
-                                                  "swizzle_m"))
+                                                  "swizzle_m", "per_core"))
             try:
                 fwd = timed(lambda: tlce.linear_partials(x, w, target, 0, v, -100))
                 bwd = timed(grad_all)

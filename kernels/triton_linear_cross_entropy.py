@@ -39,7 +39,7 @@ PARTIALS = tl.constexpr(PARTIAL_ROWS)  # rows of one group's partials, inside th
 # software-pipeline stages (CUDA), programs per core. Ascend: one program per cube core and an
 # fp32 [64, 128] tile (32 KiB) plus operands well inside the on-chip buffers.
 LAUNCH_CONFIG = {
-    "cuda": {"block_m": 128, "block_n": 128, "block_k": 64, "group_n": 16, "swizzle_m": 8, "warps": 8,
+    "cuda": {"block_m": 128, "block_n": 128, "block_k": 128, "group_n": 16, "swizzle_m": 16, "warps": 8,
              "stages": 3, "per_core": 1},
     "npu": {"block_m": 64, "block_n": 128, "block_k": 64, "group_n": 16, "swizzle_m": 4, "warps": 4,
             "stages": 1, "per_core": 1},
