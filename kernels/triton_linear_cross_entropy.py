@@ -34,13 +34,15 @@ from .triton_cross_entropy import LOG2E, PARTIAL_ROWS, _loss_constants
 
 PARTIALS = tl.constexpr(PARTIAL_ROWS)  # rows of one group's partials, inside the kernels
 
-# Tiles per device type: BLOCK_M token rows x BLOCK_N vocab columns, BLOCK_K of h per dot, a task
+# Tiles per device type: BLOCK_M token rows x BLOCK_N vocab columns, BLOCK_K of h per dot (for
+# 16-bit inputs; fp32 takes a quarter, so the pipeline's operand buffers fit in shared memory), a task
 # of GROUP_N vocab tiles in the forward, SWIZZLE_M row blocks sweeping the same columns, warps,
-# software-pipeline stages (CUDA), programs per core. Ascend: one program per cube core and an
+# software-pipeline stages (CUDA), programs per core. CUDA: the best of two H100 sweeps
+# (bench/results/2026-11-24_h100/tune_linear.md); 2 programs per SM balance the last wave. Ascend: one program per cube core and an
 # fp32 [64, 128] tile (32 KiB) plus operands well inside the on-chip buffers.
 LAUNCH_CONFIG = {
     "cuda": {"block_m": 128, "block_n": 128, "block_k": 128, "group_n": 16, "swizzle_m": 16, "warps": 8,
-             "stages": 3, "per_core": 1},
+             "stages": 3, "per_core": 2},
     "npu": {"block_m": 64, "block_n": 128, "block_k": 64, "group_n": 16, "swizzle_m": 4, "warps": 4,
             "stages": 1, "per_core": 1},
     "cpu": {"block_m": 16, "block_n": 32, "block_k": 16, "group_n": 2, "swizzle_m": 2, "warps": 4,
@@ -204,7 +206,8 @@ def _plan(device, n_rows, n_cols, dtype, kernel):
     tasks = triton.cdiv(n_rows, c["block_m"]) * triton.cdiv(n_cols, c["block_n"] * (c["group_n"] if kernel == "partials"
                                                                                     else 1))
     grid = (num_programs(device, tasks, c["per_core"]),)
-    constexprs = (c["block_m"], c["block_n"], c["block_k"]) + ((c["group_n"],) if kernel == "partials" else ()) + (
+    block_k = c["block_k"] // 4 if dtype == torch.float32 else c["block_k"]
+    constexprs = (c["block_m"], c["block_n"], max(16, block_k)) + ((c["group_n"],) if kernel == "partials" else ()) + (
         c["swizzle_m"],)
     options = (("num_warps", c["warps"]),) + ((("num_stages", c["stages"]),) if device.type == "cuda" else ())
     return grid, constexprs, options, "fp32" if device.type == "cpu" else DOT_PRECISION[dtype]

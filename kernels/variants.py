@@ -75,7 +75,8 @@ def linear_variants(device_type, dtype="bf16"):
 
     c = tlce.launch_settings(device_type)
     precision = "ieee" if dtype == "fp32" else "tf32"
-    tiles = {"BLOCK_M": c["block_m"], "BLOCK_N": c["block_n"], "BLOCK_K": c["block_k"]}
+    tiles = {"BLOCK_M": c["block_m"], "BLOCK_N": c["block_n"],
+             "BLOCK_K": max(16, c["block_k"] // 4) if dtype == "fp32" else c["block_k"]}
     options = {"num_stages": c["stages"]} if device_type == "cuda" else {}
     ints = {k: "i32" for k in ("n_rows", "n_cols", "h", "vocab_start")}
     operands = {"x_ptr": f"*{dtype}", "x_row_stride": "i32", "w_ptr": f"*{dtype}", "w_row_stride": "i32"}
