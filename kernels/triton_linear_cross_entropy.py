@@ -34,12 +34,12 @@ from .triton_cross_entropy import LOG2E, PARTIAL_ROWS, _loss_constants
 
 PARTIALS = tl.constexpr(PARTIAL_ROWS)  # rows of one group's partials, inside the kernels
 
-# Tiles per device type: BLOCK_M token rows x BLOCK_N vocab columns, BLOCK_K of h per dot (for
-# 16-bit inputs; fp32 takes a quarter, so the pipeline's operand buffers fit in shared memory), a task
-# of GROUP_N vocab tiles in the forward, SWIZZLE_M row blocks sweeping the same columns, warps,
-# software-pipeline stages (CUDA), programs per core. CUDA: the best of two H100 sweeps
-# (bench/results/2026-11-24_h100/tune_linear.md); 2 programs per SM balance the last wave. Ascend: one program per cube core and an
-# fp32 [64, 128] tile (32 KiB) plus operands well inside the on-chip buffers.
+# Tiles per device type: BLOCK_M token rows x BLOCK_N vocab columns, BLOCK_K of h per dot (16-bit
+# inputs; fp32 takes a quarter so the pipeline's buffers fit in shared memory), a forward task of
+# GROUP_N vocab tiles, SWIZZLE_M row blocks sweeping the same columns, warps, pipeline stages
+# (CUDA), programs per core. CUDA: the best of two H100 sweeps (bench/results/2026-11-24_h100/
+# tune_linear.md). Ascend: one program per cube core, an fp32 [64, 128] tile (32 KiB) plus
+# operands well inside the on-chip buffers.
 LAUNCH_CONFIG = {
     "cuda": {"block_m": 128, "block_n": 128, "block_k": 128, "group_n": 16, "swizzle_m": 16, "warps": 8,
              "stages": 3, "per_core": 2},
