@@ -25,6 +25,12 @@ the CPU under ``TRITON_INTERPRET=1``; ``"torch"`` (``torch_reference``) runs any
 ``backend_for(device)`` picks Triton on accelerators when it imports, else torch. The
 environment variable ``MINDSPEED_CEZ_BACKEND`` (``torch`` / ``triton``) or ``use_backend``
 forces one.
+
+The fused output projection (``linear_cross_entropy_zloss``) has backends of its own, with
+``linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing)``
+(the ``[4, n]`` partials of ``rows @ weight.T``) and ``linear_grad(rows, weight, grad, ...)`` (its
+gradient into ``grad``): ``"triton"`` (``triton_linear_cross_entropy``, ``tl.dot`` tiles) and
+``"gemm"`` (``chunked_linear``); ``linear_backend_for(device)`` picks one.
 """
 
 import contextlib
@@ -78,9 +84,12 @@ def linear_backend_for(device):
     """The fused output projection's backend, with ``linear_partials`` and ``linear_grad``:
     ``"triton"`` (``triton_linear_cross_entropy``: ``tl.dot`` tiles, no logits in memory) or
     ``"gemm"`` (``chunked_linear``: ``torch.matmul`` on vocab chunks and the cross-entropy
-    backend's kernels). Default: Triton where ``backend_for`` picks Triton, else GEMMs;
+    backend's kernels). Default: GEMMs on CUDA (cuBLAS; 1.54x the three-GEMM floor against the
+    Triton kernels' 1.65x on an H100, bench/results/2026-11-24_h100/linear_ce_triton.md) and where
+    ``backend_for`` picks the torch reference; Triton on other accelerators (Ascend: the cube unit).
     ``MINDSPEED_CEZ_LINEAR_BACKEND`` or ``use_linear_backend`` forces one."""
-    name = _forced_linear or ("triton" if backend_for(device) is not torch_reference else "gemm")
+    triton_device = device.type != "cuda" and backend_for(device) is not torch_reference
+    name = _forced_linear or ("triton" if triton_device else "gemm")
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear backend {name!r}; choose one of {LINEAR_BACKENDS}")
     return importlib.import_module(LINEAR_BACKENDS[name], __name__)

@@ -49,7 +49,7 @@ LAUNCH_CONFIG = {
             "stages": 1, "per_core": 1},  # the interpreter
 }
 # fp32 inputs: exact fp32 products (torch.matmul's default), not TF32.
-DOT_PRECISION = {torch.float32: "ieee", torch.bfloat16: "tf32", torch.float16: "tf32"}
+DOT_PRECISION = {torch.float32: "ieee", torch.bfloat16: "", torch.float16: ""}
 
 
 @triton.jit
@@ -78,8 +78,10 @@ def _logits_tile(x_ptr, x_row_stride, w_ptr, w_row_stride, rows, cols, n_rows, n
         b = tl.load(w_tile, mask=col_ok & (ks[:, None] < h - k), other=0.0)
         if PRECISION == "fp32":
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        elif PRECISION == "ieee":
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:  # 16-bit operands: the dot's only mode (Ascend rejects naming tf32)
+            acc = tl.dot(a, b, acc)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
     return acc

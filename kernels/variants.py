@@ -74,7 +74,7 @@ def linear_variants(device_type, dtype="bf16"):
     from . import triton_linear_cross_entropy as tlce
 
     c = tlce.launch_settings(device_type)
-    precision = "ieee" if dtype == "fp32" else "tf32"
+    precision = "ieee" if dtype == "fp32" else ""
     tiles = {"BLOCK_M": c["block_m"], "BLOCK_N": c["block_n"],
              "BLOCK_K": max(16, c["block_k"] // 4) if dtype == "fp32" else c["block_k"]}
     options = {"num_stages": c["stages"]} if device_type == "cuda" else {}

@@ -3,7 +3,8 @@
 triton-ascend's NPU pipeline is ``ttir`` (Triton's front end and its IR passes), ``ttadapter``
 (the wheel's ``triton-adapter-opt``: Triton IR -> HIVM / HFusion / Linalg) and ``npubin``
 (CANN's ``bishengir-compile``). The first two run on any x86 machine; this lowers every kernel
-variant the Ascend launch setting compiles (``kernels/variants.py``) through them, for
+variant the Ascend launch setting compiles (``kernels/variants.py``, the fused output
+projection's ``tl.dot`` kernels included) through them, for
 Ascend910B3, and prints a JSON report. Run it in a venv of its own with ``triton-ascend``
 (which brings its own ``triton``), without ``TRITON_INTERPRET``:
 
@@ -23,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource, make_backend
 
 from mindspeed_cez.kernels import triton_cross_entropy as tce
-from mindspeed_cez.kernels.variants import variants
+from mindspeed_cez.kernels.variants import linear_variants, variants
 
 TARGET = GPUTarget("npu", "Ascend910B3", 0)
 STAGES = ("ttir", "ttadapter")
@@ -75,6 +76,16 @@ def report():
                 except Exception as exc:  # noqa: BLE001 - reported with the compiler's message
                     row.update(ok=False, error=_error(exc))
                 rows.append(row)
+    for dtype in DTYPES:  # the fused output projection's tl.dot kernels (tiles do not depend on the width)
+        for v in linear_variants("npu", dtype):
+            row = {"name": v.name, "dtype": dtype, "n_cols": None, "constexprs": v.constexprs,
+                   "num_warps": v.num_warps, "cuda_only": v.cuda_only}
+            try:
+                out = lower(v.fn, v.signature, v.constexprs, v.num_warps)
+                row.update(ok=True, sizes={k: len(t) for k, t in out.items()})
+            except Exception as exc:  # noqa: BLE001
+                row.update(ok=False, error=_error(exc))
+            rows.append(row)
     return rows
 
 
