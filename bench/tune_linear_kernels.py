@@ -11,7 +11,6 @@ each as a multiple of one cuBLAS GEMM of the same size; median of CUDA-event tim
 import argparse
 import itertools
 import os
-import statistics
 import sys
 import time
 
@@ -20,20 +19,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_cross_entropy import write_report  # noqa: E402
+from linear_cross_entropy import timed  # noqa: E402
 
-
-def timed(fn, warmup=2, iters=7):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+WARMUP, ITERS = 2, 7
 
 
 def settings(args):
@@ -76,7 +64,7 @@ def main(argv=None):
         target = torch.randint(0, v, (n,), device="cuda")
         lse = torch.full((n,), 12.0, device="cuda")
         g = torch.full((n,), 1.0 / n, device="cuda")
-        gemm = timed(lambda: x @ w.t())
+        gemm = timed(lambda: x @ w.t(), WARMUP, ITERS)
         lines.append(f"| {shape} | cuBLAS x @ w.T | {gemm:.3f} | 1.00 | | |")
         print(lines[-1], flush=True)
         step = chunked_linear.chunk_cols(n, v)
@@ -96,8 +84,8 @@ def main(argv=None):
             label = " ".join(str(s[k]) for k in ("block_m", "block_n", "block_k", "warps", "stages", "group_n",
                                                   "swizzle_m", "per_core"))
             try:
-                fwd = timed(lambda: tlce.linear_partials(x, w, target, 0, v, -100))
-                bwd = timed(grad_all)
+                fwd = timed(lambda: tlce.linear_partials(x, w, target, 0, v, -100), WARMUP, ITERS)
+                bwd = timed(grad_all, WARMUP, ITERS)
                 lines.append(f"| {shape} | {label} | {fwd:.3f} | {fwd / gemm:.2f} | {bwd:.3f} | {bwd / gemm:.2f} |")
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
                 lines.append(f"| {shape} | {label} | failed: {type(exc).__name__}: {str(exc)[:60]} | | | |")

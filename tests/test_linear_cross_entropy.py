@@ -1,6 +1,8 @@
 """linear_cross_entropy_zloss against float64, over real gloo processes for TP 1/2/4, with and without
 sequence parallelism: loss, z-loss, dhidden (as ColumnParallelLinear gives it) and dweight."""
 
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -278,3 +280,19 @@ def test_linear_kernels_match_float64(label_smoothing):
     grad = torch.full((n, cols + 5), 7.0)[:, :cols]  # a row stride wider than the columns
     tlce.linear_grad(x, w, grad, target, lse.float(), g, -100, start, 1e-2, label_smoothing, vocab)
     assert relative_error(grad, exp_grad) < 1e-5 and not grad[0].any()  # ignored row: 0
+
+
+def test_linear_backend_choice_and_bad_names():
+    """CPU and CUDA default to GEMM chunks, other accelerators with the Triton CE backend to the
+    tl.dot kernels; a forced name is checked."""
+    npu = types.SimpleNamespace(type="npu")  # torch.device("npu") needs torch_npu
+    assert kernels.linear_backend_for(torch.device("cpu")) is chunked_linear
+    if kernels.triton_available():
+        with kernels.use_backend("triton"):
+            assert kernels.linear_backend_for(torch.device("cuda")) is chunked_linear
+            assert kernels.linear_backend_for(npu).__name__.endswith("triton_linear_cross_entropy")
+    with kernels.use_linear_backend("gemm"):
+        assert kernels.linear_backend_for(npu) is chunked_linear
+    with pytest.raises(ValueError, match="unknown linear backend 'cublas'"):
+        with kernels.use_linear_backend("cublas"):
+            pass
