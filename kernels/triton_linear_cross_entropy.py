@@ -145,8 +145,8 @@ def _merge_kernel(groups_ptr, out_ptr, n_rows, n_groups, BLOCK: tl.constexpr):
     row_max = tl.full([BLOCK], -float("inf"), tl.float32)
     sum_exp = tl.zeros([BLOCK], tl.float32)
     term = tl.zeros([BLOCK], tl.float32)
-    for g in range(0, n_groups):
-        part = groups_ptr + g * (PARTIALS * n_rows) + rows
+    part = groups_ptr + rows  # int64 rows: the pointer walks the groups in 64 bits
+    for _ in range(0, n_groups):
         g_max = tl.load(part, mask=mask, other=-float("inf"))
         g_sum = tl.load(part + n_rows, mask=mask, other=0.0)
         new_max = tl.maximum(row_max, g_max)
@@ -154,6 +154,7 @@ def _merge_kernel(groups_ptr, out_ptr, n_rows, n_groups, BLOCK: tl.constexpr):
         sum_exp = sum_exp * tl.exp2(row_max * LOG2E - ref) + g_sum * tl.exp2(g_max * LOG2E - ref)
         row_max = new_max
         term += tl.load(part + 2 * n_rows, mask=mask, other=0.0)
+        part += PARTIALS * n_rows
     tl.store(out_ptr + rows, row_max, mask=mask)
     tl.store(out_ptr + n_rows + rows, sum_exp, mask=mask)
     tl.store(out_ptr + 2 * n_rows + rows, term, mask=mask)
