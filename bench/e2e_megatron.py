@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import socket
 import statistics
 import subprocess
@@ -63,7 +64,16 @@ CONFIGS = {
     "gpu": ["--num-layers", "8", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads", "16",
             "--num-experts", "4", "--moe-ffn-hidden-size", "4096", "--seq-length", "8192",
             "--max-position-embeddings", "8192", "--recompute-granularity", "selective"],
+    # GPU-bound (issue 22, second try): attention on torch's SDPA (flash kernels, no s^2 scores; what
+    # a TE run has), hidden 3072, 8 layers, 4 experts top-2 of ffn 6144, seq 8192; experts padded to
+    # capacity 1.0 (no host sync per MoE layer: the GPU drained at each one); Python's GC off
+    # during training (Megatron's --manual-gc)
+    "busy": ["--num-layers", "8", "--hidden-size", "3072", "--ffn-hidden-size", "12288", "--num-attention-heads", "24",
+             "--num-experts", "4", "--moe-ffn-hidden-size", "6144", "--seq-length", "8192",
+             "--max-position-embeddings", "8192", "--moe-expert-capacity-factor", "1.0",
+             "--moe-pad-expert-input-to-capacity", "--manual-gc"],
 }
+CONFIG_ENV = {"busy": {"CEZ_BENCH_ATTENTION": "sdpa", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 VARIANTS = {
     "native": ([], {}),
     "fused": (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"], {}),
@@ -98,8 +108,10 @@ def _profile_summary(profile_dir, tp):
     return step_profile.summarize(step_profile.load_events(trace), vocab=VOCAB // tp) if trace else None
 
 
-def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
+def launch(variant, config, iters, log_path, tp=1, profile_dir=None, extra=()):
+    """One Megatron run; ``extra``: Megatron arguments after the config's (the last value wins)."""
     args, env_extra = VARIANTS[variant]
+    env_extra = {**CONFIG_ENV.get(config, {}), **env_extra}
     parallel = ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
     if profile_dir:  # Megatron's own torch-profiler hook, two steps in the steady state, rank 0
         parallel += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(iters - 4),
@@ -107,7 +119,7 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
                      "--tensorboard-dir", os.path.join(profile_dir, "tb")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), ENTRY, *COMMON, *CONFIGS[config], *parallel, "--train-iters", str(iters),
-           *args]
+           *extra, *args]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1", **env_extra)
     start = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -122,34 +134,104 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
             "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)]}
 
 
+def _seq_args(seq):
+    return ["--seq-length", str(seq), "--max-position-embeddings", str(seq), "--global-batch-size", "1"]
+
+
+def _config_seq(config):
+    args = COMMON + CONFIGS[config]
+    return int(args[len(args) - 1 - args[::-1].index("--seq-length") + 1])
+
+
+def longest_sequence(variant, config, out, step, capacity, deadline, tp=1):
+    """The longest sequence (a multiple of ``step``) that trains two iterations at micro-batch 1.
+
+    Peak memory is linear in the sequence once attention keeps no s^2 scores, so two runs (the
+    config's sequence and twice it) predict where it ends; then runs one ``step`` apart go up
+    while they fit and down while they fail, until a fit and a failure sit one step apart."""
+    trials = {}
+
+    def fits(seq):
+        if seq not in trials and time.time() < deadline:
+            run = launch(variant, config, 2, os.path.join(out, f"longest_{config}_{variant}_{seq}.log"), tp=tp,
+                         extra=_seq_args(seq))
+            log = open(os.path.join(out, f"longest_{config}_{variant}_{seq}.log")).read()
+            trials[seq] = {"fits": run["rc"] == 0 and bool(run["steps_ms"]), "peak_gb": (run["peak_bytes"] or 0) / 1e9,
+                           "oom": "out of memory" in log.lower(), "wall_s": round(run["wall_s"], 1)}
+            print(f"longest {variant:10s} seq {seq:6d}: {trials[seq]}", flush=True)
+        return trials.get(seq, {}).get("fits")
+
+    base = _config_seq(config)
+    seq = base
+    if fits(base) and fits(2 * base):
+        p1, p2 = trials[base]["peak_gb"], trials[2 * base]["peak_gb"]
+        per_token = (p2 - p1) / base
+        seq = max(step, int((base + (capacity - p1) / per_token) // step * step)) if per_token > 0 else 2 * base
+    while fits(seq) and time.time() < deadline:  # up while it fits
+        seq += step
+    while fits(seq) is False and seq > step and time.time() < deadline:  # down while it fails
+        seq -= step
+    good = [s for s, t in trials.items() if t["fits"]]
+    bad = [s for s, t in trials.items() if t["fits"] is False]
+    longest = max(good) if good else None
+    return {"longest": longest, "first_failing": min((s for s in bad if longest is None or s > longest), default=None),
+            "trials": dict(sorted(trials.items()))}
+
+
+def steady_steps(run, skip):
+    """Step times after ``skip``; in a profiled run without the profiler's steps (``iters - 5`` to
+    ``iters - 2``: warm-up, the two traced steps, the trace's writing), whose host time it inflates."""
+    steps = sorted((int(i), ms) for i, ms in run["steps_ms"].items())
+    iters = max((i for i, _ in steps), default=0)
+    traced = range(iters - 5, iters - 1) if run.get("profile") else range(0)
+    return [ms for i, ms in steps if i > skip and i not in traced]
+
+
+def unprofiled_shares(run, skip):
+    """GPU-idle and output-layer + loss shares of an unprofiled step: the kernels' busy time per traced
+    step (kernel durations do not depend on the profiler; the host's time does) over the median
+    unprofiled step of the same run."""
+    prof, steady = run.get("profile"), steady_steps(run, skip)
+    if not prof or not steady:
+        return None
+    per_step = prof["window_ms"] / prof["steps"]
+    step = statistics.median(steady)
+    return {"gpu_idle_share": 1 - prof["gpu_busy_share"] * per_step / step,
+            "lm_head_share": prof["lm_head_share"] * per_step / step if prof["lm_head_share"] is not None else None,
+            "gpu_idle_share_traced": 1 - prof["gpu_busy_share"]}
+
+
 def summarize(runs, skip):
     rows = {}
     for run in runs:
-        steady = [ms for i, ms in sorted((int(i), ms) for i, ms in run["steps_ms"].items()) if i > skip]
+        steady = steady_steps(run, skip)
         if run["rc"] != 0 or not steady:
             continue
-        row = rows.setdefault(run["variant"], {"medians": [], "peaks": []})
+        row = rows.setdefault(run["variant"], {"medians": [], "peaks": [], "shares": None})
         row["medians"].append(statistics.median(steady))
+        row["shares"] = row["shares"] or unprofiled_shares(run, skip)
         if run["peak_bytes"]:
             row["peaks"].append(run["peak_bytes"])
     return {v: {"median_ms": statistics.median(r["medians"]), "min_ms": min(r["medians"]),
                 "max_ms": max(r["medians"]), "runs": len(r["medians"]),
-                "peak_gb": max(r["peaks"]) / 1e9 if r["peaks"] else None}
+                "peak_gb": max(r["peaks"]) / 1e9 if r["peaks"] else None, **(r["shares"] or {})}
             for v, r in rows.items()}
 
 
 def table(summary, reference="native"):
     ref = summary.get(reference)
-    lines = ["| variant | step median (ms) | spread of run medians (ms) | runs | vs native | peak allocated (GB) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| variant | step median (ms) | spread of run medians (ms) | runs | vs native | peak allocated (GB) "
+             "| GPU idle | output layer + loss |", "|---|---|---|---|---|---|---|---|"]
     for variant in VARIANTS:
         s = summary.get(variant)
         if s is None:
             continue
         rel = f"{100 * (s['median_ms'] / ref['median_ms'] - 1):+.1f}%" if ref else "-"
         peak = f"{s['peak_gb']:.2f}" if s["peak_gb"] is not None else "-"
+        idle = f"{s['gpu_idle_share']:.1%} ({s['gpu_idle_share_traced']:.1%} traced)" if "gpu_idle_share" in s else "-"
+        head = f"{s['lm_head_share']:.1%}" if s.get("lm_head_share") is not None else "-"
         lines.append(f"| {variant} | {s['median_ms']:.1f} | {s['min_ms']:.1f}-{s['max_ms']:.1f} | {s['runs']} | "
-                     f"{rel} | {peak} |")
+                     f"{rel} | {peak} | {idle} | {head} |")
     return "\n".join(lines)
 
 
@@ -184,6 +266,7 @@ def main(argv=None):
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
     parser.add_argument("--variants", nargs="+", default=None, help="default: all (te only where it imports)")
     parser.add_argument("--pairs", type=int, default=3, help="runs per variant, alternated")
+    parser.add_argument("--first-rep", type=int, default=1, help="number of the first rep (a later device call goes on)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="iterations left out of each run's median")
     parser.add_argument("--tp", type=int, default=1,
@@ -191,6 +274,12 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=float, default=540, help="no new launch after this many seconds")
     parser.add_argument("--profile", action="store_true",
                         help="first rep: torch-profile two steady steps per variant, report the GPU-busy share")
+    parser.add_argument("--extra", type=shlex.split, default=[],
+                        help='Megatron arguments after the config\'s, one string (--extra="--hidden-size 4096"; '
+                             "the last value of a flag wins)")
+    parser.add_argument("--longest", action="store_true",
+                        help="per variant, the longest sequence that trains at micro-batch 1 (instead of step times)")
+    parser.add_argument("--seq-step", type=int, default=2048, help="--longest: sequence granularity")
     parser.add_argument("--out", default="out/e2e")
     parser.add_argument("--plot", default=None, help="draw the PNG of a results JSON and exit")
     parser.add_argument("--merge", nargs="+", default=None,
@@ -218,30 +307,43 @@ def main(argv=None):
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     start, runs = time.time(), []
-    for rep in range(args.pairs):
+    if args.longest:
+        capacity = torch.cuda.get_device_properties(0).total_memory / 1e9
+        found = {}
+        for variant in variants:
+            found[variant] = longest_sequence(variant, args.config, args.out, args.seq_step, capacity,
+                                              start + args.budget_s, tp=args.tp)
+            print(f"longest {variant}: {found[variant]['longest']} (fails at {found[variant]['first_failing']})", flush=True)
+        data = {"config": args.config, "device": device, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
+                "capacity_gb": capacity, "command": COMMON + CONFIGS[args.config], "longest": found}
+        with open(os.path.join(args.out, f"longest_{name}.json"), "w") as fh:
+            json.dump(data, fh, indent=1)
+        return
+    for rep in range(args.first_rep - 1, args.first_rep - 1 + args.pairs):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
         for variant in order:
             if time.time() - start > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: stopping before {variant} rep {rep + 1}", flush=True)
                 break
-            profile_dir = os.path.join(args.out, f"trace_{name}_{variant}") if args.profile and rep == 0 else None
+            profile_dir = os.path.join(args.out, f"trace_{name}_{variant}") if args.profile and rep == args.first_rep - 1 else None
             run = launch(variant, args.config, args.iters, os.path.join(args.out, f"{name}_{variant}_{rep + 1}.log"),
-                         tp=args.tp, profile_dir=profile_dir)
+                         tp=args.tp, profile_dir=profile_dir, extra=args.extra)
             if profile_dir:
                 if run.get("profile"):
                     print(json.dumps(run["profile"], indent=1), flush=True)
                 subprocess.run(["rm", "-rf", profile_dir])  # traces are large; the summary is kept in the JSON
             runs.append(run)
-            steady = [ms for i, ms in sorted(run["steps_ms"].items()) if i > args.skip]
+            steady = steady_steps(run, args.skip)
             med = f"{statistics.median(steady):.1f} ms" if steady else "-"
             peak = f"{run['peak_bytes'] / 1e9:.2f} GB" if run["peak_bytes"] else "-"
             prof = run.get("profile")
-            busy = f" gpu busy {prof['gpu_busy_share']:.1%}, lm head {prof['lm_head_share']:.1%}" if prof else ""
+            busy = (f" gpu busy {prof['gpu_busy_share']:.1%}, lm head {prof['lm_head_share']:.1%}, "
+                    f"idle by gap length {prof['idle_by_gap_length']}" if prof else "")
             print(f"rep {rep + 1} {variant:10s} rc={run['rc']} median step {med} peak {peak} "
                   f"wall {run['wall_s']:.0f} s{busy}", flush=True)
     summary = summarize(runs, args.skip)
     data = {"config": args.config, "device": device, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
-            "command": COMMON + CONFIGS[args.config], "summary": summary, "runs": runs}
+            "command": COMMON + CONFIGS[args.config] + args.extra, "summary": summary, "runs": runs}
     with open(os.path.join(args.out, f"e2e_{name}.json"), "w") as fh:
         json.dump(data, fh, indent=1)
     print(table(summary))

@@ -26,11 +26,26 @@ N, V, C = 64, 4096, 1e-4
 TRITON_PATH = "mindspeed_cez, Triton's own launch path"  # the same op, kernel[grid](...) on every call
 
 
+def _with_one_rank_group():
+    """The op with ``tp_group`` a process group of one rank (TP=1 under Megatron): no collective may run."""
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    group = dist.new_group([0])
+    return lambda x, t: vocab_parallel_cross_entropy_zloss(x, t, z_loss_coeff=C, tp_group=group)[0]
+
+
 def implementations():
     ours = lambda x, t: vocab_parallel_cross_entropy_zloss(x, t, z_loss_coeff=C)[0]  # noqa: E731
     impls = {
         "mindspeed_cez": ours,
         TRITON_PATH: ours,
+        "mindspeed_cez, one-rank TP group": _with_one_rank_group(),
         "torch F.cross_entropy (no z)": lambda x, t: F.cross_entropy(x.float(), t, reduction="none"),
     }
     try:

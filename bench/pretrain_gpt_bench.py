@@ -5,6 +5,8 @@ Two additions, for measuring only:
 * ``CEZ_BENCH_HAND_Z=C``: "z-loss by hand", what a Megatron user writes without this package: the
   LM loss of ``LanguageModule.compute_language_model_loss`` plus ``C * logsumexp(logits.float())**2``
   in torch (one rank holds the whole vocab: TP=1 only);
+* ``CEZ_BENCH_ATTENTION=sdpa``: Megatron's local core attention on torch's SDPA
+  (``bench/sdpa_attention.py``: flash kernels, as a Transformer Engine run would have);
 * at exit, one line ``CEZ_BENCH peak_allocated_bytes=N`` (``torch.cuda.max_memory_allocated``).
 """
 
@@ -41,6 +43,10 @@ def _report_peak_memory():
 if __name__ == "__main__":
     if os.environ.get("CEZ_BENCH_HAND_Z"):
         _z_loss_by_hand(float(os.environ["CEZ_BENCH_HAND_Z"]))
+    if os.environ.get("CEZ_BENCH_ATTENTION") == "sdpa":
+        import sdpa_attention
+
+        sdpa_attention.use_sdpa()
     atexit.register(_report_peak_memory)
     sys.argv[0] = ENTRY
     runpy.run_path(ENTRY, run_name="__main__")

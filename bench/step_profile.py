@@ -8,7 +8,11 @@ For the steps the trace holds (the span of its ``ProfilerStep#`` annotations):
   a z-loss by hand; needs the trace's shapes: Megatron's ``--pytorch-profiler-collect-shapes``) and
   this package's Triton kernels (by name);
 * ``top_kernels``: the kernels with the most time; ``gaps``: the longest stretches without a
-  kernel, with the CPU ops that were running on the launching thread when they began.
+  kernel, with the CPU ops that were running on the launching thread when they began;
+* ``idle_by_gap_length``: idle time and gap count per gap length (many short gaps: the host
+  launches too slowly; a few long ones: host syncs, allocator, the optimizer step);
+  ``idle_by_launching_op``: idle time per innermost CPU op that launched the kernel ending a gap;
+  ``syncs``: host-blocking runtime calls (synchronize, blocking copies) in the window.
 
     python bench/step_profile.py TRACE.json[.gz] --vocab 151936
 """
@@ -96,7 +100,63 @@ def summarize(events, vocab=None, n_gaps=8, n_kernels=8):
         names = [e["name"][:60] for e in running]
         out["gaps"].append({"ms": (b - a) / 1e3, "at_ms": (a - start) / 1e3,
                             "cpu_ops": names[:2] + names[2:][-2:]})  # outermost two, innermost two
+    out.update(_idle_breakdown(events, busy, kernels, launches, cpu_ops, start, end))
     return out
+
+
+GAP_BUCKETS_MS = (0.02, 0.1, 1.0, 10.0)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+
+
+def _innermost(ops_by_tid, starts_by_tid, tid, t):
+    """Name of the innermost CPU op of thread ``tid`` running at ``t`` (ops nest: the latest start)."""
+    ops, starts = ops_by_tid.get(tid, []), starts_by_tid.get(tid, [])
+    i = bisect.bisect_right(starts, t) - 1
+    for j in range(i, max(i - 200, -1), -1):
+        if ops[j]["ts"] + ops[j]["dur"] >= t:
+            return ops[j]["name"][:60]
+    return "(no CPU op)"
+
+
+def _idle_breakdown(events, busy, kernels, launches, cpu_ops, start, end):
+    """Idle time by gap length and by the CPU op that launched the kernel ending each gap; syncs."""
+    buckets = defaultdict(lambda: [0.0, 0])
+    by_op = defaultdict(float)
+    ops_by_tid = defaultdict(list)
+    for e in sorted(cpu_ops, key=lambda e: e["ts"]):
+        ops_by_tid[e["tid"]].append(e)
+    starts_by_tid = {tid: [e["ts"] for e in ops] for tid, ops in ops_by_tid.items()}
+    first_kernel_at = {}
+    for k in kernels:
+        key = k["ts"]
+        if key not in first_kernel_at:
+            first_kernel_at[key] = k
+    kernel_starts = sorted(first_kernel_at)
+    for (_, a), (b, _) in zip(busy, busy[1:]):
+        ms = (b - a) / 1e3
+        label = next((f"<{lim} ms" for lim in GAP_BUCKETS_MS if ms < lim), f">={GAP_BUCKETS_MS[-1]} ms")
+        buckets[label][0] += ms
+        buckets[label][1] += 1
+        i = bisect.bisect_left(kernel_starts, b)
+        kernel = first_kernel_at[kernel_starts[i]] if i < len(kernel_starts) else None
+        launch = launches.get(kernel.get("args", {}).get("correlation")) if kernel else None
+        if launch is None:
+            by_op["(launch not in trace)"] += ms
+        elif launch[1] <= a:
+            by_op["(launched before the gap: waited on the device)"] += ms
+        else:
+            by_op[_innermost(ops_by_tid, starts_by_tid, launch[0], launch[1])] += ms
+    syncs = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name", "").startswith(SYNC_CALLS) \
+                and start <= e["ts"] < end and "dur" in e:
+            syncs[e["name"]][0] += 1
+            syncs[e["name"]][1] += e["dur"] / 1e3
+    return {
+        "idle_by_gap_length": {k: {"ms": round(v[0], 1), "gaps": v[1]} for k, v in sorted(buckets.items())},
+        "idle_by_launching_op": sorted(((n, round(ms, 1)) for n, ms in by_op.items()), key=lambda x: -x[1])[:12],
+        "syncs": {n: {"calls": c, "ms": round(ms, 1)} for n, (c, ms) in syncs.items()},
+    }
 
 
 def main(argv=None):

@@ -192,7 +192,8 @@ def _keep_logits_hook(module, inputs, output):
     name = _dump_name(module.training)
     if name is not None:
         logits = output[0] if isinstance(output, tuple) else output
-        if type(logits).__name__ == "DeferredLogits":  # --lm-fused-output-layer: made here for the dump only
+        deferred = type(logits).__name__ == "DeferredLogits"
+        if deferred:  # --lm-fused-output-layer: made here for the dump only
             with torch.no_grad():
                 hidden = logits.hidden
                 if module.sequence_parallel:
@@ -201,6 +202,7 @@ def _keep_logits_hook(module, inputs, output):
                     hidden = gather_from_sequence_parallel_region(hidden)
                 logits = hidden @ logits.weight.t()
         _CURRENT_BATCH["logits"] = (name, logits.detach().to("cpu", torch.float32, copy=True))
+        _CURRENT_BATCH["deferred"] = deferred
 
 
 def _dump_logits(name, logits):
@@ -218,6 +220,7 @@ def _dump_logits(name, logits):
             "tp_rank": tp_rank,
             "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
             "lm_z_loss_coeff": getattr(get_args(), "lm_z_loss_coeff", None),
+            "deferred": _CURRENT_BATCH.get("deferred", False),  # the output layer made no logits
         },
         os.path.join(out_dir, f"logits_{name}_dp{dp_rank}_mb{_DUMPED[kind]}_tp{tp_rank}.pt"),
     )

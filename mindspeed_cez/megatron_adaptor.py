@@ -18,6 +18,7 @@ The flags (``--lm-z-loss-coeff``, ``--lm-fused-ce``, ``--no-lm-fused-ce``,
 ``--lm-z-loss-log-lse``) are described in :mod:`mindspeed_cez.arguments`.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -37,12 +38,8 @@ def configure_from_args(args):
     if settings is None:
         _settings.set_active(None)
     else:
-        patches.apply(
-            settings.z_loss_coeff,
-            label_smoothing=settings.label_smoothing,
-            log_z_loss=settings.log_z_loss,
-            log_lse=settings.log_lse,
-        )
+        fields = dataclasses.asdict(settings)  # every setting, --lm-fused-output-layer's included
+        patches.apply(fields.pop("z_loss_coeff"), **fields)
     return settings
 
 

@@ -144,6 +144,14 @@ def recompute_from_dump(dump_dir, name=f"iter{DUMP_ITERATION}"):
     return micro_batches
 
 
+def deferred_output_layer(dump_dir, name=f"iter{DUMP_ITERATION}"):
+    """Per dumped micro-batch and rank, whether the output layer deferred its call
+    (``--lm-fused-output-layer``: no logits made on the training path)."""
+    flags = [torch.load(path)["deferred"] for path in sorted(Path(dump_dir).glob(f"logits_{name}_*.pt"))]
+    assert flags, f"nothing dumped for {name} in {dump_dir}"
+    return flags
+
+
 def token_mean(micro_batches, per_token):
     """sum of per_token * mask over micro-batches (and ranks) / sum of the masks: lm loss's weighting."""
     num = sum(float((per_token(lse, ce) * mask).sum()) for lse, ce, mask in micro_batches)

@@ -55,6 +55,22 @@ def test_settings_from_flags():
     assert arguments.validate_lm_z_loss_args(other) is other
 
 
+@pytest.mark.parametrize("argv", [["--lm-fused-output-layer", "forward", "--lm-z-loss-coeff", "1e-4"],
+                                  ["--lm-fused-output-layer"], ["--lm-z-loss-coeff", "2e-4", "--lm-z-loss-log-lse"]])
+def test_megatron_adaptor_activates_every_setting(argv):
+    """What the flags set is what the patches run with (the flag must never be a silent no-op)."""
+    from mindspeed_cez import megatron_adaptor
+    from mindspeed_cez.patches import settings as _settings
+
+    import mindspeed_cez.patches as patches
+
+    try:
+        expected = megatron_adaptor.configure_from_args(_parse(argv))
+        assert _settings.ACTIVE == expected, (_settings.ACTIVE, expected)
+    finally:
+        patches.remove()
+
+
 _MEGATRON_ARGV = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
     "--max-position-embeddings", "32", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",

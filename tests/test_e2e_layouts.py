@@ -33,7 +33,7 @@ pytest.importorskip("megatron.training")
 
 from megatron_launch import (  # noqa: E402
     DUMP_ITERATION, ITERS, MOE, TINY_GPT, Z_COEFF, ce_mean, launch, per_micro_batch_z_mean,
-    recompute_from_dump, with_args, z_loss_mean,
+    deferred_output_layer, recompute_from_dump, with_args, z_loss_mean,
 )
 
 pytestmark = pytest.mark.slow
@@ -82,6 +82,7 @@ def test_fused_output_layer(runs):
     # printed with three decimals: one unit of the last digit
     assert first["grad norm"] == pytest.approx(reference["grad norm"], abs=1.01e-3), (name, first, reference)
     assert "grad norm" in first and "lm_z_loss" in first, first
+    assert all(deferred_output_layer(fused_run["dump"])), f"{name}: the flag must keep the logits from being made"
     micro_batches = recompute_from_dump(fused_run["dump"])
     row = fused_run["rows"][DUMP_ITERATION]
     assert row["lm_z_loss"] == pytest.approx(z_loss_mean(micro_batches), rel=1e-5), (name, row)
@@ -98,6 +99,7 @@ def test_layout(runs):
     assert not any("lm_z_loss" in row for row in plain_run["rows"].values())
     assert z_run["rows"][1]["lm loss"] == pytest.approx(plain_run["rows"][1]["lm loss"], rel=1e-5), name
 
+    assert not any(deferred_output_layer(z_run["dump"])), name
     micro_batches = recompute_from_dump(z_run["dump"])
     row = z_run["rows"][DUMP_ITERATION]
     expected_z = z_loss_mean(micro_batches)
