@@ -17,6 +17,10 @@ Megatron core 0.12.1. MindSpeed-LLM replaces the Megatron code the other patches
   ``--is-instruction-dataset`` shifts the labels inside the forward, into a tensor the adaptor
   cannot tell from an MTP head's. Both are refused with the fused kernel on (:func:`check_args`)
   rather than silently trained without z-loss.
+* ``--lm-fused-output-layer``: the main head's output layer call is deferred in its forward as in
+  Megatron's; the flags that change the logits after that call or the output layer itself
+  (``--output-multiplier-scale``, ``--output-logit-softcapping``, ``--output-layer-slice-num`` > 1,
+  ``--add-output-layer-bias``) are refused with it.
 
 Nothing here imports MindSpeed-LLM: only its modules already imported are looked at.
 """
@@ -61,6 +65,19 @@ def check_args(args, fused_flag):
             "is plain F.cross_entropy and never reaches the fused kernel (no z-loss would be trained); "
             "drop one of them (chunk mode at TP>1 falls back to the regular loss, which is served)"
         )
+    if getattr(args, "lm_fused_output_layer", None):
+        # its GPTModel forward transforms the logits between the output layer and the loss, or
+        # swaps the output layer for one the fused op does not stand in for
+        for dest, flag, off in (("output_multiplier_scale", "--output-multiplier-scale", None),
+                                ("output_logit_softcapping", "--output-logit-softcapping", None),
+                                ("output_layer_slice_num", "--output-layer-slice-num", 1),
+                                ("add_output_layer_bias", "--add-output-layer-bias", False)):
+            value = getattr(args, dest, off)
+            if value not in (off, None, False, 0):
+                raise ValueError(
+                    f"--lm-fused-output-layer and MindSpeed-LLM's {flag}: the fused op computes the logits "
+                    "of hidden @ weight.T itself, so that flag's change to the output layer would be lost; "
+                    "drop one of them")
     if getattr(args, "is_instruction_dataset", False):
         raise ValueError(
             f"{fused_flag} and MindSpeed-LLM's --is-instruction-dataset: that path shifts the labels inside "

@@ -177,6 +177,10 @@ def _refusal_worker(rank, world_size, order):
     args = arguments.parse_args(["--loss-compute-mode", "chunk", "--tensor-model-parallel-size", "2", "--lm-z-loss-coeff", "1e-4"])
     assert args.lm_z_loss_coeff == 1e-4
     arguments.parse_args(["--loss-compute-mode", "chunk"])  # without the flag: MindSpeed-LLM's own chunk loss
+    for extra in (["--output-multiplier-scale", "0.5"], ["--output-logit-softcapping", "30"]):
+        with pytest.raises(ValueError, match=f"--lm-fused-output-layer and MindSpeed-LLM's {extra[0]}"):
+            arguments.parse_args(["--lm-fused-output-layer", *extra])
+        arguments.parse_args(["--lm-z-loss-coeff", "1e-4", *extra])  # the loss alone serves them
 
 
 @pytest.mark.parametrize("order", ["cez first", "cez last"])
