@@ -10,7 +10,9 @@ features list anew), MindSpeed-LLM's own ``GPTModel`` forward and its own ``trai
 * ``lm_z_loss`` in MindSpeed-LLM's log line and TensorBoard, weighted by the loss mask its forward
   receives, over both micro-batches and the DP ranks; the MTP head's loss plain CE, not counted;
 * ``--loss-compute-mode chunk`` at TP=1 and ``--is-instruction-dataset`` refused naming both
-  flags; chunk mode at TP=2 (MindSpeed-LLM falls back to the regular loss there) served.
+  flags; chunk mode at TP=2 (MindSpeed-LLM falls back to the regular loss there) served;
+* ``--lm-fused-output-layer``: its forward's output layer makes no logits, outputs, gradients and
+  ``lm_z_loss`` as the unfused op's; refused with the flags that change the logits.
 """
 
 import os
@@ -165,6 +167,55 @@ CASES = {
 def test_mindspeed_llm_model_and_loop(case):
     tp, order, coeff, extra = CASES[case]
     gpt.shims.run_on_ranks(2, _train_worker, tp, order, coeff, extra, timeout=600)
+
+
+def _fused_output_layer_worker(rank, world_size, tp):
+    """MindSpeed-LLM's forward and loop with ``--lm-fused-output-layer``: no logits made, and the
+    same outputs, parameter gradients and ``lm_z_loss`` as the unfused op's run of the same model."""
+    from megatron.core import parallel_state as ps
+
+    _import_adaptors("cez first")
+    from mindspeed_llm.training import arguments, training
+
+    from mindspeed_cez.patches.output_layer import DeferredLogits
+
+    model = gpt._setup(tp)
+    model.train()
+    batches = gpt._micro_batches(ps.get_data_parallel_rank())
+    position_ids = torch.arange(gpt.SEQ).unsqueeze(0).expand(gpt.BATCH, gpt.SEQ)
+    mask = gpt.shims.causal_attention_mask(gpt.SEQ)
+    base = [f"--tensor-model-parallel-size={tp}", f"--num-layers={gpt.LAYERS}", "--num-micro-batches=2",
+            "--num-experts=4", "--lm-z-loss-coeff", str(COEFF)] + (["--sequence-parallel"] if tp > 1 else [])
+
+    def run(extra):
+        arguments.parse_args(base + extra)
+        model.zero_grad(set_to_none=True)
+        kinds, outputs = [], []
+        hooks = [model.output_layer.register_forward_hook(lambda m, i, o: kinds.append(type(o[0]))),
+                 model.register_forward_hook(lambda m, i, o: outputs.append(o.detach().clone()))]
+        training.LOG_LINES.clear()
+        training.train(model, [[(t, lab, m, position_ids, mask) for t, lab, m in batches]])
+        for h in hooks:
+            h.remove()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        logged = dict(re.findall(r" ([\w ]+): ([0-9.E+-]+) \|", training.LOG_LINES[-1]))
+        return kinds, outputs, grads, {k: float(v) for k, v in logged.items()}
+
+    kinds_u, out_u, grads_u, log_u = run([])
+    kinds_f, out_f, grads_f, log_f = run(["--lm-fused-output-layer"])
+    assert kinds_f == [DeferredLogits] * len(batches) and DeferredLogits not in kinds_u, (kinds_f, kinds_u)
+    for a, b in zip(out_f, out_u):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert grads_f.keys() == grads_u.keys()
+    for name in grads_f:
+        torch.testing.assert_close(grads_f[name], grads_u[name], rtol=1e-4, atol=1e-6, msg=name)
+    for key in ("lm loss", "lm_z_loss"):
+        assert log_f[key] == pytest.approx(log_u[key], rel=1e-5), (key, log_f, log_u)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1-dp2", "tp2sp"])
+def test_mindspeed_llm_fused_output_layer(tp):
+    gpt.shims.run_on_ranks(2, _fused_output_layer_worker, tp, timeout=600)
 
 
 def _refusal_worker(rank, world_size, order):
