@@ -15,6 +15,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 import torch
@@ -95,17 +96,24 @@ def main(argv=None):
     x = torch.randn(N, V, device="cuda", generator=g).to(torch.bfloat16)
     t = torch.randint(0, V, (N,), device="cuda", generator=g)
     lines = [f"host time per call, {N} x {V} bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-             f"{time.strftime('%Y-%m-%d')}; median of {args.repeats} loops of {args.calls} calls",
+             f"{time.strftime('%Y-%m-%d')}; median of {args.repeats} loops of {args.calls} calls, rows alternated",
              "", "| implementation | fwd (us) | fwd+bwd (us) | fwd / fwd+bwd beyond the harness (us) |", "|---|---|---|---|"]
-    measured = {}
-    for name, fn in implementations().items():
-        Launcher.enabled = name != TRITON_PATH
-        try:
-            measured[name] = [sorted(per_call_us(fn, x, t, bwd, args.calls) for _ in range(args.repeats))[args.repeats // 2]
-                              for bwd in (False, True)]
-        except Exception as exc:  # noqa: BLE001 - a peer that does not run here is reported, not fatal
-            measured[name] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+    # loops alternate over the rows (a shared host drifts), the median of each row's loops is kept
+    impls, samples, measured = implementations(), {}, {}
+    for _ in range(args.repeats):
+        for name, fn in impls.items():
+            if name in measured:
+                continue
+            Launcher.enabled = name != TRITON_PATH
+            try:
+                samples.setdefault(name, []).append([per_call_us(fn, x, t, bwd, args.calls) for bwd in (False, True)])
+            except Exception as exc:  # noqa: BLE001 - a peer that does not run here is reported, not fatal
+                measured[name] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
     Launcher.enabled = True
+    for name, loops in samples.items():
+        if name not in measured:
+            measured[name] = [statistics.median(loop[i] for loop in loops) for i in (0, 1)]
+    measured = {name: measured[name] for name in impls}
     base = measured.get(HARNESS)
     for name, value in measured.items():
         if isinstance(value, str):
