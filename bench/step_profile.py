@@ -5,8 +5,9 @@ For the steps the trace holds (the span of its ``ProfilerStep#`` annotations):
 * ``gpu_busy_share``: union of kernel intervals / wall time;
 * ``lm_head_share``: kernels of the output layer and the LM loss / wall time -- kernels launched
   inside a CPU op with the vocab size among its input dims (the output-layer GEMMs, Megatron's CE,
-  a z-loss by hand; needs the trace's shapes: Megatron's ``--pytorch-profiler-collect-shapes``) and
-  this package's Triton kernels (by name);
+  a z-loss by hand; needs the trace's shapes: Megatron's ``--pytorch-profiler-collect-shapes``),
+  inside this package's autograd Functions (the fused output layer's vocab chunks), and this
+  package's Triton kernels (by name);
 * ``top_kernels``: the kernels with the most time; ``gaps``: the longest stretches without a
   kernel, with the CPU ops that were running on the launching thread when they began;
 * ``idle_by_gap_length``: idle time and gap count per gap length (many short gaps: the host
@@ -24,7 +25,10 @@ import json
 import os
 from collections import defaultdict
 
-OUR_KERNELS = ("_forward_kernel", "_grad_kernel", "_rescale_kernel", "_loss_from_partials_kernel")
+OUR_KERNELS = ("_forward_kernel", "_grad_kernel", "_rescale_kernel", "_loss_from_partials_kernel", "_partials_kernel",
+               "_merge_kernel")
+# this package's autograd Functions: the fused output layer's GEMMs work on vocab chunks, not the vocab
+OUR_FUNCTIONS = ("VocabParallelCrossEntropyZLoss", "LinearCrossEntropyZLoss")
 
 
 def load_events(path):
@@ -72,7 +76,8 @@ def summarize(events, vocab=None, n_gaps=8, n_kernels=8):
     vocab_ops = defaultdict(list)
     if vocab:
         for e in cpu_ops:
-            if any(vocab in dims for dims in e.get("args", {}).get("Input Dims", []) if isinstance(dims, list)):
+            if any(vocab in dims for dims in e.get("args", {}).get("Input Dims", []) if isinstance(dims, list)) or any(
+                    f in e["name"] for f in OUR_FUNCTIONS):
                 vocab_ops[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
     vocab_ops = {tid: _union(v) for tid, v in vocab_ops.items()}
     vocab_starts = {tid: [a for a, _ in v] for tid, v in vocab_ops.items()}
