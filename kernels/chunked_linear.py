@@ -22,31 +22,29 @@ def chunk_cols(n_rows, n_cols):
     return min(n_cols, max(1024, min(4096, CHUNK_LOGITS // max(n_rows, 1))))
 
 
-def merge_partials(stats, partials):
-    """Fold one vocab chunk's partials into ``stats`` (both ``[4, n]``): the online softmax across
-    chunks, as the TP path does across ranks."""
-    m = torch.maximum(stats[ROW_MAX], partials[ROW_MAX])
-    ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    stats[SUM_EXP] = stats[SUM_EXP] * torch.exp(stats[ROW_MAX] - ref) + partials[SUM_EXP] * torch.exp(
-        partials[ROW_MAX] - ref)
-    stats[TARGET_TERM] += partials[TARGET_TERM]
+def merge_chunks(parts):
+    """``[k, 4, n]`` partials of ``k`` vocab chunks -> ``[4, n]`` (``shard_partials``'s layout): the
+    softmax merged across chunks as the TP path merges ranks, once after the last chunk (a merge
+    per chunk would launch a dozen small kernels per chunk)."""
+    m = parts[:, ROW_MAX].amax(0)
+    ref = torch.where(m == float("-inf"), 0.0, m)
+    stats = torch.empty(PARTIAL_ROWS, parts.shape[-1], dtype=torch.float32, device=parts.device)
     stats[ROW_MAX] = m
     stats[LOCAL_MAX] = m
+    stats[SUM_EXP] = (parts[:, SUM_EXP] * torch.exp(parts[:, ROW_MAX] - ref)).sum(0)
+    stats[TARGET_TERM] = parts[:, TARGET_TERM].sum(0)
     return stats
 
 
 def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0):
-    """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``."""
+    """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``. Memory beyond
+    one chunk of logits: 16 bytes per token and chunk."""
     backend = backend_for(rows.device)
     n_rows, n_cols = rows.shape[0], weight.shape[0]
-    stats = torch.zeros(PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
-    stats[ROW_MAX] = stats[LOCAL_MAX] = float("-inf")
     step = chunk_cols(n_rows, n_cols)
-    for c in range(0, n_cols, step):
-        logits = rows @ weight[c:c + step].t()
-        merge_partials(stats, backend.shard_partials(logits, target, vocab_start + c, global_vocab, ignore_index,
-                                                     label_smoothing))
-    return stats
+    parts = [backend.shard_partials(rows @ weight[c:c + step].t(), target, vocab_start + c, global_vocab,
+                                    ignore_index, label_smoothing) for c in range(0, n_cols, step)]
+    return merge_chunks(torch.stack(parts))
 
 
 def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff,

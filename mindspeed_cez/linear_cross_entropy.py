@@ -36,6 +36,8 @@ def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, seque
     if weight.dtype != hidden.dtype or weight.device != hidden.device:
         raise TypeError(f"weight ({weight.dtype}, {weight.device}) and hidden ({hidden.dtype}, {hidden.device}) "
                         "must share dtype and device")
+    if weight.shape[0] == 0:
+        raise ValueError("weight has no vocab rows: [v_local, h] needs v_local >= 1")
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"hidden width {hidden.shape[-1]} does not match weight [v_local, h] {tuple(weight.shape)}")
     if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.dtype == torch.bool:

@@ -234,6 +234,8 @@ def test_bad_input_names_the_argument():
         linear_cross_entropy_zloss(h, w, t, label_smoothing=1.0)
     with pytest.raises(ValueError, match="outside"):
         linear_cross_entropy_zloss(h, w, torch.full((4, 2), 10))
+    with pytest.raises(ValueError, match="weight has no vocab rows"):
+        linear_cross_entropy_zloss(h, w[:0], t)
 
 
 def _sp_shape_worker(rank, world_size):
