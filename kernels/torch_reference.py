@@ -21,7 +21,9 @@ def _row_chunks(n_rows: int, n_cols: int):
 
 
 def _local_target(target, vocab_start, n_cols):
-    local = target - vocab_start
+    """(column of ``target`` in this slice, clamped; whether the slice owns it). int64 columns:
+    ``gather`` / ``scatter_add_`` take no other index dtype before torch 2.8 (int32 targets)."""
+    local = target.long() - vocab_start
     owned = (local >= 0) & (local < n_cols)
     return local.clamp(0, n_cols - 1), owned
 

@@ -82,13 +82,32 @@ def _main_grad_placeholder(weight):
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
+def _addmm_has_out_dtype():
+    """Whether ``torch.addmm`` takes ``out_dtype`` (a 16-bit GEMM into an fp32 output; torch 2.8 on)."""
+    schemas = torch._C._jit_get_schemas_for_operator("aten::addmm")
+    return any(arg.name == "out_dtype" for schema in schemas for arg in schema.arguments)
+
+
+ADDMM_OUT_DTYPE = _addmm_has_out_dtype()
+
+
+def accumulate_mm_fp32_out(out, a, b):
+    """``out += a @ b``, 16-bit ``a``, ``b`` into fp32 ``out``: one GEMM with an fp32 output."""
+    torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+
+
+def accumulate_mm_fp32_copies(out, a, b):
+    """``out += a @ b`` on fp32 copies of ``a`` and ``b`` (exact: 16-bit values are fp32 values)."""
+    out.addmm_(a.float(), b.float())
+
+
 def _accumulate_mm(out, a, b):
     """``out += a @ b`` into fp32 ``out`` from bf16 / fp16 ``a``, ``b``: one GEMM with an fp32
-    output on CUDA, fp32 copies of the (chunk-sized) operands elsewhere."""
-    if out.is_cuda and a.dtype != torch.float32:
-        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    output on CUDA where torch has it, fp32 copies of the (chunk-sized) operands elsewhere."""
+    if out.is_cuda and a.dtype != torch.float32 and ADDMM_OUT_DTYPE:
+        accumulate_mm_fp32_out(out, a, b)
     else:
-        out.addmm_(a.float(), b.float())
+        accumulate_mm_fp32_copies(out, a, b)
 
 
 class LinearCrossEntropyZLoss(torch.autograd.Function):

@@ -173,10 +173,14 @@ def test_int32_targets(backend_device):
     gen = torch.Generator().manual_seed(15)
     base = random_logits((7, 33), torch.float32, device, gen)
     target = torch.randint(0, 33, (7,), generator=gen).to(device)
+    upstream = torch.randn(7, generator=gen).to(device)
+    leaf = base.clone().requires_grad_(True)
     loss64, _ = vocab_parallel_cross_entropy_zloss(base, target, z_loss_coeff=1e-3)
-    loss32, _ = vocab_parallel_cross_entropy_zloss(base, target.int(), z_loss_coeff=1e-3)
-    exp_loss, _, _ = loss_and_grad_float64(base, target, torch.ones(7, device=device), z_loss_coeff=1e-3)
+    loss32, _ = vocab_parallel_cross_entropy_zloss(leaf, target.int(), z_loss_coeff=1e-3)
+    (grad32,) = torch.autograd.grad(loss32, leaf, upstream)
+    exp_loss, _, exp_grad = loss_and_grad_float64(base, target, upstream, z_loss_coeff=1e-3)
     assert torch.equal(loss64, loss32) and relative_error(loss32, exp_loss) < LOSS_TOLERANCE
+    assert relative_error(grad32, exp_grad) < 2e-6
 
 
 def test_lse_output_for_logging(backend_device):
