@@ -1,0 +1,60 @@
+"""``python -m mindspeed_cez.launch SCRIPT ARGS``: SCRIPT runs as ``python SCRIPT ARGS`` would, with
+the adaptor imported first (real subprocesses; Megatron's own ``pretrain`` through the launcher is
+in tests/test_e2e_megatron_training.py, MindSpeed-LLM's stand-in in tests/test_mindspeed_llm_stand_in.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    adaptor = sys.modules.get("mindspeed_cez.megatron_adaptor")  # imported before this line runs
+    import sibling  # a module beside the script: its folder is first on sys.path
+    from mindspeed_cez.patches import active_settings
+    settings = active_settings()
+    print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "sibling": sibling.VALUE,
+                      "mode": adaptor and adaptor.MODE,
+                      "coeff": None if settings is None else settings.z_loss_coeff}))
+    sys.exit(int(sys.argv[-1]) if sys.argv[-1].isdigit() else 0)
+""")
+
+
+def _launch(args, cwd):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "mindspeed_cez.launch", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def script(tmp_path):
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    (folder / "sibling.py").write_text("VALUE = 42\n")
+    path = folder / "pretrain.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_runs_the_script_as_main_with_its_arguments_and_the_adaptor(script, tmp_path):
+    proc = _launch([str(script), "--lm-z-loss-coeff", "1e-3", "--other", "x"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["name"] == "__main__" and seen["file"] == str(script) and seen["sibling"] == 42
+    assert seen["argv"] == [str(script), "--lm-z-loss-coeff", "1e-3", "--other", "x"]
+    assert seen["mode"] in ("megatron.core", "megatron.training", "mindspeed")
+    if seen["mode"] == "megatron.core":  # no Megatron parser: the flags are read from sys.argv
+        assert seen["coeff"] == 1e-3
+
+
+def test_the_script_exit_code_and_bad_usage(script, tmp_path):
+    assert _launch([str(script), "7"], cwd=tmp_path).returncode == 7
+    none = _launch([], cwd=tmp_path)
+    assert none.returncode == 2 and "usage: python -m mindspeed_cez.launch SCRIPT" in none.stderr
+    missing = _launch([str(tmp_path / "nope.py")], cwd=tmp_path)
+    assert missing.returncode == 2 and "is not a file" in missing.stderr

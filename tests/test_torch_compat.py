@@ -1,0 +1,67 @@
+"""What differs between the torch versions CI runs (2.7.1, the users' MindSpeed-LLM pin, to 2.13):
+int32 targets, ``addmm``'s ``out_dtype`` (torch 2.8 on) and its exact fallback, the version floor."""
+
+import re
+
+import pytest
+import torch
+
+from backends import backend_devices, backend_ids
+from float64_reference import cross_entropy_zloss_float64, relative_error
+import mindspeed_cez.linear_cross_entropy as op
+from mindspeed_cez import kernels, linear_cross_entropy_zloss
+from mindspeed_cez._requirements import TORCH_MIN, check_torch
+
+
+@pytest.mark.parametrize("backend_device", backend_devices(), ids=backend_ids(backend_devices()))
+def test_int32_targets_through_the_fused_output_layer(backend_device):
+    name, device = backend_device
+    gen = torch.Generator().manual_seed(21)
+    hidden = torch.randn(11, 16, generator=gen)
+    weight = torch.randn(40, 16, generator=gen) / 2
+    target = torch.randint(0, 40, (11,), generator=gen)
+    target[3] = -100
+    upstream = torch.randn(11, generator=gen)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    loss64, _, _ = cross_entropy_zloss_float64(h64 @ w64.t(), target, z_loss_coeff=1e-3)
+    (loss64 * upstream.double()).sum().backward()
+    h, w = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
+    with kernels.use_backend(name):
+        loss, _ = linear_cross_entropy_zloss(h, w, target.int().to(device), z_loss_coeff=1e-3)
+        (loss * upstream.to(device)).sum().backward()
+    assert relative_error(loss.cpu(), loss64) < 1e-5
+    assert relative_error(h.grad.cpu(), h64.grad) < 1e-5 and relative_error(w.grad.cpu(), w64.grad) < 1e-5
+
+
+def test_addmm_out_dtype_is_detected_from_the_operator_schema():
+    newer = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+    assert op.ADDMM_OUT_DTYPE == newer, (torch.__version__, op.ADDMM_OUT_DTYPE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_both_accumulation_branches(dtype):
+    """The fp32-copy fallback is exact against float64 on the CPU; the ``out_dtype`` branch takes its
+    arguments on this torch (meta tensors: the CPU has no kernel for it, GPUs run it in tests/test_gpu.py)."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(33, 20, generator=gen).to(dtype), torch.randn(20, 17, generator=gen).to(dtype)
+    start = torch.randn(33, 17, generator=gen)
+    out = start.clone()
+    op.accumulate_mm_fp32_copies(out, a, b)
+    expected = start.double() + a.double() @ b.double()
+    assert relative_error(out, expected) < 1e-6
+    if not op.ADDMM_OUT_DTYPE:
+        with pytest.raises(TypeError, match="out_dtype"):  # why the branch is feature-detected
+            op.accumulate_mm_fp32_out(torch.empty(33, 17, device="meta"), a.to("meta"), b.to("meta"))
+        return
+    meta = torch.empty(33, 17, device="meta")
+    op.accumulate_mm_fp32_out(meta, a.to("meta"), b.to("meta"))
+    assert meta.dtype == torch.float32 and meta.shape == (33, 17)
+
+
+def test_older_torch_gets_an_error_naming_the_version_needed():
+    need = ".".join(map(str, TORCH_MIN))
+    for old in ("2.1.0", "2.6.0+cu124", "2.7.0"):
+        with pytest.raises(ImportError, match=re.escape(f"needs torch >= {need}") + ".*" + re.escape(f"found torch {old}")):
+            check_torch(old)
+    for ok in (need, "2.7.1+cpu", "2.8.0a0+git1234", "2.13.0"):
+        check_torch(ok)
