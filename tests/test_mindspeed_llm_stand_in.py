@@ -237,3 +237,26 @@ def _refusal_worker(rank, world_size, order):
 @pytest.mark.parametrize("order", ["cez first", "cez last"])
 def test_mindspeed_llm_modes_the_kernel_cannot_serve_fail_at_validation(order):
     gpt.shims.run_on_ranks(1, _refusal_worker, order, timeout=300)
+
+
+@pytest.mark.parametrize("launcher", [True, False], ids=["through the launcher", "without it"])
+def test_mindspeed_llm_pretrain_script_unchanged_through_the_launcher(tmp_path, launcher):
+    """``torchrun ... -m mindspeed_cez.launch pretrain_gpt.py ARGS``: MindSpeed-LLM's script takes the
+    flag and logs ``lm_z_loss`` with no Python file changed; without the launcher its parser refuses it."""
+    import subprocess
+
+    from distributed import _free_port as free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), *(["-m", "mindspeed_cez.launch"] if launcher else []),
+           os.path.join(STAND_INS, "pretrain_gpt.py"), "--num-experts=4", "--num-micro-batches=2",
+           "--lm-z-loss-coeff", str(COEFF)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=600)
+    if not launcher:
+        assert proc.returncode != 0 and "unrecognized arguments: --lm-z-loss-coeff" in proc.stderr, proc.stderr[-3000:]
+        return
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(" iteration")]
+    logged = {k: float(v) for k, v in re.findall(r" ([\w ]+): ([0-9.E+-]+) \|", lines[-1])}
+    assert logged["lm loss"] > 0 and logged["lm_z_loss"] > 0 and logged["load_balancing_loss"] > 0, lines

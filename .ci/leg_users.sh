@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# CI leg "users": MindSpeed-LLM 26.x's stack, with the package installed from its built wheel.
+# Python 3.10, torch 2.7.1 (its PyPI build, run on the CPU), triton 3.3.1 (torch's pin: the Triton
+# kernels under the interpreter), megatron-core 0.12.1. Steps: build the wheel; install it (not
+# editable) into a fresh venv; from a folder outside the checkout import every public module, call
+# the op and import the adaptor; from the checkout root import it again (the source folder there must
+# work too); then the README's test suite and the main job's quick mode against that install.
+#
+#   bash .ci/leg_users.sh               # venv in .venv310/ (git-ignored), made anew
+#   PY310=/path/to/python3.10 bash .ci/leg_users.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+
+PY310="${PY310:-$HOME/.pyenv/versions/3.10.13/bin/python}"
+VENV="${VENV:-.venv310}"
+TORCH_VERSION=2.7.1
+TRITON_VERSION=3.3.1
+MEGATRON_CORE_VERSION=0.12.1
+
+start=$SECONDS
+stamp() { echo "== leg users [$((SECONDS - start))s] $*"; }
+
+stamp "fresh venv $VENV from $PY310"
+rm -rf "$VENV" dist
+"$PY310" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+
+stamp "build the wheel"
+"$VENV/bin/python" -m pip wheel -q --no-deps -w dist .
+wheel=$(ls dist/mindspeed_cez-*.whl)
+"$VENV/bin/python" -m zipfile -l "$wheel" | grep -q "mindspeed_cez/kernels/triton_cross_entropy.py"
+
+stamp "install $wheel[test,examples] with torch==$TORCH_VERSION triton==$TRITON_VERSION megatron-core==$MEGATRON_CORE_VERSION"
+"$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION" "triton==$TRITON_VERSION" \
+    "megatron-core==$MEGATRON_CORE_VERSION" "$PWD/$wheel[test,examples]"
+
+stamp "the installed wheel, from outside the checkout"
+(cd "$(mktemp -d)" && "$OLDPWD/$VENV/bin/python" "$OLDPWD/.ci/wheel_check.py" --installed)
+stamp "the installed wheel, from the checkout root (its source folder first on sys.path)"
+"$VENV/bin/python" .ci/wheel_check.py --checkout
+
+stamp "pytest -q tests (the README's test command)"
+"$VENV/bin/pytest" -q tests
+
+stamp "the main job, quick mode"
+"$VENV/bin/python" examples/train_tiny_moe.py --quick
+stamp "done"
