@@ -17,12 +17,14 @@ inputs, and each allocation the op makes (size and where), from the allocator's 
 """
 
 import argparse
-import statistics
 import time
 
 import torch
 
-from bench_cross_entropy import GPU_SHAPES, LOGIT_SCALE, Z_LOSS_COEFF, Timer, copy_bandwidth, write_report
+from bench_cross_entropy import GPU_SHAPES, Z_LOSS_COEFF
+from harness import LOGIT_SCALE, Timer, copy_bandwidth
+from report import write_report
+from support import capture_cuda_graph  # tests/support.py, on the path by harness
 from mindspeed_cez import vocab_parallel_cross_entropy_zloss
 
 
@@ -45,21 +47,7 @@ def _step(base, target, upstream, backward):
         torch.autograd.grad(loss, logits, upstream)
 
 
-def _graph(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def _median_ms(run, restore, timer, iters, head_start=True):
-    times = []
     for _ in range(iters):
         restore()
         if head_start:
@@ -67,14 +55,11 @@ def _median_ms(run, restore, timer, iters, head_start=True):
         else:
             timer.flush.zero_()
             torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        start.record()
+        started = timer.start()
         run()
-        stop.record()
+        timer.stop(started)
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    return timer.median_ms()
 
 
 def _allocations(base, target, upstream):
@@ -142,7 +127,7 @@ def main(argv=None):
                 _step(base, target, upstream, backward)
 
             restore()
-            graph = _graph(eager)
+            graph, _ = capture_cuda_graph(eager, warmup=3)
             graphed = _median_ms(graph.replay, restore, timer, args.iters)
             head = _median_ms(eager, restore, timer, args.iters)
             bare = _median_ms(eager, restore, timer, args.iters, head_start=False)

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import step_profile  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from support import free_port  # noqa: E402
 
 VOCAB = 151936
 ENTRY = os.path.join(HERE, "pretrain_gpt_bench.py")
@@ -88,12 +90,6 @@ STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \
 PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def te_available():
     try:
         import transformer_engine  # noqa: F401
@@ -118,7 +114,7 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None, extra=()):
                      "--profile-step-end", str(iters - 2), "--profile-ranks", "0", "--pytorch-profiler-collect-shapes",
                      "--tensorboard-dir", os.path.join(profile_dir, "tb")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), ENTRY, *COMMON, *CONFIGS[config], *parallel, "--train-iters", str(iters),
+           "--master-port", str(free_port()), ENTRY, *COMMON, *CONFIGS[config], *parallel, "--train-iters", str(iters),
            *extra, *args]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1", **env_extra)
     start = time.time()

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench_cross_entropy import write_report
+from report import write_report
 from mindspeed_cez import vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.kernels.launch import Launcher
 

@@ -12,7 +12,6 @@ in the same run. Time: median of CUDA-event timings of forward+backward (host in
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -20,7 +19,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_cross_entropy import write_report  # noqa: E402
+from harness import timed  # noqa: E402
+from report import write_report  # noqa: E402
+from support import linear_loss_and_grads_float64, relative_error  # noqa: E402  (tests/support.py)
 
 Z = 1e-4
 SHAPES = ["8192x4096x151936", "8192x4096x37984", "8192x7168x16160"]  # last: DeepSeek-V3-like slice (V/8)
@@ -69,40 +70,10 @@ def inputs(n, h, v, seed=0):
     return hidden, weight, target
 
 
-def timed(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def gemm_ms(n, h, v, warmup, iters):
     a = torch.randn(n, h, device="cuda").bfloat16()
     b = torch.randn(h, v, device="cuda").bfloat16()
     return timed(lambda: a @ b, warmup, iters)
-
-
-def float64_grads(hidden, weight, target):
-    h = hidden.double().requires_grad_()
-    w = weight.double().requires_grad_()
-    logits = h @ w.t()
-    lse = torch.logsumexp(logits, -1)
-    valid = target != -100
-    tgt = torch.where(valid, target, 0)
-    loss = torch.where(valid, lse - logits.gather(-1, tgt[:, None])[:, 0] + Z * lse**2, 0).sum()
-    loss.backward()
-    return h.grad, w.grad
-
-
-def rel(a, b):
-    return float((a.double() - b).norm() / b.norm())
 
 
 def run(args):
@@ -112,13 +83,13 @@ def run(args):
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; median of {args.iters} (CUDA events)", ""]
     # accuracy at a small shape against float64 (z-loss as implemented: peers without z differ by it)
     hs, ws, ts = inputs(512, 512, 8192, seed=1)
-    exp_dh, exp_dw = float64_grads(hs, ws, ts)
+    _, exp_dh, exp_dw = linear_loss_and_grads_float64(hs, ws, ts, torch.ones(len(ts), device=ts.device), z_loss_coeff=Z)
     lines += ["| implementation | dhidden rel. error | dweight rel. error (512 x 512 x 8192, vs float64 with z-loss) |",
               "|---|---|---|"]
     for name, fn in impls.items():
         h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
         fn(h, w, ts).backward()
-        lines.append(f"| {name} | {rel(h.grad, exp_dh):.2e} | {rel(w.grad, exp_dw):.2e} |")
+        lines.append(f"| {name} | {relative_error(h.grad, exp_dh):.2e} | {relative_error(w.grad, exp_dw):.2e} |")
     lines += ["", "| N x h x V | implementation | ms | / 3-GEMM floor | peak extra (x logits) |", "|---|---|---|---|---|"]
     for shape in args.shapes:
         n, hdim, v = (int(x) for x in shape.split("x"))

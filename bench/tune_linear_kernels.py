@@ -18,8 +18,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_cross_entropy import write_report  # noqa: E402
-from linear_cross_entropy import timed  # noqa: E402
+from report import write_report  # noqa: E402
+from harness import timed  # noqa: E402
 
 WARMUP, ITERS = 2, 7
 

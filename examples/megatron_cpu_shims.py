@@ -16,14 +16,10 @@ Also here, because every CPU user of megatron-core needs them:
   which MoE with tensor parallelism requires); :func:`tiny_gpt_layer_spec` puts it in the local
   spec; :func:`allreduce_sequence_parallel_grads` does what Megatron's ``finalize_model_grads``
   does for its weights when no Megatron DDP wrapper is used;
-* :func:`causal_attention_mask` -- the explicit causal mask the local attention needs;
-* :func:`run_on_ranks` -- run a function on N real gloo processes (torch.multiprocessing).
+* :func:`causal_attention_mask` -- the explicit causal mask the local attention needs.
 """
 
 import contextlib
-import os
-import socket
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -112,50 +108,3 @@ def allreduce_sequence_parallel_grads(model, tp_group=None):
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank, world_size, port, backend, fn, args, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-        dist.barrier()  # all ranks done before any tears the gloo group down
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        dist.destroy_process_group()
-
-
-def run_on_ranks(world_size, fn, *args, backend="gloo", timeout=600):
-    """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; raise on failure.
-
-    ``fn`` must be importable (module-level). Each process gets one torch thread.
-    """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, errors)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    if failures:
-        raise RuntimeError("\n".join(failures))
-    codes = [p.exitcode for p in procs]
-    if codes != [0] * world_size:
-        raise RuntimeError(f"rank exit codes {codes}")

@@ -12,11 +12,7 @@ GPU: ``torchrun --nproc-per-node 2 examples/pretrain_gpt_cez.py <Megatron args>`
 CPU (CI): the same with ``--distributed-backend gloo``; without a GPU the CPU shims
 (``examples/megatron_cpu_shims.py`` if present, then ``examples/megatron_training_cpu_shims.py``)
 steer Megatron's hard-coded CUDA calls to the CPU. See ``examples/run_megatron_lm_moe.sh``.
-
-Test hook: with ``CEZ_DUMP_LOGITS_DIR`` set, a forward hook writes the output layer's logits (this
-rank's vocab shard), labels and loss mask of every micro-batch of iteration ``CEZ_DUMP_ITERATION``
-(default 1) and of the first evaluation to ``$CEZ_DUMP_LOGITS_DIR/logits_{iterN|eval}_dp{d}_mb{k}_tp{t}.pt``;
-with ``CEZ_TEST_MASK_TAIL`` set, each micro-batch's loss mask drops a data-dependent tail.
+(The end-to-end tests run it through ``tests/megatron_pretrain_harness.py``, which adds their hooks.)
 """
 
 import mindspeed_cez.megatron_adaptor  # noqa: F401  (the one-line integration)
@@ -164,71 +160,13 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         rotary_percent=args.rotary_percent,
         **extra,
     )
-    if post_process and os.environ.get("CEZ_DUMP_LOGITS_DIR"):
-        model.output_layer.register_forward_hook(_keep_logits_hook)
     return model
-
-
-# ------------------------------------------------------------------------ test hook: dump logits
-_CURRENT_BATCH = {}
-_DUMPED = {"train": 0, "eval": 0}
-
-
-def _dump_name(training):
-    """Training: every micro-batch of iteration ``CEZ_DUMP_ITERATION``; eval: the first evaluation."""
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-    args = get_args()
-    if training:
-        # args.curr_iteration counts completed iterations; during iteration N's forward it is N - 1.
-        iteration = int(os.environ.get("CEZ_DUMP_ITERATION", "1"))
-        return f"iter{iteration}" if getattr(args, "curr_iteration", -1) == iteration - 1 else None
-    return "eval" if _DUMPED["eval"] < args.eval_iters * get_num_microbatches() else None
-
-
-def _keep_logits_hook(module, inputs, output):
-    """A copy of the output layer's logits, taken before the loss (Megatron's own CE changes them
-    in place); the last call of a forward is the main LM head's (MTP heads come first)."""
-    name = _dump_name(module.training)
-    if name is not None:
-        logits = output[0] if isinstance(output, tuple) else output
-        deferred = type(logits).__name__ == "DeferredLogits"
-        if deferred:  # --lm-fused-output-layer: made here for the dump only
-            with torch.no_grad():
-                hidden = logits.hidden
-                if module.sequence_parallel:
-                    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-                    hidden = gather_from_sequence_parallel_region(hidden)
-                logits = hidden @ logits.weight.t()
-        _CURRENT_BATCH["logits"] = (name, logits.detach().to("cpu", torch.float32, copy=True))
-        _CURRENT_BATCH["deferred"] = deferred
-
-
-def _dump_logits(name, logits):
-    """Write this micro-batch's logits, labels and loss mask (called from the loss function)."""
-    kind = "eval" if name == "eval" else "train"
-    out_dir = os.environ["CEZ_DUMP_LOGITS_DIR"]
-    os.makedirs(out_dir, exist_ok=True)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    dp_rank = parallel_state.get_data_parallel_rank()
-    torch.save(
-        {
-            "logits": logits,  # [s, b, vocab / tp], this rank's shard
-            "labels": _CURRENT_BATCH["labels"].detach().cpu(),  # [b, s]
-            "loss_mask": _CURRENT_BATCH["loss_mask"].detach().float().cpu(),  # [b, s]
-            "tp_rank": tp_rank,
-            "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
-            "lm_z_loss_coeff": getattr(get_args(), "lm_z_loss_coeff", None),
-            "deferred": _CURRENT_BATCH.get("deferred", False),  # the output layer made no logits
-        },
-        os.path.join(out_dir, f"logits_{name}_dp{dp_rank}_mb{_DUMPED[kind]}_tp{tp_rank}.pt"),
-    )
-    _DUMPED[kind] += 1
 
 
 # ---------------------------------------------------------------------------- batch and loss
 _TUPLE_REPORTS = False
+
+
 def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -256,11 +194,6 @@ def get_batch(data_iterator):
     for k in fields:
         torch.distributed.broadcast(batch[k], src, group=group)
     batch.setdefault("attention_mask", None)
-    if os.environ.get("CEZ_TEST_MASK_TAIL"):
-        # test hook: mask a data-dependent tail of each micro-batch, so that micro-batches (and
-        # data-parallel ranks) count different numbers of tokens, as packed sequences do
-        keep = 4 + int(batch["tokens"].sum()) % (args.seq_length - 4)
-        batch["loss_mask"][:, keep:] = 0.0
     return batch
 
 
@@ -275,9 +208,6 @@ def _train_step_sums_tuples():
 
 def loss_func(loss_mask, output_tensor):
     """Sum of the per-token LM loss over the unmasked tokens, and their count (Megatron's contract)."""
-    pending = _CURRENT_BATCH.pop("logits", None)
-    if pending is not None:
-        _dump_logits(*pending)
     losses = output_tensor.view(-1).float()
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
@@ -293,7 +223,6 @@ def forward_step(data_iterator, model, return_schedule_plan=False):
     """One micro-batch; with ``--overlap-moe-expert-parallel-comm`` Megatron asks for the MoE
     schedule plan instead of running the forward (it runs the plan itself)."""
     batch = get_batch(data_iterator)
-    _CURRENT_BATCH.update(batch)
     inputs = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
     run = model.build_schedule_plan if return_schedule_plan else model
     output_tensor = run(*inputs, labels=batch["labels"], loss_mask=batch["loss_mask"])

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 import warnings
 
@@ -146,19 +147,19 @@ def main(argv=None):
 
     import torch
 
-    import megatron_cpu_shims as shims
-
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's setting for sequence parallelism
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     runs = {}
     t0 = time.time()
-    for coeff in args.coeffs:
-        print(f"== run: z_loss_coeff={coeff:g}, TP={args.tp}, backend={backend}, {iters} iterations", flush=True)
-        path = os.path.join(args.out, f"tiny_moe_c{coeff:g}.json")
-        shims.run_on_ranks(args.tp, _entry, coeff, iters, path, backend=backend)
-        with open(path) as f:
-            runs[coeff] = json.load(f)
+    with tempfile.TemporaryDirectory() as rendezvous:
+        for coeff in args.coeffs:
+            print(f"== run: z_loss_coeff={coeff:g}, TP={args.tp}, backend={backend}, {iters} iterations", flush=True)
+            path = os.path.join(args.out, f"tiny_moe_c{coeff:g}.json")
+            init = "file://" + os.path.join(rendezvous, f"c{coeff:g}")  # the ranks meet through a fresh file
+            torch.multiprocessing.spawn(_entry, args=(args.tp, init, backend, coeff, iters, path), nprocs=args.tp)
+            with open(path) as f:
+                runs[coeff] = json.load(f)
     print(f"wall time: {time.time() - t0:.1f} s")
     from plot_losses import plot_runs
 
@@ -170,13 +171,20 @@ def main(argv=None):
     return runs
 
 
-def _entry(rank, world_size, coeff, iters, out_json):
+def _entry(rank, world_size, init_method, backend, coeff, iters, out_json):
+    """One rank (a process of torch.multiprocessing.spawn): join the group, train, leave."""
     quiet_megatron_warnings()
     import torch
+    import torch.distributed as dist
 
+    torch.set_num_threads(1)
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    train_one(rank, world_size, coeff, iters, out_json)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        train_one(rank, world_size, coeff, iters, out_json)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

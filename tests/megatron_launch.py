@@ -1,7 +1,8 @@
-"""Launch ``examples/pretrain_gpt_cez.py`` under torchrun and read what Megatron printed and dumped.
+"""Launch ``examples/pretrain_gpt_cez.py`` (through ``tests/megatron_pretrain_harness.py``) under
+torchrun and read what Megatron printed and dumped.
 
 Shared by the end-to-end tests of Megatron's own training loop. Without a GPU the ranks talk
-over gloo and the example's CPU shims steer Megatron's CUDA calls to the CPU. The example's test
+over gloo and the example's CPU shims steer Megatron's CUDA calls to the CPU. The harness's
 hooks dump the output layer's logits (every micro-batch of ``DUMP_ITERATION`` and of the first
 evaluation) and mask a data-dependent tail of every micro-batch, so micro-batches and
 data-parallel ranks count different numbers of tokens.
@@ -9,7 +10,6 @@ data-parallel ranks count different numbers of tokens.
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from support import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-ENTRY = REPO / "examples" / "pretrain_gpt_cez.py"
+ENTRY = REPO / "tests" / "megatron_pretrain_harness.py"
 ITERS = 3
 # Megatron 0.19 prints iteration 1 without resetting its running sums, so the line of iteration 2
 # averages iterations 1 and 2 (for lm loss and lm_z_loss alike); iteration 3's line is iteration 3
@@ -63,12 +65,6 @@ def with_args(args, **values):
 CPP_ABORT = "terminate called without an active exception"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fields(text):
     values = {}
     for field in text.split("|"):
@@ -93,7 +89,7 @@ def first_validation(text):
 
 
 def launch(out, args, nproc=2, iters=ITERS, env=None):
-    """Run the example under torchrun; returns ``{"rows", "log", "dump", "validation"}``."""
+    """Run the example (its test harness) under torchrun; returns ``{"rows", "log", "dump", "validation"}``."""
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs, or none (CPU + gloo)")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -103,7 +99,7 @@ def launch(out, args, nproc=2, iters=ITERS, env=None):
                CEZ_DUMP_LOGITS_DIR=str(out / "dump"), CEZ_DUMP_ITERATION=str(DUMP_ITERATION),
                CEZ_TEST_MASK_TAIL="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(ENTRY), *args, "--distributed-backend", backend]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + "\n" + proc.stderr
@@ -111,7 +107,7 @@ def launch(out, args, nproc=2, iters=ITERS, env=None):
         # Seen once in 2026-11-23's CI (a rank aborted in C++ during iteration 1 of a flag-off run,
         # not reproduced in 12 launches after): launch once more, on a fresh port, keeping the log.
         (out / "train_aborted.log").write_text(log)
-        cmd[cmd.index("--master-port") + 1] = str(_free_port())
+        cmd[cmd.index("--master-port") + 1] = str(free_port())
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         log = proc.stdout + "\n" + proc.stderr
     (out / "train.log").write_text(log)
@@ -123,7 +119,7 @@ def launch(out, args, nproc=2, iters=ITERS, env=None):
 
 def recompute_from_dump(dump_dir, name=f"iter{DUMP_ITERATION}"):
     """Per (data-parallel rank, micro-batch): lse and CE over the full vocab (every TP shard,
-    float64) and the loss mask, from the logits the example dumped."""
+    float64) and the loss mask, from the logits the harness dumped."""
     pattern = re.compile(rf"logits_{name}_dp(\d+)_mb(\d+)_tp(\d+)\.pt")
     files = {}
     for path in Path(dump_dir).glob(f"logits_{name}_*.pt"):

@@ -29,6 +29,7 @@ pytest.importorskip("megatron.core")
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 sys.path.insert(0, EXAMPLES)
 import megatron_cpu_shims as shims  # noqa: E402
+from support import run_on_ranks  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -236,7 +237,7 @@ def _gpt_worker(rank, world_size, tp):
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1-dp2", "tp2sp-dp2"])
 def test_gpt_moe_loss_gradient_and_lm_z_loss_metric(tp):
-    shims.run_on_ranks(2 * tp, _gpt_worker, tp, timeout=600)
+    run_on_ranks(2 * tp, _gpt_worker, tp, timeout=600)
 
 
 def _schedule_plan_worker(rank, world_size):
@@ -286,4 +287,4 @@ def test_schedule_plan_postprocess_node_uses_the_loss_mask():
 
     if not hasattr(utils, "PostProcessNode"):
         pytest.skip("no schedule-plan post-process node in this megatron-core")
-    shims.run_on_ranks(1, _schedule_plan_worker, timeout=300)
+    run_on_ranks(1, _schedule_plan_worker, timeout=300)

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from test_adaptor_gpt import BATCH, COEFF, LAYERS, SEQ, _micro_batches, _setup, shims  # noqa: E402
+from support import run_on_ranks  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -127,4 +128,4 @@ def _setup_tied(tp):
 
 @pytest.mark.parametrize("tp,tied", [(1, False), (2, False), (1, True)], ids=["tp1-dp2", "tp2sp-dp2", "tied-tp1-dp2"])
 def test_fused_output_layer_matches_the_unfused_loss(tp, tied):
-    shims.run_on_ranks(2 * tp, _worker, tp, tied, timeout=600)
+    run_on_ranks(2 * tp, _worker, tp, tied, timeout=600)

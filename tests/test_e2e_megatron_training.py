@@ -4,8 +4,8 @@ A tiny MoE GPT is pretrained by ``examples/pretrain_gpt_cez.py`` (Megatron's ``p
 ``torchrun --nproc-per-node 2``, TP=2 with sequence parallelism, mock data, two micro-batches per
 iteration whose loss masks keep different numbers of tokens). Without a GPU the ranks talk over
 gloo and the CPU shims of ``examples/`` steer Megatron's CUDA calls to the CPU. The real log
-output is parsed and checked against the logits that the entry script's forward hook dumped
-(both TP shards, every micro-batch, float64):
+output is parsed and checked against the logits that the test harness's forward hook dumped
+(``tests/megatron_pretrain_harness.py``; both TP shards, every micro-batch, float64):
 
 * with ``--lm-z-loss-coeff``, every logged iteration has ``lm_z_loss`` next to ``lm loss``,
   equal to ``sum(c*lse^2*mask) / sum(mask)`` over the iteration's micro-batches; ``lm loss``

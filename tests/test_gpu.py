@@ -7,41 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_on_ranks
-from float64_reference import cross_entropy_zloss_float64
+from support import capture_cuda_graph, loss_and_grad_float64_chunked, relative_error, relative_error_chunked, run_on_ranks
 from mindspeed_cez import kernels, vocab_parallel_cross_entropy_zloss
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-
-
-def _oracle_chunked(logits, target, upstream, z_loss_coeff, label_smoothing, rows=512):
-    """Float64 loss and gradient, a few hundred rows at a time (the full float64 copy would be huge)."""
-    losses, grads = [], []
-    for start in range(0, logits.shape[0], rows):
-        x = logits[start : start + rows].double().requires_grad_(True)
-        loss, _, _ = cross_entropy_zloss_float64(
-            x, target[start : start + rows], z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing
-        )
-        (grad,) = torch.autograd.grad(loss, x, upstream[start : start + rows].double())
-        losses.append(loss.detach())
-        grads.append(grad)
-    return torch.cat(losses), grads
-
-
-def _grad_error(grad, exp_grads, rows=512):
-    num = den = 0.0
-    for i, exp in enumerate(exp_grads):
-        got = grad[i * rows : i * rows + exp.shape[0]].double()
-        num += (got - exp).norm().item() ** 2
-        den += exp.norm().item() ** 2
-    return (num / den) ** 0.5
-
-
-def _rel(a, b):
-    return ((a.double() - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize(
@@ -56,14 +28,15 @@ def test_real_sizes_bf16(n, vocab, label_smoothing):
     target[torch.rand(n, device="cuda", generator=gen) < 0.1] = -100
     target[-1] = vocab - 1  # the very last element of the tensor is a target
     upstream = torch.randn(n, device="cuda", generator=gen)
-    exp_loss, exp_grads = _oracle_chunked(base, target, upstream, 1e-4, label_smoothing)
+    exp_loss, exp_grads = loss_and_grad_float64_chunked(base, target, upstream, z_loss_coeff=1e-4,
+                                                         label_smoothing=label_smoothing)
     leaf = base.clone().requires_grad_(True)
     logits = leaf * 1
     loss, z_loss = vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=1e-4, label_smoothing=label_smoothing)
-    assert _rel(loss, exp_loss) < 1e-5
+    assert relative_error(loss, exp_loss) < 1e-5
     (grad,) = torch.autograd.grad(loss, logits, upstream)
     assert grad.data_ptr() == logits.data_ptr()  # written in place
-    assert _grad_error(grad, exp_grads) < 8e-3
+    assert relative_error_chunked(grad, exp_grads) < 8e-3
     last = grad[-1, -1].double().item()
     assert abs(last - exp_grads[-1][-1, -1].item()) < 1e-2 * abs(exp_grads[-1][-1, -1].item()) + 1e-6
 
@@ -80,15 +53,7 @@ def test_cuda_graph_captures_forward_and_backward():
         (grad,) = torch.autograd.grad(loss, leaf, static_upstream)
         return loss, z_loss, grad
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()  # warm-up: compiles kernels, checks shard widths eagerly
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_cuda_graph(step)  # warm-up compiles kernels, checks shard widths eagerly
     for seed in range(3):
         torch.manual_seed(seed)
         static_logits.copy_(torch.randn(n, vocab, device="cuda") * 3)
@@ -107,7 +72,7 @@ def _tp_nccl(rank, world_size, n, vocab):
     target = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
     target[::7] = -100
     upstream = torch.randn(n, device="cuda", generator=gen)
-    exp_loss, exp_grads = _oracle_chunked(full, target, upstream, 1e-4, 0.1)
+    exp_loss, exp_grads = loss_and_grad_float64_chunked(full, target, upstream, z_loss_coeff=1e-4, label_smoothing=0.1)
     v_local = vocab // world_size
     shard = slice(rank * v_local, (rank + 1) * v_local)
     logits = full[:, shard].contiguous().requires_grad_(True)
@@ -115,8 +80,8 @@ def _tp_nccl(rank, world_size, n, vocab):
         logits * 1, target, z_loss_coeff=1e-4, label_smoothing=0.1, tp_group=dist.group.WORLD
     )
     loss.backward(upstream)
-    assert _rel(loss, exp_loss) < 1e-5
-    assert _grad_error(logits.grad, [g[:, shard] for g in exp_grads]) < 8e-3
+    assert relative_error(loss, exp_loss) < 1e-5
+    assert relative_error_chunked(logits.grad, [g[:, shard] for g in exp_grads]) < 8e-3
 
 
 @pytest.mark.parametrize("tp", [2, 4])

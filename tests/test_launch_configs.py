@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from backends import GRAD_TOLERANCE, LOSS_TOLERANCE, random_logits, triton_runs_on_cpu
-from float64_reference import cross_entropy_zloss_float64, loss_and_grad_float64, relative_error
+from support import cross_entropy_zloss_float64, loss_and_grad_float64, relative_error
 from mindspeed_cez import kernels, vocab_parallel_cross_entropy_zloss
 
 pytestmark = pytest.mark.skipif(

@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from backends import triton_runs_on_cpu
-from distributed import run_on_ranks
-from float64_reference import cross_entropy_zloss_float64, relative_error
+from support import run_on_ranks
+from support import cross_entropy_zloss_float64, relative_error
 from mindspeed_cez import kernels, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
 import mindspeed_cez.linear_cross_entropy as op_module
 from mindspeed_cez.kernels import chunked_linear

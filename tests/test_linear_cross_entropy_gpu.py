@@ -7,24 +7,12 @@ Skipped without CUDA."""
 import pytest
 import torch
 
-from float64_reference import relative_error
+from support import capture_cuda_graph, linear_loss_and_grads_float64, relative_error
 from mindspeed_cez import kernels, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 N, H, V, Z = 4096, 2048, 32768, 1e-3
-
-
-def _float64(hidden, weight, target, upstream, label_smoothing):
-    h, w = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    logits = h @ w.t()
-    lse = torch.logsumexp(logits, -1)
-    valid = target != -100
-    t = torch.where(valid, target, 0)
-    nll = lse - (1 - label_smoothing) * logits.gather(-1, t[:, None])[:, 0] - label_smoothing * logits.mean(-1)
-    loss = torch.where(valid, nll + Z * lse**2, 0)
-    (loss * upstream).sum().backward()
-    return loss.detach(), h.grad, w.grad
 
 
 PATHS = [("triton", torch.bfloat16), ("triton", torch.float16), ("triton", torch.float32), ("gemm", torch.bfloat16),
@@ -42,7 +30,8 @@ def test_matches_float64_at_a_real_size(path, dtype, label_smoothing):
     target[torch.rand(N, device="cuda", generator=g) < 0.1] = -100
     mask = (torch.rand(N, device="cuda", generator=g) < 0.9).float()
     upstream = mask / mask.sum()
-    exp_loss, exp_dh, exp_dw = _float64(hidden, weight, target, upstream, label_smoothing)
+    exp_loss, exp_dh, exp_dw = linear_loss_and_grads_float64(hidden, weight, target, upstream, z_loss_coeff=Z,
+                                                              label_smoothing=label_smoothing)
 
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with kernels.use_linear_backend(None if forward_grads else path):
@@ -72,15 +61,7 @@ def test_triton_path_captures_in_a_cuda_graph():
             loss, z_loss = linear_cross_entropy_zloss(x, w, target, Z, 0.1)
             return (loss, z_loss, *torch.autograd.grad(loss, (x, w), upstream))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_cuda_graph(step)
     for seed in range(2):
         torch.manual_seed(seed)
         hidden.copy_(torch.randn(n, h, device="cuda"))

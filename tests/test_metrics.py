@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from distributed import run_on_ranks  # noqa: E402
+from support import run_on_ranks  # noqa: E402
 
 TOKENS = 37
 

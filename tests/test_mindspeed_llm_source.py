@@ -189,9 +189,9 @@ CASES = {  # a dense model: no MoE report, so the training_log wrapper alone car
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_mindspeed_llm_real_model_loss_and_log(case):
-    import test_adaptor_gpt as gpt
+    from support import run_on_ranks
 
-    gpt.shims.run_on_ranks(2, _worker, *CASES[case], timeout=900)
+    run_on_ranks(2, _worker, *CASES[case], timeout=900)
 
 
 def _refusal_worker(rank, world_size, order):
@@ -206,8 +206,8 @@ def _refusal_worker(rank, world_size, order):
 
 @pytest.mark.parametrize("order", ["cez first", "cez last"])
 def test_mindspeed_llm_real_chunk_mode_refused_at_tp1(order):
-    import test_adaptor_gpt as gpt
+    from support import run_on_ranks
 
     if not _has_chunk_mode():
         pytest.skip("this MindSpeed-LLM has no --loss-compute-mode")
-    gpt.shims.run_on_ranks(1, _refusal_worker, order, timeout=600)
+    run_on_ranks(1, _refusal_worker, order, timeout=600)

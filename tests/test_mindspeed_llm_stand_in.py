@@ -26,6 +26,7 @@ pytest.importorskip("megatron.core")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
 import test_adaptor_gpt as gpt  # noqa: E402
+from support import run_on_ranks  # noqa: E402
 
 STAND_INS = os.path.join(TESTS, "stand_ins")
 COEFF = 3e-2
@@ -166,7 +167,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_mindspeed_llm_model_and_loop(case):
     tp, order, coeff, extra = CASES[case]
-    gpt.shims.run_on_ranks(2, _train_worker, tp, order, coeff, extra, timeout=600)
+    run_on_ranks(2, _train_worker, tp, order, coeff, extra, timeout=600)
 
 
 def _fused_output_layer_worker(rank, world_size, tp):
@@ -215,7 +216,7 @@ def _fused_output_layer_worker(rank, world_size, tp):
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1-dp2", "tp2sp"])
 def test_mindspeed_llm_fused_output_layer(tp):
-    gpt.shims.run_on_ranks(2, _fused_output_layer_worker, tp, timeout=600)
+    run_on_ranks(2, _fused_output_layer_worker, tp, timeout=600)
 
 
 def _refusal_worker(rank, world_size, order):
@@ -236,7 +237,7 @@ def _refusal_worker(rank, world_size, order):
 
 @pytest.mark.parametrize("order", ["cez first", "cez last"])
 def test_mindspeed_llm_modes_the_kernel_cannot_serve_fail_at_validation(order):
-    gpt.shims.run_on_ranks(1, _refusal_worker, order, timeout=300)
+    run_on_ranks(1, _refusal_worker, order, timeout=300)
 
 
 @pytest.mark.parametrize("launcher", [True, False], ids=["through the launcher", "without it"])
@@ -245,7 +246,7 @@ def test_mindspeed_llm_pretrain_script_unchanged_through_the_launcher(tmp_path, 
     flag and logs ``lm_z_loss`` with no Python file changed; without the launcher its parser refuses it."""
     import subprocess
 
-    from distributed import _free_port as free_port
+    from support import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), *(["-m", "mindspeed_cez.launch"] if launcher else []),

@@ -107,6 +107,6 @@ def _worker(rank, world_size, source):
 
 
 def test_feature_through_mindspeeds_real_patch_manager():
-    import test_adaptor_gpt as gpt
+    from support import run_on_ranks
 
-    gpt.shims.run_on_ranks(1, _worker, SOURCE, timeout=600)
+    run_on_ranks(1, _worker, SOURCE, timeout=600)

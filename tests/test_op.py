@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from backends import DTYPES, GRAD_TOLERANCE, LOSS_TOLERANCE, backend_devices, backend_ids, random_logits
-from float64_reference import loss_and_grad_float64, relative_error
+from support import loss_and_grad_float64, relative_error
 from mindspeed_cez import kernels, vocab_parallel_cross_entropy_zloss
 
 PAIRS = backend_devices()
@@ -184,7 +184,7 @@ def test_int32_targets(backend_device):
 
 
 def test_lse_output_for_logging(backend_device):
-    from float64_reference import cross_entropy_zloss_float64
+    from support import cross_entropy_zloss_float64
     from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
 
     _, device = backend_device

@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 from backends import GRAD_TOLERANCE, LOSS_TOLERANCE, random_logits, triton_runs_on_cpu
-from distributed import run_on_ranks
-from float64_reference import loss_and_grad_float64, relative_error
+from support import run_on_ranks
+from support import loss_and_grad_float64, relative_error
 from mindspeed_cez import kernels, vocab_parallel_cross_entropy_zloss
 
 

@@ -1,0 +1,120 @@
+"""``examples/pretrain_gpt_cez.py`` with the end-to-end tests' hooks (``tests/megatron_launch.py``
+runs this file under torchrun in its place). The example's own code runs unchanged; this file
+wraps three of its functions:
+
+* ``model_provider``: with ``CEZ_DUMP_LOGITS_DIR`` set, a forward hook on the output layer keeps a
+  copy of its logits (this rank's vocab shard);
+* ``loss_func``: writes them, with the micro-batch's labels and loss mask, for every micro-batch of
+  iteration ``CEZ_DUMP_ITERATION`` (default 1) and of the first evaluation, to
+  ``$CEZ_DUMP_LOGITS_DIR/logits_{iterN|eval}_dp{d}_mb{k}_tp{t}.pt``;
+* ``get_batch``: with ``CEZ_TEST_MASK_TAIL`` set, each micro-batch's loss mask drops a
+  data-dependent tail, so that micro-batches (and data-parallel ranks) count different numbers of
+  tokens, as packed sequences do.
+"""
+
+import functools
+import inspect
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import pretrain_gpt_cez as example  # noqa: E402  (the adaptor's import; the CPU shims without a GPU)
+
+import torch  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.training import get_args  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------- dump logits
+_CURRENT_BATCH = {}
+_DUMPED = {"train": 0, "eval": 0}
+
+
+def _dump_name(training):
+    """Training: every micro-batch of iteration ``CEZ_DUMP_ITERATION``; eval: the first evaluation."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    args = get_args()
+    if training:
+        # args.curr_iteration counts completed iterations; during iteration N's forward it is N - 1.
+        iteration = int(os.environ.get("CEZ_DUMP_ITERATION", "1"))
+        return f"iter{iteration}" if getattr(args, "curr_iteration", -1) == iteration - 1 else None
+    return "eval" if _DUMPED["eval"] < args.eval_iters * get_num_microbatches() else None
+
+
+def _keep_logits_hook(module, inputs, output):
+    """A copy of the output layer's logits, taken before the loss (Megatron's own CE changes them
+    in place); the last call of a forward is the main LM head's (MTP heads come first)."""
+    name = _dump_name(module.training)
+    if name is not None:
+        logits = output[0] if isinstance(output, tuple) else output
+        deferred = type(logits).__name__ == "DeferredLogits"
+        if deferred:  # --lm-fused-output-layer: made here for the dump only
+            with torch.no_grad():
+                hidden = logits.hidden
+                if module.sequence_parallel:
+                    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+                    hidden = gather_from_sequence_parallel_region(hidden)
+                logits = hidden @ logits.weight.t()
+        _CURRENT_BATCH["logits"] = (name, logits.detach().to("cpu", torch.float32, copy=True))
+        _CURRENT_BATCH["deferred"] = deferred
+
+
+def _dump_logits(name, logits):
+    """Write this micro-batch's logits, labels and loss mask (called from the loss function)."""
+    kind = "eval" if name == "eval" else "train"
+    out_dir = os.environ["CEZ_DUMP_LOGITS_DIR"]
+    os.makedirs(out_dir, exist_ok=True)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    torch.save(
+        {
+            "logits": logits,  # [s, b, vocab / tp], this rank's shard
+            "labels": _CURRENT_BATCH["labels"].detach().cpu(),  # [b, s]
+            "loss_mask": _CURRENT_BATCH["loss_mask"].detach().float().cpu(),  # [b, s]
+            "tp_rank": tp_rank,
+            "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "lm_z_loss_coeff": getattr(get_args(), "lm_z_loss_coeff", None),
+            "deferred": _CURRENT_BATCH.get("deferred", False),  # the output layer made no logits
+        },
+        os.path.join(out_dir, f"logits_{name}_dp{dp_rank}_mb{_DUMPED[kind]}_tp{tp_rank}.pt"),
+    )
+    _DUMPED[kind] += 1
+
+
+# ------------------------------------------------------------------------- the example, wrapped
+_example_model_provider, _example_get_batch, _example_loss_func = (
+    example.model_provider, example.get_batch, example.loss_func)
+
+
+@functools.wraps(_example_model_provider)  # the same signature: Megatron reads it
+def model_provider(*args, **kwargs):
+    model = _example_model_provider(*args, **kwargs)
+    post_process = inspect.signature(_example_model_provider).bind(*args, **kwargs).arguments.get("post_process", True)
+    if post_process and os.environ.get("CEZ_DUMP_LOGITS_DIR"):
+        model.output_layer.register_forward_hook(_keep_logits_hook)
+    return model
+
+
+def get_batch(data_iterator):
+    batch = _example_get_batch(data_iterator)
+    if os.environ.get("CEZ_TEST_MASK_TAIL"):
+        keep = 4 + int(batch["tokens"].sum()) % (get_args().seq_length - 4)
+        batch["loss_mask"][:, keep:] = 0.0
+    _CURRENT_BATCH.update(batch)
+    return batch
+
+
+def loss_func(loss_mask, output_tensor):
+    pending = _CURRENT_BATCH.pop("logits", None)
+    if pending is not None:
+        _dump_logits(*pending)
+    return _example_loss_func(loss_mask, output_tensor)
+
+
+# The example's forward_step and main look these names up in their module when they run.
+example.model_provider, example.get_batch, example.loss_func = model_provider, get_batch, loss_func
+
+if __name__ == "__main__":
+    example.main()
