@@ -8,6 +8,7 @@ online softmax, no sharding.
 import os
 import socket
 import sys
+import threading
 import traceback
 
 import torch
@@ -40,12 +41,20 @@ def _rank_main(rank, world_size, port, backend, fn, args, errors):
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
     finally:
-        dist.destroy_process_group()
+        _destroy_group()
     # Leave without the interpreter's teardown, where gloo's threads were seen to abort a rank
     # (exit -6) after its work had passed (CI, 2026-11-23); the outcome is already decided above.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if ok else 1)
+
+
+def _destroy_group(seconds=60):
+    """``dist.destroy_process_group()``, given up after ``seconds``: on torch 2.7.1 a gloo rank was seen
+    to hang there for good after every rank had passed the barrier (the outcome is decided by then)."""
+    thread = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    thread.start()
+    thread.join(seconds)
 
 
 def run_on_ranks(world_size, fn, *args, timeout=300, backend="gloo"):

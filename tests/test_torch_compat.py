@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from backends import backend_devices, backend_ids
-from float64_reference import cross_entropy_zloss_float64, relative_error
+from support import cross_entropy_zloss_float64, relative_error
 import mindspeed_cez.linear_cross_entropy as op
 from mindspeed_cez import kernels, linear_cross_entropy_zloss
 from mindspeed_cez._requirements import TORCH_MIN, check_torch
