@@ -1,7 +1,7 @@
 """Output projection + vocab-parallel cross entropy + z-loss, without the logits tensor.
 
 ``loss = CE(hidden @ weight.T) + c * lse**2`` per token, for the per-row partials of
-``vocab_parallel_cross_entropy_zloss`` (with its two all-reduces under TP). Two paths:
+``vocab_parallel_cross_entropy_zloss`` (merged across ranks by :mod:`mindspeed_cez.tensor_parallel`). Two paths:
 
 - recompute (``LinearCrossEntropyZLoss``): the forward reduces the logits to the partials as
   they are made (Triton: ``tl.dot`` tiles in registers, kernels/triton_linear_cross_entropy.py;
@@ -20,12 +20,13 @@ reduce-scattered back; without it every rank holds all of ``hidden`` and ``dhidd
 """
 
 import torch
-import torch.distributed as dist
 
 from mindspeed_cez import kernels
 from mindspeed_cez.kernels import chunked_linear
-from mindspeed_cez.cross_entropy_zloss import (_check_target_range, check_coefficients, group_rank_and_size,
-                                               resolve_tp_group)
+from mindspeed_cez.cross_entropy_zloss import _check_target_range, check_coefficients
+from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
+                                           resolve_tp_group)
+
 
 def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, sequence_parallel):
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() not in (2, 3):
@@ -62,12 +63,6 @@ def _rows(hidden):
     """``[..., h]`` -> ``[n, h]`` with unit column stride (the kernels' layout)."""
     rows = hidden.reshape(-1, hidden.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-def _gather_sequence(hidden, tp_group, tp_size):
-    out = hidden.new_empty((hidden.shape[0] * tp_size, *hidden.shape[1:]))
-    dist.all_gather_into_tensor(out, hidden.contiguous(), group=tp_group)
-    return out
 
 
 def _main_grad_placeholder(weight):
@@ -115,7 +110,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
                 sequence_parallel, gradient_accumulation_fusion):
         rank, tp_size = group_rank_and_size(tp_group)
-        full = _gather_sequence(hidden, tp_group, tp_size) if sequence_parallel and tp_size > 1 else hidden
+        full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = _rows(full)
         flat_target = target.reshape(-1)
         n, v_local = rows.shape[0], weight.shape[0]
@@ -125,11 +120,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         linear = kernels.linear_backend_for(rows.device)  # backward uses the forward's
         stats = linear.linear_partials(rows, weight, flat_target, vocab_start, global_vocab, ignore_index,
                                        label_smoothing)
-        if tp_size > 1:
-            dist.all_reduce(stats[0], op=dist.ReduceOp.MAX, group=tp_group)
-            backend.rescale_sum_exp(stats)
-            dist.all_reduce(stats[1:3], op=dist.ReduceOp.SUM, group=tp_group)
-        out = backend.loss_from_partials(stats, flat_target, ignore_index, z_loss_coeff)
+        out = merged_loss(backend, stats, flat_target, ignore_index, z_loss_coeff, tp_group, tp_size)
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
 
         ctx.save_for_backward(hidden, weight, flat_target, lse)
@@ -144,8 +135,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         hidden, weight, flat_target, lse = ctx.saved_tensors
         (z_loss_coeff, label_smoothing, ignore_index, tp_group, tp_size, sequence_parallel,
          accumulate, vocab_start, global_vocab, linear) = ctx.settings
-        gather = sequence_parallel and tp_size > 1
-        full = _gather_sequence(hidden, tp_group, tp_size) if gather else hidden
+        full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = _rows(full)
         lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
@@ -163,13 +153,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
                 _accumulate_mm(weight.main_grad[c:c + step], dlogits.t(), rows)
             else:
                 torch.matmul(dlogits.t(), rows, out=dweight[c:c + step])
-        dhidden = drows.to(rows.dtype).view(full.shape)
-        if gather:
-            local = torch.empty_like(hidden)
-            dist.reduce_scatter_tensor(local, dhidden.contiguous(), group=tp_group)
-            dhidden = local
-        elif tp_size > 1:
-            dist.all_reduce(dhidden, group=tp_group)
+        dhidden = reduce_dhidden(drows.to(rows.dtype).view(full.shape), tp_group, tp_size, sequence_parallel)
         if into_main_grad:
             dweight = _main_grad_placeholder(weight)
         return dhidden, dweight, None, None, None, None, None, None, None
@@ -197,7 +181,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, token_weights, z_loss_coeff, label_smoothing, ignore_index, tp_group,
                 sequence_parallel, gradient_accumulation_fusion):
         rank, tp_size = group_rank_and_size(tp_group)
-        full = _gather_sequence(hidden, tp_group, tp_size) if sequence_parallel and tp_size > 1 else hidden
+        full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = full.reshape(-1, full.shape[-1])
         flat_target = target.reshape(-1)
         weights = torch.where(flat_target == ignore_index, 0.0, token_weights.reshape(-1).float())
@@ -214,11 +198,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             x, t = rows[r:r + step], flat_target[r:r + step]
             logits = x @ weight.t()
             stats = backend.shard_partials(logits, t, vocab_start, global_vocab, ignore_index, label_smoothing)
-            if tp_size > 1:
-                dist.all_reduce(stats[0], op=dist.ReduceOp.MAX, group=tp_group)
-                backend.rescale_sum_exp(stats)
-                dist.all_reduce(stats[1:3], op=dist.ReduceOp.SUM, group=tp_group)
-            out[:, r:r + step] = backend.loss_from_partials(stats, t, ignore_index, z_loss_coeff)
+            out[:, r:r + step] = merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size)
             backend.write_grad(logits, logits, t, out[2, r:r + step], unit[r:r + step], ignore_index, vocab_start,
                                z_loss_coeff, label_smoothing, global_vocab)
             drows[r:r + step] = 0
@@ -242,13 +222,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         proportional = ((g - k * weights).abs() <= 1e-3 * (k * weights).abs() + 1e-30) | ~counted  # ignored: any g
         torch._assert_async(proportional.all(),
                             "linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w")
-        dhidden = (drows * g[:, None]).to(dtype).view(full_shape)
-        if sequence_parallel and tp_size > 1:
-            local = dhidden.new_empty((full_shape[0] // tp_size, *full_shape[1:]))
-            dist.reduce_scatter_tensor(local, dhidden.contiguous(), group=tp_group)
-            dhidden = local
-        elif tp_size > 1:
-            dist.all_reduce(dhidden, group=tp_group)
+        dhidden = reduce_dhidden((drows * g[:, None]).to(dtype).view(full_shape), tp_group, tp_size, sequence_parallel)
         dweight_sum.mul_(k)
         if accumulate and hasattr(weight, "main_grad"):
             weight.main_grad.add_(dweight_sum)

@@ -34,7 +34,8 @@ import warnings
 
 import torch
 
-from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse, group_rank_and_size, resolve_tp_group
+from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
+from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 from mindspeed_cez.patches import output_layer as _output_layer
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
@@ -63,6 +64,13 @@ def _module_tp_group(module):
     return resolve_tp_group(group)
 
 
+def ce_value_with_z_loss_gradient(loss, z_loss, z_loss_coeff):
+    """Megatron's convention for auxiliary losses: the per-token ``loss = CE + c*lse**2`` of the ops
+    minus their detached ``z_loss``, so the value is the CE (what Megatron logs as ``lm loss``) and
+    the gradient still that of ``CE + c*lse**2`` (what it trains on)."""
+    return loss - z_loss if z_loss_coeff > 0 else loss
+
+
 def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff):
     """The op on ``[s, b, v_local]`` logits, in Megatron's convention for auxiliary losses.
 
@@ -80,9 +88,7 @@ def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff)
         label_smoothing=smoothing,
         tp_group=tp_group,
     )
-    if z_loss_coeff > 0:
-        loss = loss - z_loss  # z_loss is non-differentiable: the gradient keeps the z-loss term
-    return loss, z_loss, lse
+    return ce_value_with_z_loss_gradient(loss, z_loss, z_loss_coeff), z_loss, lse
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,6 +217,7 @@ def compute_language_model_loss_wrapper(fn):
                 weights = loss_mask.transpose(0, 1).to(torch.float32)  # [b s] => [s b]
             loss, z_loss, lse = _output_layer.linear_loss(
                 logits, target, tp_group, megatron_to_torch_smoothing(smoothing, global_vocab), coeff, weights)
+            loss = ce_value_with_z_loss_gradient(loss, z_loss, coeff)
         else:
             if is_main and _output_layer.expects_deferred():
                 raise _output_layer.FusedOutputLayerError(

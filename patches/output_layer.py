@@ -116,15 +116,12 @@ def expects_deferred():
 
 
 def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, token_weights=None):
-    """``(loss, z_loss, lse)`` of the deferred output layer, ``[s, b]``: the value of the CE, the
-    gradient of ``CE + c*lse**2`` (Megatron's convention for auxiliary losses). ``token_weights``
-    (``[s, b]``, the loss mask): gradients made during the forward."""
+    """``(loss, z_loss, lse)`` of the deferred output layer, ``[s, b]``, as the op returns them
+    (``loss = CE + c*lse**2``). ``token_weights`` (``[s, b]``, the loss mask): gradients made during
+    the forward."""
     layer = deferred.layer
-    loss, z_loss, lse = linear_cross_entropy_zloss_with_lse(
+    return linear_cross_entropy_zloss_with_lse(
         deferred.hidden, deferred.weight, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
         tp_group=tp_group, sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
         gradient_accumulation_fusion=bool(getattr(layer, "gradient_accumulation_fusion", False)),
         token_weights=token_weights if torch.is_grad_enabled() else None)
-    if z_loss_coeff > 0:
-        loss = loss - z_loss
-    return loss, z_loss, lse
