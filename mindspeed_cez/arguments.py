@@ -24,6 +24,8 @@ Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider``
 import math
 from argparse import Namespace
 
+from mindspeed_cez.patches.settings import Settings, backends_from_environment
+
 FLAG_COEFF = "--lm-z-loss-coeff"
 FLAG_FUSED = "--lm-fused-ce"
 FLAG_NO_FUSED = "--no-lm-fused-ce"
@@ -136,9 +138,9 @@ def fused_ce_enabled(args):
 
 
 def settings_from_args(args):
-    """``mindspeed_cez.patches.Settings`` for validated ``args``, or None when the kernel is off."""
-    from mindspeed_cez.patches.settings import Settings
-
+    """``mindspeed_cez.patches.Settings`` for validated ``args``, or None when the kernel is off. The
+    kernels' backends come from the environment (``MINDSPEED_CEZ_BACKEND``,
+    ``MINDSPEED_CEZ_LINEAR_BACKEND``), unset: automatic."""
     validate_lm_z_loss_args(args)
     if not fused_ce_enabled(args):
         return None
@@ -150,6 +152,7 @@ def settings_from_args(args):
         fused_output_layer=bool(getattr(args, "lm_fused_output_layer", None)),
         output_layer_grads=(getattr(args, "lm_fused_output_layer", None) if
                             getattr(args, "lm_fused_output_layer", None) in OUTPUT_LAYER_GRADS else "recompute"),
+        **backends_from_environment(),
     )
 
 

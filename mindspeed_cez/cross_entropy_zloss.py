@@ -91,7 +91,7 @@ def _as_rows(logits):
 
 class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group):
+    def forward(ctx, logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, backend):
         rank, world_size = group_rank_and_size(tp_group)
         v_local = logits.shape[-1]
         global_vocab = v_local * world_size
@@ -100,7 +100,6 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         rows = _as_rows(logits)
         flat_target = target.reshape(-1)
         vocab_start = rank * v_local
-        backend = kernels.backend_for(rows.device)
         _check_target_range(flat_target, global_vocab, ignore_index, backend)
         if world_size == 1:
             out = backend.fused_loss(rows, flat_target, ignore_index, z_loss_coeff, label_smoothing)
@@ -148,7 +147,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         if ctx.in_place:
             # The logits now hold their gradient: any later use of them in backward must fail loudly.
             torch.autograd.graph.increment_version(rows)
-        return grad.view(ctx.logits_shape), None, None, None, None, None
+        return grad.view(ctx.logits_shape), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy_zloss(
@@ -158,6 +157,8 @@ def vocab_parallel_cross_entropy_zloss(
     label_smoothing=0.0,
     ignore_index=-100,
     tp_group=None,
+    *,
+    backend=None,
 ):
     """Fused cross entropy + z-loss on this rank's vocab slice of the logits.
 
@@ -170,6 +171,8 @@ def vocab_parallel_cross_entropy_zloss(
         ignore_index: target value whose tokens get loss 0 and gradient 0.
         tp_group: the tensor-parallel process group; ``None`` takes Megatron's TP group when
             ``megatron.core.parallel_state`` is initialized, else a single rank.
+        backend: ``"triton"`` or ``"torch"`` (the pure-torch reference); ``None`` (default): Triton on
+            accelerators where it imports, else torch (``mindspeed_cez.kernels.backend_for``).
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``loss = CE + c*lse**2`` per token and the
@@ -180,18 +183,19 @@ def vocab_parallel_cross_entropy_zloss(
     logits' buffer, so the logits must not be read after backward.
     """
     loss, z_loss, _ = cross_entropy_zloss_with_lse(
-        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group
+        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, backend=backend
     )
     return loss, z_loss
 
 
 def cross_entropy_zloss_with_lse(
-    logits, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100, tp_group=None
+    logits, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100, tp_group=None, *, backend=None
 ):
     """The op, also returning the detached per-token log-sum-exp (fp32, shape of target) it
     computed anyway: the adaptor logs its mean as ``lm_lse`` without another pass."""
     _check_arguments(logits, target, z_loss_coeff, label_smoothing)
     tp_group = resolve_tp_group(tp_group)
     return VocabParallelCrossEntropyZLoss.apply(
-        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group
+        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
+        kernels.backend_for(logits.device, backend),
     )

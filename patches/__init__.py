@@ -130,7 +130,7 @@ def install_patches():
 
 
 def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
-          output_layer_grads="recompute"):
+          output_layer_grads="recompute", backend=None, linear_backend=None):
     """Use the fused op for Megatron's LM loss: per token, the gradient of ``CE + z_loss_coeff * lse**2``
     and the value of the CE (Megatron's convention for auxiliary losses: ``lm loss`` stays CE).
 
@@ -142,14 +142,15 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
         log_lse: also record the mean log-sum-exp as ``lm_lse``.
         fused_output_layer: compute GPT's output layer and the LM loss together with
             :func:`mindspeed_cez.linear_cross_entropy_zloss` (no logits tensor), see :mod:`.output_layer`.
-        output_layer_grads: ``"recompute"`` or ``"forward"`` (gradients during the forward, with the
-            loss mask as the op's ``token_weights``).
+        output_layer_grads: the op's ``grads``: ``"recompute"`` or ``"forward"`` (gradients during the
+            forward, with the loss mask as the op's ``token_weights``).
+        backend, linear_backend: the ops' ``backend`` / ``linear_backend`` (None: automatic per device).
 
     Returns the active :class:`Settings`. Idempotent: a second call only replaces the settings.
     """
     settings = Settings(z_loss_coeff=float(z_loss_coeff), label_smoothing=label_smoothing,
                         log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer),
-                        output_layer_grads=output_layer_grads)
+                        output_layer_grads=output_layer_grads, backend=backend, linear_backend=linear_backend)
     feature = sys.modules.get("mindspeed_cez.mindspeed_feature")
     if feature is not None and feature.registered_with_mindspeed():
         feature.register_patches_now()  # MindSpeed's patch manager owns the patching
