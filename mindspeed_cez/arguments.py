@@ -21,9 +21,10 @@ Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider``
 :func:`validate_lm_z_loss_args` as a validation hook (it raises ``ValueError`` naming the flag).
 """
 
+import argparse
 import math
-from argparse import Namespace
 
+from mindspeed_cez.patches import mindspeed_llm
 from mindspeed_cez.patches.settings import Settings, backends_from_environment
 
 FLAG_COEFF = "--lm-z-loss-coeff"
@@ -114,9 +115,8 @@ def validate_lm_z_loss_args(args, defaults=None):
             if getattr(args, dest, False):
                 raise ValueError(f"{FLAG_OUTPUT_LAYER} does not serve {flag}; drop one of them")
     if fused_ce_enabled(args):
-        from mindspeed_cez.patches import mindspeed_llm
-
-        mindspeed_llm.check_args(args, _flag_turning_fused_on(args))
+        mindspeed_llm.check_args(args, _flag_turning_fused_on(args),
+                                 FLAG_OUTPUT_LAYER if getattr(args, "lm_fused_output_layer", None) else None)
     return args
 
 
@@ -158,8 +158,6 @@ def settings_from_args(args):
 
 def parse_lm_z_loss_args(argv):
     """Parse only these flags from ``argv`` (unknown ones ignored); for tools without Megatron."""
-    import argparse
-
     parser = add_lm_z_loss_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
     args, _ = parser.parse_known_args(argv)
-    return validate_lm_z_loss_args(args) if isinstance(args, Namespace) else args
+    return validate_lm_z_loss_args(args) if isinstance(args, argparse.Namespace) else args

@@ -34,6 +34,7 @@ import warnings
 
 import torch
 
+from mindspeed_cez import metrics
 from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
 from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 from mindspeed_cez.patches import output_layer as _output_layer
@@ -178,8 +179,6 @@ def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context):
         _WARNED_NO_MASK.add(name)
         warnings.warn(f"mindspeed_cez: {name} hands no loss mask to its LM loss; lm_z_loss and lm_lse "
                       "average over every token of its micro-batches", stacklevel=3)
-    from mindspeed_cez import metrics
-
     metrics.record_lm_z_loss(
         z_loss_bs if LM_Z_LOSS in names else None,
         loss_mask,

@@ -13,10 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from mindspeed_cez import kernels
-
-LM_Z_LOSS = "lm_z_loss"
-LM_LSE = "lm_lse"
+from mindspeed_cez import kernels, metrics
+from mindspeed_cez.metrics import LM_LSE, LM_Z_LOSS
 BACKEND_ENV = "MINDSPEED_CEZ_BACKEND"
 LINEAR_BACKEND_ENV = "MINDSPEED_CEZ_LINEAR_BACKEND"
 
@@ -90,8 +88,10 @@ ACTIVE: Optional[Settings] = None
 
 
 def set_active(settings: Optional[Settings]):
+    """Activate ``settings`` (None: Megatron's own loss again); the metrics report its names."""
     global ACTIVE
     ACTIVE = settings
+    metrics.report_names(settings.metric_names() if settings is not None else [])
 
 
 def get_active() -> Optional[Settings]:
