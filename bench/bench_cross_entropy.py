@@ -31,7 +31,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from harness import (LOGIT_SCALE, LogitsSource, Timer, check_correctness, cleanup, copy_bandwidth, is_oom, log,
+from harness import (BACKEND, LOGIT_SCALE, LogitsSource, Timer, check_correctness, cleanup, copy_bandwidth, is_oom, log,
                      make_inputs, make_inputs_on_device, reset_compiled, time_impl)
 from peers import build_impls
 from report import fmt_mem, fmt_ms, fmt_per_token, fmt_ratio, header_lines, short, write_report
@@ -200,7 +200,7 @@ def run_tp(args, device):
     target = torch.randint(0, global_vocab, (n,), generator=gen).to(device)
     mask = (torch.rand(n, generator=gen) < 0.95).float()
     upstream = (mask / mask.sum()).to(device)
-    backend = cez_kernels.backend_for(device)
+    backend = cez_kernels.backend_for(device, BACKEND)
     backend_name = backend.__name__.rsplit(".", 1)[-1]
     timer = Timer(device)
     anchor = torch.zeros((), device=device, requires_grad=True)

@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from support import relative_error  # noqa: E402
 
+BACKEND = os.environ.get("MINDSPEED_CEZ_BACKEND") or None  # the benchmarks' choice of the op's backend
 LOGIT_SCALE = 3.0  # logits ~ N(0, 3^2): a spread like a language model's output layer
 PRE_DELAY_MS = 2.0  # GPU busy-wait before each timed region so the host queues it whole
 L2_FLUSH_BYTES = 256 << 20

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from report import write_report
 from mindspeed_cez import vocab_parallel_cross_entropy_zloss
-from mindspeed_cez.kernels.launch import Launcher
+from mindspeed_cez.kernels import triton_cross_entropy
 
 N, V, C = 64, 4096, 1e-4
 TRITON_PATH = "mindspeed_cez, Triton's own launch path"  # the same op, kernel[grid](...) on every call
@@ -104,12 +104,14 @@ def main(argv=None):
         for name, fn in impls.items():
             if name in measured:
                 continue
-            Launcher.enabled = name != TRITON_PATH
+            for launcher in triton_cross_entropy.LAUNCHERS:
+                launcher.direct = name != TRITON_PATH
             try:
                 samples.setdefault(name, []).append([per_call_us(fn, x, t, bwd, args.calls) for bwd in (False, True)])
             except Exception as exc:  # noqa: BLE001 - a peer that does not run here is reported, not fatal
                 measured[name] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
-    Launcher.enabled = True
+    for launcher in triton_cross_entropy.LAUNCHERS:
+        launcher.direct = True
     for name, loops in samples.items():
         if name not in measured:
             measured[name] = [statistics.median(loop[i] for loop in loops) for i in (0, 1)]

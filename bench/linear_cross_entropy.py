@@ -28,12 +28,11 @@ SHAPES = ["8192x4096x151936", "8192x4096x37984", "8192x7168x16160"]  # last: Dee
 
 
 def implementations():
-    from mindspeed_cez import kernels, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+    from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
 
     def fused(backend):
         def loss(h, w, t):
-            with kernels.use_linear_backend(backend):
-                return linear_cross_entropy_zloss(h, w, t, Z)[0].sum()
+            return linear_cross_entropy_zloss(h, w, t, Z, linear_backend=backend)[0].sum()
         return loss
 
     impls = {
@@ -42,7 +41,7 @@ def implementations():
         "cez fused, cuBLAS chunks": fused("gemm"),
         # the loss mask as token weights (upstream gradient mask / const, as in Megatron)
         "cez fused, grads in forward": lambda h, w, t: linear_cross_entropy_zloss(
-            h, w, t, Z, token_weights=(t != -100).float())[0].sum(),
+            h, w, t, Z, token_weights=(t != -100).float(), grads="forward")[0].sum(),
     }
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -172,28 +171,26 @@ def time_and_peak(step, logits_bytes, args):
 def sweep_chunks(args):
     """This package's fused op alone at each ``--chunk-cols`` (vocab rows per chunk)."""
     from mindspeed_cez import linear_cross_entropy_zloss
-    from mindspeed_cez.kernels import chunked_linear as op
+    from mindspeed_cez.kernels import chunked_linear
 
     lines = [f"chunk sweep, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              "", "| N x h x V | chunk cols | ms | / 3-GEMM floor | peak extra (x logits) |", "|---|---|---|---|---|"]
-    default = op.chunk_cols
+    default = chunked_linear.default_chunk_cols
     for shape in args.shapes:
         n, hdim, v = (int(x) for x in shape.split("x"))
         floor = 3 * gemm_ms(n, hdim, v, args.warmup, args.iters)
         hidden, weight, target = inputs(n, hdim, v)
         h, w = hidden.requires_grad_(), weight.requires_grad_()
 
-        def step():
+        def step(cols):
             h.grad = w.grad = None
-            linear_cross_entropy_zloss(h, w, target, Z)[0].sum().backward()
+            linear_cross_entropy_zloss(h, w, target, Z, chunk_cols=cols)[0].sum().backward()
 
         for cols in args.chunk_cols + [0]:
-            op.chunk_cols = default if cols == 0 else (lambda rows, v_local, c=cols: min(v_local, c))
-            ms, extra = time_and_peak(step, n * v * 2, args)
+            ms, extra = time_and_peak(lambda: step(cols or None), n * v * 2, args)
             label = f"default ({default(n, v)})" if cols == 0 else str(cols)
             lines.append(f"| {shape} | {label} | {ms:.3f} | {ms / floor:.2f} | {extra:.2f} |")
             print(lines[-1], flush=True)
-        op.chunk_cols = default
         del h, w, hidden, weight, target
         torch.cuda.empty_cache()
     return lines
@@ -201,14 +198,13 @@ def sweep_chunks(args):
 
 def sweep_row_blocks(args):
     """The gradients-in-forward path alone at each ``--row-blocks`` (token rows per block)."""
-    import mindspeed_cez.linear_cross_entropy as op
     from mindspeed_cez import linear_cross_entropy_zloss
+    from mindspeed_cez.linear_cross_entropy import default_row_block as default
 
     lines = [f"row-block sweep (grads in forward), {torch.cuda.get_device_name()}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
              "| N x h x V | rows per block | ms | / 3-GEMM floor | / unfused | peak extra (x logits) |",
              "|---|---|---|---|---|---|"]
-    default = op.row_block
     for shape in args.shapes:
         n, hdim, v = (int(x) for x in shape.split("x"))
         floor = 3 * gemm_ms(n, hdim, v, args.warmup, args.iters)
@@ -220,17 +216,16 @@ def sweep_row_blocks(args):
         unfused = timed(lambda: vocab_parallel_cross_entropy_zloss(h @ w.t(), target, Z)[0].sum().backward(),
                         args.warmup, args.iters)
 
-        def step():
+        def step(rows):
             h.grad = w.grad = None
-            linear_cross_entropy_zloss(h, w, target, Z, token_weights=mask)[0].sum().backward()
+            linear_cross_entropy_zloss(h, w, target, Z, token_weights=mask, grads="forward",
+                                       row_block=rows)[0].sum().backward()
 
         for rows in args.row_blocks + [0]:
-            op.row_block = default if rows == 0 else (lambda n_rows, v_local, r=rows: min(n_rows, r))
-            ms, extra = time_and_peak(step, n * v * 2, args)
+            ms, extra = time_and_peak(lambda: step(rows or None), n * v * 2, args)
             label = f"default ({default(n, v)})" if rows == 0 else str(rows)
             lines.append(f"| {shape} | {label} | {ms:.3f} | {ms / floor:.2f} | {ms / unfused:.2f} | {extra:.2f} |")
             print(lines[-1], flush=True)
-        op.row_block = default
         del h, w, hidden, weight, target
         torch.cuda.empty_cache()
     return lines

@@ -6,6 +6,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from harness import BACKEND
 from report import short, version
 
 
@@ -24,10 +25,11 @@ def build_impls(tp_group, device, coeff):
         import mindspeed_cez
         from mindspeed_cez import kernels as cez_kernels
 
-        backend = cez_kernels.backend_for(device).__name__.rsplit(".", 1)[-1]
+        backend = cez_kernels.backend_for(device, BACKEND).__name__.rsplit(".", 1)[-1]
 
         def ours(x, t):
-            return mindspeed_cez.vocab_parallel_cross_entropy_zloss(x, t, z_loss_coeff=coeff, tp_group=tp_group)
+            return mindspeed_cez.vocab_parallel_cross_entropy_zloss(x, t, z_loss_coeff=coeff, tp_group=tp_group,
+                                                                    backend=BACKEND)
 
         impls.append(("mindspeed_cez", ours, f"backend {backend}"))
     except Exception as exc:  # noqa: BLE001

@@ -22,29 +22,28 @@ last dim, target ``[n]`` global ids, results fp32):
 
 ``"triton"`` (``triton_cross_entropy``) runs on CUDA, on Ascend through triton-ascend, and on
 the CPU under ``TRITON_INTERPRET=1``; ``"torch"`` (``torch_reference``) runs anywhere.
-``backend_for(device)`` picks Triton on accelerators when it imports, else torch. The
-environment variable ``MINDSPEED_CEZ_BACKEND`` (``torch`` / ``triton``) or ``use_backend``
-forces one.
+``backend_for(device, name)`` returns the named one, or for ``name=None`` picks Triton on
+accelerators when it imports, else torch. The ops take the name as their ``backend`` argument;
+nothing in ``kernels/`` reads the environment (the adaptor's settings do).
 
 The fused output projection (``linear_cross_entropy_zloss``) has backends of its own, with
-``linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing)``
-(the ``[4, n]`` partials of ``rows @ weight.T``) and ``linear_grad(rows, weight, grad, ...)`` (its
-gradient into ``grad``): ``"triton"`` (``triton_linear_cross_entropy``, ``tl.dot`` tiles) and
-``"gemm"`` (``chunked_linear``); ``linear_backend_for(device)`` picks one.
+``linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing,
+*, ce_backend=None, chunk_cols=None)`` (the ``[4, n]`` partials of ``rows @ weight.T``) and
+``linear_grad(rows, weight, grad, ..., *, ce_backend=None)`` (its gradient into ``grad``):
+``"triton"`` (``triton_linear_cross_entropy``, ``tl.dot`` tiles; it makes no logits, so it needs
+neither keyword) and ``"gemm"`` (``chunked_linear``: GEMMs on ``chunk_cols`` vocab rows at a time,
+reduced by the cross-entropy backend ``ce_backend``, ``backend_for(device)`` when None);
+``linear_backend_for(device, name, backend)`` picks one.
 """
 
-import contextlib
 import importlib
-import os
 
 from . import torch_reference
 
 BACKENDS = ("torch", "triton")
-_forced = os.environ.get("MINDSPEED_CEZ_BACKEND") or None
+LINEAR_BACKENDS = {"gemm": ".chunked_linear", "triton": ".triton_linear_cross_entropy"}
 _triton_module = None
 _triton_error = None
-_forced_linear = os.environ.get("MINDSPEED_CEZ_LINEAR_BACKEND") or None
-LINEAR_BACKENDS = {"gemm": ".chunked_linear", "triton": ".triton_linear_cross_entropy"}
 
 
 def _load_triton():
@@ -62,60 +61,38 @@ def triton_available() -> bool:
 
 
 def get_backend(name: str):
+    """The cross-entropy backend module called ``name`` (``"torch"`` or ``"triton"``)."""
     if name == "torch":
         return torch_reference
     if name == "triton":
         module = _load_triton()
         if module is None:
-            raise RuntimeError(f"MINDSPEED_CEZ_BACKEND=triton but Triton failed to import: {_triton_error}")
+            raise RuntimeError(f"backend='triton' but Triton failed to import: {_triton_error}")
         return module
-    raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+    raise ValueError(f"unknown backend {name!r}; backend must be one of {BACKENDS} or None (automatic)")
 
 
-def backend_for(device):
-    if _forced is not None:
-        return get_backend(_forced)
+def backend_for(device, name=None):
+    """The backend ``name``; for None, Triton on accelerators where it imports, else the torch reference."""
+    if name is not None:
+        return get_backend(name)
     if device.type != "cpu" and triton_available():
         return _triton_module
     return torch_reference
 
 
-def linear_backend_for(device):
+def linear_backend_for(device, name=None, backend=None):
     """The fused output projection's backend, with ``linear_partials`` and ``linear_grad``:
     ``"triton"`` (``triton_linear_cross_entropy``: ``tl.dot`` tiles, no logits in memory) or
     ``"gemm"`` (``chunked_linear``: ``torch.matmul`` on vocab chunks and the cross-entropy
-    backend's kernels). Default: GEMMs on CUDA (cuBLAS; 1.54x the three-GEMM floor against the
+    backend's kernels). ``name=None``: GEMMs on CUDA (cuBLAS; 1.54x the three-GEMM floor against the
     Triton kernels' 1.65x on an H100, bench/results/2026-11-24_h100/linear_ce_triton.md) and where
-    ``backend_for`` picks the torch reference; Triton on other accelerators (Ascend: the cube unit).
-    ``MINDSPEED_CEZ_LINEAR_BACKEND`` or ``use_linear_backend`` forces one."""
-    triton_device = device.type != "cuda" and backend_for(device) is not torch_reference
-    name = _forced_linear or ("triton" if triton_device else "gemm")
+    the cross-entropy backend (``backend_for(device, backend)``) is the torch reference; Triton on
+    other accelerators (Ascend: the cube unit)."""
+    if name is None:
+        triton_device = device.type != "cuda" and backend_for(device, backend) is not torch_reference
+        name = "triton" if triton_device else "gemm"
     if name not in LINEAR_BACKENDS:
-        raise ValueError(f"unknown linear backend {name!r}; choose one of {LINEAR_BACKENDS}")
+        raise ValueError(f"unknown linear backend {name!r}; linear_backend must be one of "
+                         f"{tuple(LINEAR_BACKENDS)} or None (automatic)")
     return importlib.import_module(LINEAR_BACKENDS[name], __name__)
-
-
-@contextlib.contextmanager
-def use_backend(name):
-    """Force a backend (``"torch"``, ``"triton"``, or ``None`` for automatic) inside the block."""
-    global _forced
-    if name is not None:
-        get_backend(name)
-    previous, _forced = _forced, name
-    try:
-        yield
-    finally:
-        _forced = previous
-
-
-@contextlib.contextmanager
-def use_linear_backend(name):
-    """Force the fused output projection's backend (``"gemm"``, ``"triton"``, ``None``) inside the block."""
-    global _forced_linear
-    if name is not None and name not in LINEAR_BACKENDS:
-        raise ValueError(f"unknown linear backend {name!r}; choose one of {tuple(LINEAR_BACKENDS)}")
-    previous, _forced_linear = _forced_linear, name
-    try:
-        yield
-    finally:
-        _forced_linear = previous

@@ -1,8 +1,8 @@
 """The fused output projection's two steps as GEMMs on chunks of the vocab.
 
-``torch.matmul`` (cuBLAS on CUDA) makes one chunk's logits ``[n, chunk]`` at a time; the
-cross-entropy backend of the device (``backend_for``: Triton kernels, or the torch reference)
-reduces them to partials, merged across chunks online (forward), or turns them into their
+``torch.matmul`` (cuBLAS on CUDA) makes one chunk's logits ``[n, chunk_cols]`` at a time; a
+cross-entropy backend (``ce_backend``: Triton kernels, or the torch reference; by default the
+device's, ``backend_for``) reduces them to partials, merged across chunks online (forward), or turns them into their
 gradient in place (backward). Same functions as ``triton_linear_cross_entropy``; memory beyond
 the inputs: one chunk of logits.
 """
@@ -15,7 +15,7 @@ from .torch_reference import LOCAL_MAX, PARTIAL_ROWS, ROW_MAX, SUM_EXP, TARGET_T
 CHUNK_LOGITS = 1 << 26  # logits per vocab chunk at most (128 MiB in bf16)
 
 
-def chunk_cols(n_rows, n_cols):
+def default_chunk_cols(n_rows, n_cols):
     """Vocab rows of ``weight`` per chunk: 4096 (the H100 sweep's best trade of time for memory,
     bench/results/2026-11-24_h100/linear_ce_chunks.md), fewer where that would exceed
     ``CHUNK_LOGITS`` logits, never under 1024 (GEMMs that stay efficient)."""
@@ -36,20 +36,22 @@ def merge_chunks(parts):
     return stats
 
 
-def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0):
-    """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``. Memory beyond
-    one chunk of logits: 16 bytes per token and chunk."""
-    backend = backend_for(rows.device)
+def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
+                    ce_backend=None, chunk_cols=None):
+    """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``, ``chunk_cols``
+    vocab rows at a time (None: :func:`default_chunk_cols`). Memory beyond one chunk of logits: 16
+    bytes per token and chunk."""
+    backend = ce_backend or backend_for(rows.device)
     n_rows, n_cols = rows.shape[0], weight.shape[0]
-    step = chunk_cols(n_rows, n_cols)
+    step = chunk_cols or default_chunk_cols(n_rows, n_cols)
     parts = [backend.shard_partials(rows @ weight[c:c + step].t(), target, vocab_start + c, global_vocab,
                                     ignore_index, label_smoothing) for c in range(0, n_cols, step)]
     return merge_chunks(torch.stack(parts))
 
 
 def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff,
-                label_smoothing, global_vocab):
+                label_smoothing, global_vocab, *, ce_backend=None):
     """Writes the gradient of ``rows @ weight.T``'s loss into ``grad`` ``[n, weight rows]``."""
     torch.matmul(rows, weight.t(), out=grad)
-    return backend_for(rows.device).write_grad(grad, grad, target, lse, grad_loss, ignore_index, vocab_start,
+    return (ce_backend or backend_for(rows.device)).write_grad(grad, grad, target, lse, grad_loss, ignore_index, vocab_start,
                                                z_loss_coeff, label_smoothing, global_vocab)

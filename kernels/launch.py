@@ -77,12 +77,12 @@ class Launcher:
     """``Launcher(kernel)(grid, args, options)``: ``kernel[grid](*args, **dict(options))``, with
     the compiled kernel reused for arguments of the same kinds. ``args`` holds every parameter
     of the kernel in order, constexprs included; ``options`` is a tuple of (name, value) launch
-    options (``num_warps``, ...)."""
+    options (``num_warps``, ...). ``direct=False`` (an instance's choice: A/B timing, debugging):
+    always Triton's own launch path."""
 
-    enabled = True  # False: always Triton's own launch path (A/B timing, debugging)
-
-    def __init__(self, kernel):
+    def __init__(self, kernel, direct=True):
         self.kernel = kernel
+        self.direct = direct
         constexprs = set(getattr(kernel, "constexprs", ()))  # none under the interpreter
         self.runtime = [i not in constexprs for i in range(len(getattr(kernel, "arg_names", ())))]
         self.compiled = {}
@@ -93,7 +93,7 @@ class Launcher:
 
     def __call__(self, grid, args, options):
         device = args[0].device
-        if not (self.enabled and device.type == "cuda" and _DIRECT):
+        if not (self.direct and device.type == "cuda" and _DIRECT):
             self.kernel[grid](*args, **dict(options))
             return
         key = self.key(device, args, options)

@@ -282,6 +282,7 @@ _launch_forward = Launcher(_forward_kernel)
 _launch_grad = Launcher(_grad_kernel)
 _launch_rescale = Launcher(_rescale_kernel)
 _launch_loss_from_partials = Launcher(_loss_from_partials_kernel)
+LAUNCHERS = (_launch_forward, _launch_grad, _launch_rescale, _launch_loss_from_partials)
 
 
 def launch_settings(device_type, n_cols):

@@ -195,6 +195,7 @@ def _grad_kernel(
 _launch_partials = Launcher(_partials_kernel)
 _launch_merge = Launcher(_merge_kernel)
 _launch_grad = Launcher(_grad_kernel)
+LAUNCHERS = (_launch_partials, _launch_merge, _launch_grad)
 MERGE_BLOCK = 1024
 
 
@@ -231,8 +232,10 @@ def _unit_stride(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0):
-    """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``, no logits."""
+def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
+                    ce_backend=None, chunk_cols=None):
+    """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``, no logits (so
+    neither a cross-entropy backend nor a chunk width: ``ce_backend`` and ``chunk_cols`` are unused)."""
     rows, weight = _unit_stride(rows), _unit_stride(weight)
     n_rows, h = rows.shape
     n_cols = weight.shape[0]
@@ -251,8 +254,9 @@ def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_inde
 
 
 def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff,
-                label_smoothing, global_vocab):
-    """Writes the gradient of ``rows @ weight.T``'s loss into ``grad`` ``[n, weight rows]``."""
+                label_smoothing, global_vocab, *, ce_backend=None):
+    """Writes the gradient of ``rows @ weight.T``'s loss into ``grad`` ``[n, weight rows]`` (in the
+    kernel: ``ce_backend`` is unused)."""
     rows, weight = _unit_stride(rows), _unit_stride(weight)
     n_rows, h = rows.shape
     n_cols = weight.shape[0]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import triton
 
 from . import triton_cross_entropy as tce
+from . import triton_linear_cross_entropy as tlce
 
 # Arguments that Triton's launcher finds divisible by 16 in real use (it specializes on that at
 # run time): every pointer, the row strides, and the vocab width (a multiple of 128 in Megatron).
@@ -71,8 +72,6 @@ def variants(settings, dtype="bf16", n_cols=151936):
 def linear_variants(device_type, dtype="bf16"):
     """The variants of the fused output projection's kernels (``triton_linear_cross_entropy``)
     under ``device_type``'s tile settings for ``dtype`` inputs."""
-    from . import triton_linear_cross_entropy as tlce
-
     c = tlce.launch_settings(device_type)
     precision = "ieee" if dtype == "fp32" else ""
     tiles = {"BLOCK_M": c["block_m"], "BLOCK_N": c["block_n"],

@@ -21,8 +21,11 @@ Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider``
 :func:`validate_lm_z_loss_args` as a validation hook (it raises ``ValueError`` naming the flag).
 """
 
+import argparse
 import math
-from argparse import Namespace
+
+from mindspeed_cez.patches import mindspeed_llm
+from mindspeed_cez.patches.settings import Settings, backends_from_environment
 
 FLAG_COEFF = "--lm-z-loss-coeff"
 FLAG_FUSED = "--lm-fused-ce"
@@ -112,9 +115,8 @@ def validate_lm_z_loss_args(args, defaults=None):
             if getattr(args, dest, False):
                 raise ValueError(f"{FLAG_OUTPUT_LAYER} does not serve {flag}; drop one of them")
     if fused_ce_enabled(args):
-        from mindspeed_cez.patches import mindspeed_llm
-
-        mindspeed_llm.check_args(args, _flag_turning_fused_on(args))
+        mindspeed_llm.check_args(args, _flag_turning_fused_on(args),
+                                 FLAG_OUTPUT_LAYER if getattr(args, "lm_fused_output_layer", None) else None)
     return args
 
 
@@ -136,9 +138,9 @@ def fused_ce_enabled(args):
 
 
 def settings_from_args(args):
-    """``mindspeed_cez.patches.Settings`` for validated ``args``, or None when the kernel is off."""
-    from mindspeed_cez.patches.settings import Settings
-
+    """``mindspeed_cez.patches.Settings`` for validated ``args``, or None when the kernel is off. The
+    kernels' backends come from the environment (``MINDSPEED_CEZ_BACKEND``,
+    ``MINDSPEED_CEZ_LINEAR_BACKEND``), unset: automatic."""
     validate_lm_z_loss_args(args)
     if not fused_ce_enabled(args):
         return None
@@ -150,13 +152,12 @@ def settings_from_args(args):
         fused_output_layer=bool(getattr(args, "lm_fused_output_layer", None)),
         output_layer_grads=(getattr(args, "lm_fused_output_layer", None) if
                             getattr(args, "lm_fused_output_layer", None) in OUTPUT_LAYER_GRADS else "recompute"),
+        **backends_from_environment(),
     )
 
 
 def parse_lm_z_loss_args(argv):
     """Parse only these flags from ``argv`` (unknown ones ignored); for tools without Megatron."""
-    import argparse
-
     parser = add_lm_z_loss_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
     args, _ = parser.parse_known_args(argv)
-    return validate_lm_z_loss_args(args) if isinstance(args, Namespace) else args
+    return validate_lm_z_loss_args(args) if isinstance(args, argparse.Namespace) else args

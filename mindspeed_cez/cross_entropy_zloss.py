@@ -11,38 +11,18 @@ Per token, with each tensor-parallel rank holding the vocab slice
     dx   = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)   (no collective)
 
 The backends in ``mindspeed_cez.kernels`` do the per-row work (with one rank, the whole
-forward is one kernel); validation and the collectives live here once.
+forward is one kernel); the collectives are the steps of :mod:`mindspeed_cez.tensor_parallel`.
 """
 
 import math
-import sys
 
 import torch
 import torch.distributed as dist
 
 from mindspeed_cez import kernels
+from mindspeed_cez.tensor_parallel import group_rank_and_size, merged_loss, resolve_tp_group
 
 _checked_shard_widths = {}
-
-
-def resolve_tp_group(tp_group=None):
-    """The given group, else Megatron's TP group when its parallel state is initialized, else None."""
-    if tp_group is not None:
-        return tp_group
-    # Megatron's parallel state is in sys.modules whenever Megatron initialized it; importing
-    # megatron.core here just to find out would cost seconds for users without Megatron.
-    parallel_state = sys.modules.get("megatron.core.parallel_state")
-    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_group()
-    return None
-
-
-def group_rank_and_size(tp_group):
-    """(rank, world size) in ``tp_group``; (0, 1) without a group or without torch.distributed.
-    Asked on every call (cheap), so no reference to the group is kept here."""
-    if tp_group is None or not dist.is_available() or not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
 def _check_arguments(logits, target, z_loss_coeff, label_smoothing):
@@ -109,20 +89,9 @@ def _as_rows(logits):
     return rows
 
 
-def _loss_across_ranks(backend, rows, target, vocab_start, global_vocab, ignore_index, z_loss_coeff,
-                       label_smoothing, tp_group):
-    """[3, n] (loss, z-loss, lse) from this rank's shard: partials, MAX all-reduce of the row
-    maxima, rescale, one SUM all-reduce of (sum-exp, target term), loss."""
-    partials = backend.shard_partials(rows, target, vocab_start, global_vocab, ignore_index, label_smoothing)
-    dist.all_reduce(partials[0], op=dist.ReduceOp.MAX, group=tp_group)
-    backend.rescale_sum_exp(partials)
-    dist.all_reduce(partials[1:3], op=dist.ReduceOp.SUM, group=tp_group)
-    return backend.loss_from_partials(partials, target, ignore_index, z_loss_coeff)
-
-
 class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group):
+    def forward(ctx, logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, backend):
         rank, world_size = group_rank_and_size(tp_group)
         v_local = logits.shape[-1]
         global_vocab = v_local * world_size
@@ -131,13 +100,13 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         rows = _as_rows(logits)
         flat_target = target.reshape(-1)
         vocab_start = rank * v_local
-        backend = kernels.backend_for(rows.device)
         _check_target_range(flat_target, global_vocab, ignore_index, backend)
         if world_size == 1:
             out = backend.fused_loss(rows, flat_target, ignore_index, z_loss_coeff, label_smoothing)
         else:
-            out = _loss_across_ranks(backend, rows, flat_target, vocab_start, global_vocab, ignore_index,
-                                     z_loss_coeff, label_smoothing, tp_group)
+            partials = backend.shard_partials(rows, flat_target, vocab_start, global_vocab, ignore_index,
+                                              label_smoothing)
+            out = merged_loss(backend, partials, flat_target, ignore_index, z_loss_coeff, tp_group, world_size)
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)  # one view op for the three
 
         # The gradient goes into the logits' own buffer when they are an intermediate of the
@@ -178,7 +147,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         if ctx.in_place:
             # The logits now hold their gradient: any later use of them in backward must fail loudly.
             torch.autograd.graph.increment_version(rows)
-        return grad.view(ctx.logits_shape), None, None, None, None, None
+        return grad.view(ctx.logits_shape), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy_zloss(
@@ -188,6 +157,8 @@ def vocab_parallel_cross_entropy_zloss(
     label_smoothing=0.0,
     ignore_index=-100,
     tp_group=None,
+    *,
+    backend=None,
 ):
     """Fused cross entropy + z-loss on this rank's vocab slice of the logits.
 
@@ -200,6 +171,8 @@ def vocab_parallel_cross_entropy_zloss(
         ignore_index: target value whose tokens get loss 0 and gradient 0.
         tp_group: the tensor-parallel process group; ``None`` takes Megatron's TP group when
             ``megatron.core.parallel_state`` is initialized, else a single rank.
+        backend: ``"triton"`` or ``"torch"`` (the pure-torch reference); ``None`` (default): Triton on
+            accelerators where it imports, else torch (``mindspeed_cez.kernels.backend_for``).
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``loss = CE + c*lse**2`` per token and the
@@ -210,18 +183,19 @@ def vocab_parallel_cross_entropy_zloss(
     logits' buffer, so the logits must not be read after backward.
     """
     loss, z_loss, _ = cross_entropy_zloss_with_lse(
-        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group
+        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, backend=backend
     )
     return loss, z_loss
 
 
 def cross_entropy_zloss_with_lse(
-    logits, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100, tp_group=None
+    logits, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100, tp_group=None, *, backend=None
 ):
     """The op, also returning the detached per-token log-sum-exp (fp32, shape of target) it
     computed anyway: the adaptor logs its mean as ``lm_lse`` without another pass."""
     _check_arguments(logits, target, z_loss_coeff, label_smoothing)
     tp_group = resolve_tp_group(tp_group)
     return VocabParallelCrossEntropyZLoss.apply(
-        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group
+        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
+        kernels.backend_for(logits.device, backend),
     )

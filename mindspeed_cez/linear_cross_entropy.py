@@ -1,14 +1,14 @@
 """Output projection + vocab-parallel cross entropy + z-loss, without the logits tensor.
 
 ``loss = CE(hidden @ weight.T) + c * lse**2`` per token, for the per-row partials of
-``vocab_parallel_cross_entropy_zloss`` (with its two all-reduces under TP). Two paths:
+``vocab_parallel_cross_entropy_zloss`` (merged across ranks by :mod:`mindspeed_cez.tensor_parallel`). Two paths:
 
 - recompute (``LinearCrossEntropyZLoss``): the forward reduces the logits to the partials as
   they are made (Triton: ``tl.dot`` tiles in registers, kernels/triton_linear_cross_entropy.py;
   torch: GEMMs on chunks of the vocab); backward recomputes them one vocab chunk at a time into
   their gradient (a ``[tokens, chunk]`` buffer), then one GEMM adds that chunk's share into an
   fp32 ``dhidden`` and one writes its rows of ``dweight``: four GEMMs in all.
-- gradients in forward (``LinearCrossEntropyZLossForwardGrads``, ``token_weights`` given): blocks
+- gradients in forward (``LinearCrossEntropyZLossForwardGrads``, ``grads="forward"``): blocks
   of token rows with the whole vocab slice, three GEMMs, fp32 ``dweight`` kept until backward.
 
 docs/fused_linear_cross_entropy.md compares them with measurements.
@@ -20,12 +20,13 @@ reduce-scattered back; without it every rank holds all of ``hidden`` and ``dhidd
 """
 
 import torch
-import torch.distributed as dist
 
 from mindspeed_cez import kernels
 from mindspeed_cez.kernels import chunked_linear
-from mindspeed_cez.cross_entropy_zloss import (_check_target_range, check_coefficients, group_rank_and_size,
-                                               resolve_tp_group)
+from mindspeed_cez.cross_entropy_zloss import _check_target_range, check_coefficients
+from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
+                                           resolve_tp_group)
+
 
 def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, sequence_parallel):
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() not in (2, 3):
@@ -62,12 +63,6 @@ def _rows(hidden):
     """``[..., h]`` -> ``[n, h]`` with unit column stride (the kernels' layout)."""
     rows = hidden.reshape(-1, hidden.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-def _gather_sequence(hidden, tp_group, tp_size):
-    out = hidden.new_empty((hidden.shape[0] * tp_size, *hidden.shape[1:]))
-    dist.all_gather_into_tensor(out, hidden.contiguous(), group=tp_group)
-    return out
 
 
 def _main_grad_placeholder(weight):
@@ -113,28 +108,23 @@ def _accumulate_mm(out, a, b):
 class LinearCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
-                sequence_parallel, gradient_accumulation_fusion):
+                sequence_parallel, gradient_accumulation_fusion, backend, linear, chunk_cols):
         rank, tp_size = group_rank_and_size(tp_group)
-        full = _gather_sequence(hidden, tp_group, tp_size) if sequence_parallel and tp_size > 1 else hidden
+        full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = _rows(full)
         flat_target = target.reshape(-1)
         n, v_local = rows.shape[0], weight.shape[0]
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
-        backend = kernels.backend_for(rows.device)
         _check_targets(flat_target, global_vocab, ignore_index)
-        linear = kernels.linear_backend_for(rows.device)  # backward uses the forward's
         stats = linear.linear_partials(rows, weight, flat_target, vocab_start, global_vocab, ignore_index,
-                                       label_smoothing)
-        if tp_size > 1:
-            dist.all_reduce(stats[0], op=dist.ReduceOp.MAX, group=tp_group)
-            backend.rescale_sum_exp(stats)
-            dist.all_reduce(stats[1:3], op=dist.ReduceOp.SUM, group=tp_group)
-        out = backend.loss_from_partials(stats, flat_target, ignore_index, z_loss_coeff)
+                                       label_smoothing, ce_backend=backend, chunk_cols=chunk_cols)
+        out = merged_loss(backend, stats, flat_target, ignore_index, z_loss_coeff, tp_group, tp_size)
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
 
         ctx.save_for_backward(hidden, weight, flat_target, lse)
         ctx.settings = (float(z_loss_coeff), float(label_smoothing), ignore_index, tp_group, tp_size,
-                        sequence_parallel, gradient_accumulation_fusion, vocab_start, global_vocab, linear)
+                        sequence_parallel, gradient_accumulation_fusion, vocab_start, global_vocab, backend, linear,
+                        chunk_cols)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
         return loss, z_loss, lse
@@ -143,39 +133,33 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
         hidden, weight, flat_target, lse = ctx.saved_tensors
         (z_loss_coeff, label_smoothing, ignore_index, tp_group, tp_size, sequence_parallel,
-         accumulate, vocab_start, global_vocab, linear) = ctx.settings
-        gather = sequence_parallel and tp_size > 1
-        full = _gather_sequence(hidden, tp_group, tp_size) if gather else hidden
+         accumulate, vocab_start, global_vocab, backend, linear, chunk_cols) = ctx.settings
+        full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = _rows(full)
         lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
         into_main_grad = accumulate and hasattr(weight, "main_grad")
         dweight = None if into_main_grad else torch.empty_like(weight)
         drows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
-        step = chunked_linear.chunk_cols(rows.shape[0], weight.shape[0])
+        n, v_local = rows.shape[0], weight.shape[0]
+        step = min(chunk_cols, v_local) if chunk_cols else chunked_linear.default_chunk_cols(n, v_local)
         chunk = rows.new_empty((rows.shape[0], step))
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
             dlogits = linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss, ignore_index,
-                                         vocab_start + c, z_loss_coeff, label_smoothing, global_vocab)
+                                         vocab_start + c, z_loss_coeff, label_smoothing, global_vocab, ce_backend=backend)
             _accumulate_mm(drows, dlogits, w)  # fp32 sum over vocab chunks
             if into_main_grad:
                 _accumulate_mm(weight.main_grad[c:c + step], dlogits.t(), rows)
             else:
                 torch.matmul(dlogits.t(), rows, out=dweight[c:c + step])
-        dhidden = drows.to(rows.dtype).view(full.shape)
-        if gather:
-            local = torch.empty_like(hidden)
-            dist.reduce_scatter_tensor(local, dhidden.contiguous(), group=tp_group)
-            dhidden = local
-        elif tp_size > 1:
-            dist.all_reduce(dhidden, group=tp_group)
+        dhidden = reduce_dhidden(drows.to(rows.dtype).view(full.shape), tp_group, tp_size, sequence_parallel)
         if into_main_grad:
             dweight = _main_grad_placeholder(weight)
-        return dhidden, dweight, None, None, None, None, None, None, None
+        return dhidden, dweight, *(None,) * 10
 
 
-def row_block(n_rows, v_local):
+def default_row_block(n_rows, v_local):
     """Token rows per block of the gradients-in-forward path: 4096, the H100 sweep's best trade of
     time for memory (bench/results/2026-11-24_h100/linear_ce_row_blocks.md): each block adds one
     read and write of the fp32 ``dweight``, which blocks of ~441 rows (2**26 logits at V=151936)
@@ -195,30 +179,25 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, token_weights, z_loss_coeff, label_smoothing, ignore_index, tp_group,
-                sequence_parallel, gradient_accumulation_fusion):
+                sequence_parallel, gradient_accumulation_fusion, backend, row_block):
         rank, tp_size = group_rank_and_size(tp_group)
-        full = _gather_sequence(hidden, tp_group, tp_size) if sequence_parallel and tp_size > 1 else hidden
+        full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = full.reshape(-1, full.shape[-1])
         flat_target = target.reshape(-1)
         weights = torch.where(flat_target == ignore_index, 0.0, token_weights.reshape(-1).float())
         n, v_local = rows.shape[0], weight.shape[0]
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
-        backend = kernels.backend_for(rows.device)
         _check_target_range(flat_target, global_vocab, ignore_index, backend)
         out = torch.empty((3, n), dtype=torch.float32, device=rows.device)
         drows = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
         dweight = torch.zeros(weight.shape, dtype=torch.float32, device=rows.device)
         unit = torch.ones(n, dtype=torch.float32, device=rows.device)
-        step = row_block(n, v_local)
+        step = row_block or default_row_block(n, v_local)
         for r in range(0, n, step):
             x, t = rows[r:r + step], flat_target[r:r + step]
             logits = x @ weight.t()
             stats = backend.shard_partials(logits, t, vocab_start, global_vocab, ignore_index, label_smoothing)
-            if tp_size > 1:
-                dist.all_reduce(stats[0], op=dist.ReduceOp.MAX, group=tp_group)
-                backend.rescale_sum_exp(stats)
-                dist.all_reduce(stats[1:3], op=dist.ReduceOp.SUM, group=tp_group)
-            out[:, r:r + step] = backend.loss_from_partials(stats, t, ignore_index, z_loss_coeff)
+            out[:, r:r + step] = merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size)
             backend.write_grad(logits, logits, t, out[2, r:r + step], unit[r:r + step], ignore_index, vocab_start,
                                z_loss_coeff, label_smoothing, global_vocab)
             drows[r:r + step] = 0
@@ -236,50 +215,69 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         drows, dweight_sum, weights, weight, counted = ctx.saved_tensors
         tp_group, tp_size, sequence_parallel, accumulate, full_shape, dtype = ctx.settings
         if grad_loss is None:
-            return (None,) * 10
+            return (None,) * 12
         g = grad_loss.reshape(-1).float()
         k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
         proportional = ((g - k * weights).abs() <= 1e-3 * (k * weights).abs() + 1e-30) | ~counted  # ignored: any g
         torch._assert_async(proportional.all(),
                             "linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w")
-        dhidden = (drows * g[:, None]).to(dtype).view(full_shape)
-        if sequence_parallel and tp_size > 1:
-            local = dhidden.new_empty((full_shape[0] // tp_size, *full_shape[1:]))
-            dist.reduce_scatter_tensor(local, dhidden.contiguous(), group=tp_group)
-            dhidden = local
-        elif tp_size > 1:
-            dist.all_reduce(dhidden, group=tp_group)
+        dhidden = reduce_dhidden((drows * g[:, None]).to(dtype).view(full_shape), tp_group, tp_size, sequence_parallel)
         dweight_sum.mul_(k)
         if accumulate and hasattr(weight, "main_grad"):
             weight.main_grad.add_(dweight_sum)
             dweight = _main_grad_placeholder(weight)
         else:
             dweight = dweight_sum.to(weight.dtype)
-        return dhidden, dweight, None, None, None, None, None, None, None, None
+        return dhidden, dweight, *(None,) * 10
+
+
+GRADS = ("recompute", "forward")
+
+
+def _check_settings(target, token_weights, grads, chunk_cols, row_block):
+    if grads not in GRADS:
+        raise ValueError(f"grads must be one of {GRADS}, got {grads!r}")
+    if grads == "recompute" and token_weights is not None:
+        raise ValueError("token_weights are the weights of the gradients made during the forward: pass "
+                         "grads='forward' with them, or leave them out for grads='recompute'")
+    if grads == "forward":
+        if token_weights is None:
+            raise ValueError("grads='forward' needs token_weights (Megatron: the loss mask), a tensor of "
+                             f"target's shape {tuple(target.shape)}")
+        if not isinstance(token_weights, torch.Tensor) or tuple(token_weights.shape) != tuple(target.shape):
+            raise ValueError(f"token_weights must be a tensor of target's shape {tuple(target.shape)}, got "
+                             f"{tuple(getattr(token_weights, 'shape', ())) or type(token_weights).__name__}")
+        if token_weights.device != target.device:
+            raise ValueError(f"token_weights ({token_weights.device}) and target ({target.device}) are on "
+                             "different devices")
+    for name, value in (("chunk_cols", chunk_cols), ("row_block", row_block)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be None (the default width) or an int >= 1, got {value!r}")
 
 
 def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0,
                                         ignore_index=-100, tp_group=None, sequence_parallel=False,
-                                        gradient_accumulation_fusion=False, token_weights=None):
+                                        gradient_accumulation_fusion=False, token_weights=None, *, grads="recompute",
+                                        backend=None, linear_backend=None, chunk_cols=None, row_block=None):
     """:func:`linear_cross_entropy_zloss` that also returns the detached per-token lse."""
     tp_group = resolve_tp_group(tp_group)
     _check(hidden, weight, target, z_loss_coeff, label_smoothing, group_rank_and_size(tp_group)[1], sequence_parallel)
-    if token_weights is None:
+    _check_settings(target, token_weights, grads, chunk_cols, row_block)
+    ce_backend = kernels.backend_for(hidden.device, backend)
+    if grads == "recompute":
+        linear = kernels.linear_backend_for(hidden.device, linear_backend, backend)
         return LinearCrossEntropyZLoss.apply(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index,
-                                             tp_group, sequence_parallel, gradient_accumulation_fusion)
-    if not isinstance(token_weights, torch.Tensor) or tuple(token_weights.shape) != tuple(target.shape):
-        raise ValueError(f"token_weights must be a tensor of target's shape {tuple(target.shape)}, got "
-                         f"{tuple(getattr(token_weights, 'shape', ())) or type(token_weights).__name__}")
-    if token_weights.device != target.device:
-        raise ValueError(f"token_weights ({token_weights.device}) and target ({target.device}) are on different devices")
+                                             tp_group, sequence_parallel, gradient_accumulation_fusion, ce_backend,
+                                             linear, chunk_cols)
     return LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(), z_loss_coeff,
                                                      label_smoothing, ignore_index, tp_group, sequence_parallel,
-                                                     gradient_accumulation_fusion)
+                                                     gradient_accumulation_fusion, ce_backend, row_block)
 
 
 def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
                                tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False,
-                               token_weights=None):
+                               token_weights=None, *, grads="recompute", backend=None, linear_backend=None,
+                               chunk_cols=None, row_block=None):
     """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
 
     Args:
@@ -293,18 +291,29 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         gradient_accumulation_fusion: add ``dweight`` (fp32) into ``weight.main_grad`` as Megatron's
             linear layers do; the gradient returned for ``weight`` is then Megatron's placeholder
             (a dummy where ``weight.grad_added_to_main_grad`` exists, else None).
-        token_weights: ``None`` (default): backward recomputes the logits (four GEMMs; any upstream
-            gradient). A tensor of ``target``'s shape (Megatron: the loss mask): the gradients are
-            made during the forward (three GEMMs, ``dweight`` held in fp32 until backward), for an
-            upstream gradient ``k * token_weights`` with one scalar ``k`` (checked on the device in
-            backward, without a host sync).
+        token_weights: with ``grads="forward"`` only (required there): a tensor of ``target``'s shape
+            (Megatron: the loss mask) weighting the tokens' ``dweight``; the upstream gradient must be
+            ``k * token_weights`` with one scalar ``k`` (checked on the device in backward, without a
+            host sync). With ``grads="recompute"`` passing them is an error.
+        grads: ``"recompute"`` (default): backward recomputes the logits one vocab chunk at a time
+            (four GEMMs; any upstream gradient). ``"forward"``: the gradients are made during the
+            forward, ``row_block`` tokens at a time (three GEMMs, ``dweight`` held in fp32 until backward).
+        backend: the cross-entropy backend, ``"triton"`` / ``"torch"``; ``None`` (default): automatic per
+            device, as :func:`vocab_parallel_cross_entropy_zloss`.
+        linear_backend: ``grads="recompute"``'s projection, ``"gemm"`` (``torch.matmul`` on vocab chunks)
+            or ``"triton"`` (``tl.dot`` kernels, no logits even per chunk); ``None`` (default): GEMMs on
+            CUDA and with the torch backend, Triton on other accelerators.
+        chunk_cols: vocab rows per chunk of ``grads="recompute"`` (None: 4096, fewer where a chunk's
+            logits would pass 2**26, never under 1024; ``kernels.chunked_linear.default_chunk_cols``).
+        row_block: token rows per block of ``grads="forward"`` (None: 4096, :func:`default_row_block`).
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``CE + c*lse**2`` per token and the detached
         ``c*lse**2``, 0 where ignored. ``dhidden`` comes back as ``ColumnParallelLinear`` gives it:
         this rank's chunk with ``sequence_parallel``, else the full gradient on every rank.
     """
-    loss, z_loss, _ = linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff, label_smoothing,
-                                                           ignore_index, tp_group, sequence_parallel,
-                                                           gradient_accumulation_fusion, token_weights)
+    loss, z_loss, _ = linear_cross_entropy_zloss_with_lse(
+        hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, sequence_parallel,
+        gradient_accumulation_fusion, token_weights, grads=grads, backend=backend, linear_backend=linear_backend,
+        chunk_cols=chunk_cols, row_block=row_block)
     return loss, z_loss

@@ -18,13 +18,12 @@ The flags (``--lm-z-loss-coeff``, ``--lm-fused-ce``, ``--no-lm-fused-ce``,
 ``--lm-z-loss-log-lse``) are described in :mod:`mindspeed_cez.arguments`.
 """
 
-import dataclasses
 import functools
 import importlib.util
 import logging
 import sys
 
-from mindspeed_cez import arguments, patches
+from mindspeed_cez import arguments, mindspeed_feature, patches
 from mindspeed_cez.patches import settings as _settings
 
 log = logging.getLogger(__name__)
@@ -38,8 +37,7 @@ def configure_from_args(args):
     if settings is None:
         _settings.set_active(None)
     else:
-        fields = dataclasses.asdict(settings)  # every setting, --lm-fused-output-layer's included
-        patches.apply(fields.pop("z_loss_coeff"), **fields)
+        patches.activate(settings)
     return settings
 
 
@@ -75,18 +73,9 @@ def validate_args_wrapper(fn):
     return validate_args
 
 
-def _megatron_args_if_parsed():
-    gv = sys.modules.get("megatron.training.global_vars")
-    if gv is None or getattr(gv, "_GLOBAL_ARGS", None) is None:
-        return None
-    return gv._GLOBAL_ARGS
-
-
 def _apply_with_mindspeed():
-    from mindspeed_cez import mindspeed_feature
-
     mindspeed_feature.register()
-    args = _megatron_args_if_parsed()
+    args = patches.megatron_args()
     if args is not None and arguments.has_lm_z_loss_args(args):
         configure_from_args(args)
     return "mindspeed"
@@ -97,7 +86,7 @@ def _apply_without_mindspeed():
     if importlib.util.find_spec("megatron.training") is not None:
         patches.install_target("megatron.training.arguments.parse_args", parse_args_wrapper)
         patches.install_target("megatron.training.arguments.validate_args", validate_args_wrapper)
-        args = _megatron_args_if_parsed()
+        args = patches.megatron_args()
         if args is not None:
             if not arguments.has_lm_z_loss_args(args):
                 log.warning("mindspeed_cez: Megatron's arguments were parsed before the adaptor was "

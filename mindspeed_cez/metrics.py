@@ -15,26 +15,28 @@ Recording adds three sums to a small device tensor (no host sync). Reporting all
 over the data-parallel group with context parallelism and over the pipeline group, once per
 iteration, then hands the means to Megatron's logging:
 
-* ``megatron.training`` (any version, MoE or dense): the patched ``training_log`` adds them to
-  the iteration's ``loss_dict`` on the last pipeline stage, so Megatron treats them exactly like
-  ``lm loss``: accumulated over the log interval (skipped iterations left out), printed in the
-  log line, written to TensorBoard and W&B.
-* megatron-core-only loops: the patched MoE report (``patches.moe_tracker``) writes them next to
-  Megatron's MoE losses (``total_loss_dict``, TensorBoard, W&B), or the loop calls
-  :func:`report`, which returns them with every tracked MoE metric.
+* ``megatron.training`` (any version, MoE or dense): the patched ``training_log``
+  (:mod:`mindspeed_cez.patches.training_log`) adds them to the iteration's ``loss_dict`` on the
+  last pipeline stage, so Megatron treats them exactly like ``lm loss``: accumulated over the log
+  interval (skipped iterations left out), printed in the log line, written to TensorBoard and W&B.
+* megatron-core-only loops: the patched MoE report (same module) writes them next to Megatron's
+  MoE losses (``total_loss_dict``, TensorBoard, W&B), or the loop calls :func:`report`, which
+  returns them with every tracked MoE metric.
+
+Which metrics are reported is the adaptor's choice (``Settings.metric_names``): it hands the
+names to :func:`report_names` whenever its settings change.
 """
 
 import contextlib
-import functools
-import inspect
 import sys
 
 import torch
 import torch.distributed as dist
 
-from mindspeed_cez.patches import moe_tracker
-from mindspeed_cez.patches import settings as _settings
-from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
+from mindspeed_cez import moe_tracker
+
+LM_Z_LOSS = "lm_z_loss"
+LM_LSE = "lm_lse"
 
 __all__ = ["LM_Z_LOSS", "LM_LSE", "record_lm_z_loss", "reduce_iteration", "report"]
 
@@ -42,6 +44,12 @@ __all__ = ["LM_Z_LOSS", "LM_LSE", "record_lm_z_loss", "reduce_iteration", "repor
 # and cleared in place, so a CUDA graph that captured the loss keeps adding into it on replay.
 _SUMS = None
 _REPORTING = [False]  # a caller reports our metrics itself: the MoE report wrapper stays out
+_NAMES = []  # the names reduce_iteration() reports by default (the adaptor's settings)
+
+
+def report_names(names):
+    """Report ``names`` (of ``LM_Z_LOSS``, ``LM_LSE``) by default from now on; ``[]``: none."""
+    _NAMES[:] = names
 
 
 def record_lm_z_loss(z_loss_per_token=None, loss_mask=None, *, lse_per_token=None):
@@ -95,11 +103,10 @@ def reduce_iteration(names=None):
 
     Collective: with Megatron's parallel state initialized, every rank must call it once per
     iteration (the sums are all-reduced over data x context parallel, then over the pipeline,
-    so every rank returns the last stage's values). ``names`` defaults to the active settings'.
+    so every rank returns the last stage's values). ``names`` defaults to :func:`report_names`'.
     """
     if names is None:
-        settings = _settings.ACTIVE
-        names = settings.metric_names() if settings is not None else []
+        names = list(_NAMES)
     sums = None
     if _SUMS is not None:
         sums = _SUMS.clone()
@@ -132,7 +139,8 @@ def write(values, iteration, writer=None, wandb_writer=None, total_loss_dict=Non
 
 
 @contextlib.contextmanager
-def _reported_here():
+def reported_here():
+    """Inside: the caller reports this iteration's metrics itself (:func:`reporting` is True)."""
     _REPORTING[0] = True
     try:
         yield
@@ -140,43 +148,8 @@ def _reported_here():
         _REPORTING[0] = False
 
 
-def moe_metrics_report_wrapper(fn):
-    """Megatron's MoE report (``patches.moe_tracker``): our metrics are written next to its own."""
-    signature = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def report_(*args, **kwargs):
-        result = fn(*args, **kwargs)
-        if not _REPORTING[0] and _settings.ACTIVE is not None:
-            a = signature.bind(*args, **kwargs).arguments
-            write(reduce_iteration(), a.get("iteration"), a.get("writer"), a.get("wandb_writer"),
-                  a.get("total_loss_dict"))
-        return result
-
-    report_.__cez_wraps__ = fn
-    return report_
-
-
-def training_log_wrapper(fn):
-    """``megatron.training.training.training_log``: our metrics join ``loss_dict`` (MoE and dense)."""
-    signature = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def training_log(*args, **kwargs):
-        # _REPORTING: an outer wrapper already added our values (the same function wrapped under two
-        # names: MindSpeed-LLM 2.2.0 re-exports Megatron's training_log)
-        if _settings.ACTIVE is None or _REPORTING[0]:
-            return fn(*args, **kwargs)
-        values = reduce_iteration()
-        bound = signature.bind(*args, **kwargs)
-        loss_dict = bound.arguments["loss_dict"]
-        if values and loss_dict:  # the last pipeline stage holds the iteration's losses
-            bound.arguments["loss_dict"] = {**loss_dict, **values}
-        with _reported_here():
-            return fn(*bound.args, **bound.kwargs)
-
-    training_log.__cez_wraps__ = fn
-    return training_log
+def reporting():
+    return _REPORTING[0]
 
 
 class _CapturingWriter:
@@ -207,7 +180,7 @@ def report(iteration, num_microbatches, num_layers, *, track_names=("load_balanc
     ``lm_lse`` when the adaptor is active. Collective: call it on every rank once per iteration.
     """
     capture = _CapturingWriter(writer)
-    with _reported_here():
+    with reported_here():
         moe_tracker.call_report(
             loss_scale=1.0 / num_microbatches, iteration=iteration, writer=capture,
             wandb_writer=wandb_writer, total_loss_dict=total_loss_dict, per_layer_logging=False,

@@ -25,6 +25,9 @@ Its flags reach Megatron's ``--help`` through MindSpeed's ``parse_args`` wrapper
 
 import sys
 
+from mindspeed_cez import arguments, patches
+from mindspeed_cez.patches import settings as _settings
+
 MINDSPEED_COMMIT = "028de58ca629d035185b00ff7d1eb7eff4f7fd48"
 FEATURE_NAME = "lm-z-loss"
 
@@ -41,28 +44,22 @@ def make_feature_class(base):
             super().__init__(FEATURE_NAME, optimization_level=0)
 
         def register_args(self, parser):
-            from mindspeed_cez.arguments import add_lm_z_loss_args
-
-            add_lm_z_loss_args(parser)
+            arguments.add_lm_z_loss_args(parser)
 
         def validate_args(self, args):
-            from mindspeed_cez import arguments
-            from mindspeed_cez.patches import settings as _settings
-
             if not arguments.has_lm_z_loss_args(args):
                 return  # e.g. MindSpeed validating a TransformerConfig
             _settings.set_active(arguments.settings_from_args(args))
 
         def register_patches(self, patch_manager, args):
-            from mindspeed_cez.patches import PATCH_TARGETS
-
-            for path, wrapper in PATCH_TARGETS:
+            for path, wrapper in patches.PATCH_TARGETS:
                 patch_manager.register_patch(path, wrapper)
 
     return LmZLossFeature
 
 
 def _mindspeed_api():
+    # imported when registering, not at import: MindSpeed is optional (and heavy)
     from mindspeed.features_manager.feature import MindSpeedFeature
     from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
     from mindspeed.patch_utils import MindSpeedPatchesManager

@@ -20,18 +20,18 @@ imported, its own model forward and training log join the targets (:mod:`.mindsp
 
 import importlib
 import sys
+import warnings
 
+from mindspeed_cez import moe_tracker
+from mindspeed_cez.patches import megatron_core as mc
+from mindspeed_cez.patches import mindspeed_llm, output_layer, training_log
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.settings import Settings
 
-__all__ = ["apply", "remove", "is_applied", "active_settings", "Settings", "PATCH_TARGETS"]
+__all__ = ["apply", "activate", "remove", "is_applied", "active_settings", "Settings", "PATCH_TARGETS"]
 
 
 def _targets():
-    from mindspeed_cez import metrics
-    from mindspeed_cez.patches import megatron_core as mc
-    from mindspeed_cez.patches import mindspeed_llm, moe_tracker, output_layer
-
     lm = "megatron.core.models.common.language_module.language_module"
     targets = [
         (f"{lm}.LanguageModule.compute_language_model_loss", mc.compute_language_model_loss_wrapper),
@@ -43,9 +43,9 @@ def _targets():
     targets += [(path, mc.loss_context_wrapper) for path in mc.loss_context_paths()]
     report = moe_tracker.report_path()
     if report is not None:
-        targets.append((report, metrics.moe_metrics_report_wrapper))
+        targets.append((report, training_log.moe_metrics_report_wrapper))
     if importlib.util.find_spec("megatron.training") is not None:
-        targets.append(("megatron.training.training.training_log", metrics.training_log_wrapper))
+        targets.append(("megatron.training.training.training_log", training_log.training_log_wrapper))
     return targets + mindspeed_llm.patch_targets()
 
 
@@ -130,7 +130,7 @@ def install_patches():
 
 
 def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
-          output_layer_grads="recompute"):
+          output_layer_grads="recompute", backend=None, linear_backend=None):
     """Use the fused op for Megatron's LM loss: per token, the gradient of ``CE + z_loss_coeff * lse**2``
     and the value of the CE (Megatron's convention for auxiliary losses: ``lm loss`` stays CE).
 
@@ -142,14 +142,52 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
         log_lse: also record the mean log-sum-exp as ``lm_lse``.
         fused_output_layer: compute GPT's output layer and the LM loss together with
             :func:`mindspeed_cez.linear_cross_entropy_zloss` (no logits tensor), see :mod:`.output_layer`.
-        output_layer_grads: ``"recompute"`` or ``"forward"`` (gradients during the forward, with the
-            loss mask as the op's ``token_weights``).
+        output_layer_grads: the op's ``grads``: ``"recompute"`` or ``"forward"`` (gradients during the
+            forward, with the loss mask as the op's ``token_weights``).
+        backend, linear_backend: the ops' ``backend`` / ``linear_backend`` (None: automatic per device).
+
+    Runs the startup checks of the flag path (MindSpeed-LLM's modes that bypass the fused kernel,
+    :func:`.mindspeed_llm.check_args`) on Megatron's parsed arguments when there are some; with
+    MindSpeed-LLM loaded and no arguments parsed yet, warns once that it could not.
 
     Returns the active :class:`Settings`. Idempotent: a second call only replaces the settings.
     """
     settings = Settings(z_loss_coeff=float(z_loss_coeff), label_smoothing=label_smoothing,
                         log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer),
-                        output_layer_grads=output_layer_grads)
+                        output_layer_grads=output_layer_grads, backend=backend, linear_backend=linear_backend)
+    _check_megatron_args(settings)
+    return activate(settings)
+
+
+_WARNED_UNCHECKED = []
+
+
+def _check_megatron_args(settings):
+    args = megatron_args()
+    if args is not None:
+        output_layer_flag = "mindspeed_cez.patches.apply(fused_output_layer=True)" if settings.fused_output_layer else None
+        mindspeed_llm.check_args(args, f"mindspeed_cez.patches.apply(z_loss_coeff={settings.z_loss_coeff})",
+                                 output_layer_flag)
+    elif mindspeed_llm.loaded() and not _WARNED_UNCHECKED:
+        _WARNED_UNCHECKED.append(True)
+        warnings.warn(
+            "mindspeed_cez.patches.apply(): MindSpeed-LLM is loaded but Megatron's arguments are not parsed "
+            "yet, so its modes that bypass the fused kernel (--loss-compute-mode chunk at TP=1, "
+            "--is-instruction-dataset) could not be checked: there the run would train without the "
+            "z-loss. Call apply() after the arguments are parsed, or use the --lm-z-loss-coeff flag "
+            "(import mindspeed_cez.megatron_adaptor), which checks them at startup", stacklevel=3)
+
+
+def megatron_args():
+    """Megatron's parsed arguments (``get_args()``; MindSpeed-LLM trains with the same), or None
+    before they are parsed or without ``megatron.training``. Imports nothing."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+def activate(settings):
+    """Install the wrappers (idempotent) and make ``settings`` the active ones; no checks (the
+    flag path validated its arguments already). Returns ``settings``."""
     feature = sys.modules.get("mindspeed_cez.mindspeed_feature")
     if feature is not None and feature.registered_with_mindspeed():
         feature.register_patches_now()  # MindSpeed's patch manager owns the patching

@@ -34,7 +34,9 @@ import warnings
 
 import torch
 
-from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse, group_rank_and_size, resolve_tp_group
+from mindspeed_cez import metrics
+from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
+from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 from mindspeed_cez.patches import output_layer as _output_layer
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
@@ -63,7 +65,14 @@ def _module_tp_group(module):
     return resolve_tp_group(group)
 
 
-def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff):
+def ce_value_with_z_loss_gradient(loss, z_loss, z_loss_coeff):
+    """Megatron's convention for auxiliary losses: the per-token ``loss = CE + c*lse**2`` of the ops
+    minus their detached ``z_loss``, so the value is the CE (what Megatron logs as ``lm loss``) and
+    the gradient still that of ``CE + c*lse**2`` (what it trains on)."""
+    return loss - z_loss if z_loss_coeff > 0 else loss
+
+
+def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff, backend=None):
     """The op on ``[s, b, v_local]`` logits, in Megatron's convention for auxiliary losses.
 
     Returns ``(loss, z_loss, lse)`` shaped like ``target``: ``loss`` has the value of the plain
@@ -79,10 +88,9 @@ def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff)
         z_loss_coeff=z_loss_coeff,
         label_smoothing=smoothing,
         tp_group=tp_group,
+        backend=backend,
     )
-    if z_loss_coeff > 0:
-        loss = loss - z_loss  # z_loss is non-differentiable: the gradient keeps the z-loss term
-    return loss, z_loss, lse
+    return ce_value_with_z_loss_gradient(loss, z_loss, z_loss_coeff), z_loss, lse
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,8 +179,6 @@ def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context):
         _WARNED_NO_MASK.add(name)
         warnings.warn(f"mindspeed_cez: {name} hands no loss mask to its LM loss; lm_z_loss and lm_lse "
                       "average over every token of its micro-batches", stacklevel=3)
-    from mindspeed_cez import metrics
-
     metrics.record_lm_z_loss(
         z_loss_bs if LM_Z_LOSS in names else None,
         loss_mask,
@@ -210,13 +216,14 @@ def compute_language_model_loss_wrapper(fn):
             if settings.output_layer_grads == "forward" and loss_mask is not None:
                 weights = loss_mask.transpose(0, 1).to(torch.float32)  # [b s] => [s b]
             loss, z_loss, lse = _output_layer.linear_loss(
-                logits, target, tp_group, megatron_to_torch_smoothing(smoothing, global_vocab), coeff, weights)
+                logits, target, tp_group, megatron_to_torch_smoothing(smoothing, global_vocab), coeff, settings, weights)
+            loss = ce_value_with_z_loss_gradient(loss, z_loss, coeff)
         else:
             if is_main and _output_layer.expects_deferred():
                 raise _output_layer.FusedOutputLayerError(
                     f"{_output_layer.FLAG}: the LM loss got logits, not the deferred output layer call "
                     f"(output layer {type(getattr(self, 'output_layer', None)).__name__}); this model's forward is not served")
-            loss, z_loss, lse = fused_loss(logits, target, tp_group, smoothing, coeff)
+            loss, z_loss, lse = fused_loss(logits, target, tp_group, smoothing, coeff, settings.backend)
         if is_main:
             _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, bool(_MASK_CONTEXT))
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged
@@ -241,7 +248,8 @@ def vocab_parallel_cross_entropy_wrapper(fn):
             if tp_group is None:
                 return fn(vocab_parallel_logits, target, label_smoothing)
             return fn(vocab_parallel_logits, target, label_smoothing, tp_group=tp_group)
-        return fused_loss(vocab_parallel_logits, target, tp_group, label_smoothing, settings.z_loss_coeff)[0]
+        return fused_loss(vocab_parallel_logits, target, tp_group, label_smoothing, settings.z_loss_coeff,
+                          settings.backend)[0]
 
     vocab_parallel_cross_entropy.__cez_wraps__ = fn
     return vocab_parallel_cross_entropy
@@ -255,7 +263,7 @@ def fused_vocab_parallel_cross_entropy_wrapper(fn):
         settings = _settings.ACTIVE
         if settings is None:
             return fn(vocab_parallel_logits, target, tp_group)
-        return fused_loss(vocab_parallel_logits, target, tp_group, 0.0, settings.z_loss_coeff)[0]
+        return fused_loss(vocab_parallel_logits, target, tp_group, 0.0, settings.z_loss_coeff, settings.backend)[0]
 
     fused_vocab_parallel_cross_entropy.__cez_wraps__ = fn
     return fused_vocab_parallel_cross_entropy
@@ -274,7 +282,7 @@ def te_parallel_cross_entropy_wrapper(fn):
             if fn is None:
                 raise RuntimeError("Trying to use a TE block when it's not present.")
             return fn(logits, labels, tp_group, is_cg_capturable)
-        return fused_loss(logits, labels, tp_group, 0.0, settings.z_loss_coeff)[0]
+        return fused_loss(logits, labels, tp_group, 0.0, settings.z_loss_coeff, settings.backend)[0]
 
     if fn is not None:
         te_parallel_cross_entropy = functools.wraps(fn)(te_parallel_cross_entropy)

@@ -15,18 +15,25 @@ Megatron core 0.12.1. MindSpeed-LLM replaces the Megatron code the other patches
 * ``--loss-compute-mode chunk`` at TP=1 and CP=1 computes the loss with ``F.cross_entropy`` per
   chunk of hidden states, never through ``compute_language_model_loss``; and
   ``--is-instruction-dataset`` shifts the labels inside the forward, into a tensor the adaptor
-  cannot tell from an MTP head's. Both are refused with the fused kernel on (:func:`check_args`)
-  rather than silently trained without z-loss.
+  cannot tell from an MTP head's. Both are refused with the fused kernel on (:func:`check_args`,
+  run by the flags' validation and by ``mindspeed_cez.patches.apply``) rather than silently
+  trained without z-loss.
 * ``--lm-fused-output-layer``: the main head's output layer call is deferred in its forward as in
   Megatron's; the flags that change the logits after that call or the output layer itself
-  (``--output-multiplier-scale``, ``--output-logit-softcapping``, ``--output-layer-slice-num`` > 1,
-  ``--add-output-layer-bias``) are refused with it.
+  (``--output-multiplier-scale``, ``--output-logit-softcapping``, ``--add-output-layer-bias``) are
+  refused with it. ``--output-layer-slice-num`` > 1 is refused too, but MindSpeed-LLM's own argument
+  validation resets it to 1 before any feature's check runs, so there the check sees 1 and the
+  run goes on with the one output layer MindSpeed-LLM kept (the check only fires on arguments
+  that still hold the value, e.g. set after MindSpeed-LLM's validation).
 
 Nothing here imports MindSpeed-LLM: only its modules already imported are looked at.
 """
 
 import importlib.util
 import sys
+
+from mindspeed_cez.patches import megatron_core as mc
+from mindspeed_cez.patches import training_log
 
 PACKAGE = "mindspeed_llm"
 TRAINING = "mindspeed_llm.training.training"
@@ -45,18 +52,16 @@ def patch_targets():
     """``[(dotted path, wrapper)]`` for MindSpeed-LLM's loop and models; empty until it is imported."""
     if not loaded():
         return []
-    from mindspeed_cez import metrics
-    from mindspeed_cez.patches import megatron_core as mc
-
     targets = [(path, mc.loss_context_wrapper) for path in mc.loss_context_paths(LOSS_CONTEXT_METHODS, loaded_only=True)]
     if importlib.util.find_spec(TRAINING) is not None:  # MindSpeed's manager fails on a missing module
-        targets.append((f"{TRAINING}.training_log", metrics.training_log_wrapper))
+        targets.append((f"{TRAINING}.training_log", training_log.training_log_wrapper))
     return targets
 
 
-def check_args(args, fused_flag):
-    """Raise ``ValueError`` for MindSpeed-LLM modes the fused kernel cannot serve (``fused_flag`` names
-    the flag that turned it on). Arguments without MindSpeed-LLM's flags pass."""
+def check_args(args, fused_flag, output_layer_flag=None):
+    """Raise ``ValueError`` for MindSpeed-LLM modes the fused kernel cannot serve. ``fused_flag`` names
+    what turned the kernel on; ``output_layer_flag`` what turned the fused output layer on (None:
+    off). Arguments without MindSpeed-LLM's flags pass."""
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     cp = getattr(args, "context_parallel_size", 1) or 1
     if getattr(args, "loss_compute_mode", "default") == "chunk" and tp == 1 and cp == 1:
@@ -65,7 +70,7 @@ def check_args(args, fused_flag):
             "is plain F.cross_entropy and never reaches the fused kernel (no z-loss would be trained); "
             "drop one of them (chunk mode at TP>1 falls back to the regular loss, which is served)"
         )
-    if getattr(args, "lm_fused_output_layer", None):
+    if output_layer_flag:
         # its GPTModel forward transforms the logits between the output layer and the loss, or
         # swaps the output layer for one the fused op does not stand in for
         for dest, flag, off in (("output_multiplier_scale", "--output-multiplier-scale", None),
@@ -74,8 +79,9 @@ def check_args(args, fused_flag):
                                 ("add_output_layer_bias", "--add-output-layer-bias", False)):
             value = getattr(args, dest, off)
             if value not in (off, None, False, 0):
+                # (MindSpeed-LLM's own validation resets --output-layer-slice-num to 1 before this runs)
                 raise ValueError(
-                    f"--lm-fused-output-layer and MindSpeed-LLM's {flag}: the fused op computes the logits "
+                    f"{output_layer_flag} and MindSpeed-LLM's {flag}: the fused op computes the logits "
                     "of hidden @ weight.T itself, so that flag's change to the output layer would be lost; "
                     "drop one of them")
     if getattr(args, "is_instruction_dataset", False):

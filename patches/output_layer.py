@@ -115,16 +115,16 @@ def expects_deferred():
     return bool(_PENDING) and _PENDING[-1] is not None
 
 
-def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, token_weights=None):
-    """``(loss, z_loss, lse)`` of the deferred output layer, ``[s, b]``: the value of the CE, the
-    gradient of ``CE + c*lse**2`` (Megatron's convention for auxiliary losses). ``token_weights``
-    (``[s, b]``, the loss mask): gradients made during the forward."""
+def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, settings, token_weights=None):
+    """``(loss, z_loss, lse)`` of the deferred output layer, ``[s, b]``, as the op returns them
+    (``loss = CE + c*lse**2``), with the backends of ``settings``. ``settings.output_layer_grads``
+    is the op's ``grads``; ``"forward"`` needs ``token_weights`` (``[s, b]``, the loss mask) and a
+    backward to come: without them (no mask, or autograd not recording) the logits are recomputed."""
     layer = deferred.layer
-    loss, z_loss, lse = linear_cross_entropy_zloss_with_lse(
+    forward = settings.output_layer_grads == "forward" and token_weights is not None and torch.is_grad_enabled()
+    return linear_cross_entropy_zloss_with_lse(
         deferred.hidden, deferred.weight, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
         tp_group=tp_group, sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
         gradient_accumulation_fusion=bool(getattr(layer, "gradient_accumulation_fusion", False)),
-        token_weights=token_weights if torch.is_grad_enabled() else None)
-    if z_loss_coeff > 0:
-        loss = loss - z_loss
-    return loss, z_loss, lse
+        token_weights=token_weights if forward else None, grads="forward" if forward else "recompute",
+        backend=settings.backend, linear_backend=settings.linear_backend)

@@ -3,14 +3,20 @@
 The patched functions read :data:`ACTIVE` on every call: ``None`` means "behave exactly like
 Megatron" (the original function runs), a :class:`Settings` means "use the fused op with these
 settings". :func:`mindspeed_cez.patches.apply` and the argument hooks set it; ``remove`` clears it.
+
+:func:`backends_from_environment` is the one place that reads the launch script's overrides of the
+kernels (``MINDSPEED_CEZ_BACKEND``, ``MINDSPEED_CEZ_LINEAR_BACKEND``), for the flags' settings.
 """
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
-LM_Z_LOSS = "lm_z_loss"
-LM_LSE = "lm_lse"
+from mindspeed_cez import kernels, metrics
+from mindspeed_cez.metrics import LM_LSE, LM_Z_LOSS
+BACKEND_ENV = "MINDSPEED_CEZ_BACKEND"
+LINEAR_BACKEND_ENV = "MINDSPEED_CEZ_LINEAR_BACKEND"
 
 
 @dataclass(frozen=True)
@@ -26,7 +32,9 @@ class Settings:
     fused_output_layer: GPT's output layer and LM loss as one op, without the logits tensor
         (``--lm-fused-output-layer``, :mod:`mindspeed_cez.patches.output_layer`).
     output_layer_grads: ``"recompute"`` (logits recomputed in backward) or ``"forward"`` (gradients
-        made in the forward with the loss mask as token weights).
+        made in the forward with the loss mask as token weights): the op's ``grads``.
+    backend: the ops' cross-entropy backend, ``"triton"`` / ``"torch"``, None: automatic per device.
+    linear_backend: the fused output layer's, ``"gemm"`` / ``"triton"``, None: automatic.
     """
 
     z_loss_coeff: float = 0.0
@@ -35,6 +43,8 @@ class Settings:
     log_lse: bool = False
     fused_output_layer: bool = False
     output_layer_grads: str = "recompute"
+    backend: Optional[str] = None
+    linear_backend: Optional[str] = None
 
     def __post_init__(self):
         c = self.z_loss_coeff
@@ -45,6 +55,11 @@ class Settings:
             raise ValueError(f"label_smoothing must be None or in [0, 1), got {a!r}")
         if self.output_layer_grads not in ("recompute", "forward"):
             raise ValueError(f"output_layer_grads must be 'recompute' or 'forward', got {self.output_layer_grads!r}")
+        if self.backend not in (None, *kernels.BACKENDS):
+            raise ValueError(f"backend must be None or one of {kernels.BACKENDS}, got {self.backend!r}")
+        if self.linear_backend not in (None, *kernels.LINEAR_BACKENDS):
+            raise ValueError(f"linear_backend must be None or one of {tuple(kernels.LINEAR_BACKENDS)}, "
+                             f"got {self.linear_backend!r}")
 
     def metric_names(self):
         """The tracker names this run reports; identical on every rank (collectives depend on it)."""
@@ -56,12 +71,27 @@ class Settings:
         return names
 
 
+def backends_from_environment(environ=os.environ):
+    """``{"backend": ..., "linear_backend": ...}`` from a launch script's environment (unset or empty:
+    None, automatic); a bad name is a ``ValueError`` naming the variable."""
+    chosen = {}
+    for field, variable, names in (("backend", BACKEND_ENV, kernels.BACKENDS),
+                                   ("linear_backend", LINEAR_BACKEND_ENV, tuple(kernels.LINEAR_BACKENDS))):
+        value = environ.get(variable) or None
+        if value not in (None, *names):
+            raise ValueError(f"{variable}={value!r}: choose one of {names} (or leave it unset: automatic)")
+        chosen[field] = value
+    return chosen
+
+
 ACTIVE: Optional[Settings] = None
 
 
 def set_active(settings: Optional[Settings]):
+    """Activate ``settings`` (None: Megatron's own loss again); the metrics report its names."""
     global ACTIVE
     ACTIVE = settings
+    metrics.report_names(settings.metric_names() if settings is not None else [])
 
 
 def get_active() -> Optional[Settings]:

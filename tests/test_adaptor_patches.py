@@ -8,6 +8,7 @@ base (MindSpeed is not on PyPI): it implements only the API surface read at Asce
 import argparse
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -216,13 +217,14 @@ def test_training_log_wrapped_twice_reports_once():
     """One training_log reachable under two names gets our wrapper twice (MindSpeed-LLM 2.2.0
     re-exports Megatron's): the outer adds lm_z_loss, the inner passes the loss_dict through."""
     from mindspeed_cez import metrics
+    from mindspeed_cez.patches.training_log import training_log_wrapper
 
     seen = []
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration):
         seen.append(dict(loss_dict))
 
-    twice = metrics.training_log_wrapper(metrics.training_log_wrapper(training_log))
+    twice = training_log_wrapper(training_log_wrapper(training_log))
     patches.apply(z_loss_coeff=0.5)
     try:
         z = torch.tensor([1.0, 3.0, 5.0])
@@ -231,3 +233,60 @@ def test_training_log_wrapped_twice_reports_once():
     finally:
         patches.remove()
     assert len(seen) == 1 and float(seen[0]["lm_z_loss"]) == pytest.approx(2.0), seen
+
+
+@pytest.fixture
+def megatron_args(monkeypatch):
+    """Megatron's parsed arguments as ``get_args()`` holds them (a plain Namespace here)."""
+    holder = types.ModuleType("megatron.training.global_vars")
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", holder)
+
+    def set_args(**kwargs):
+        holder._GLOBAL_ARGS = argparse.Namespace(**kwargs)
+
+    yield set_args
+    patches.remove()
+
+
+def test_apply_runs_the_startup_checks_on_megatron_args(megatron_args):
+    """apply() refuses MindSpeed-LLM's modes that bypass the fused kernel, as the flags do."""
+    megatron_args(loss_compute_mode="chunk", tensor_model_parallel_size=1, context_parallel_size=1)
+    with pytest.raises(ValueError, match=r"apply\(z_loss_coeff=0.0001\) and MindSpeed-LLM's --loss-compute-mode chunk"):
+        patches.apply(z_loss_coeff=1e-4)
+    assert patches.active_settings() is None  # refused before anything was activated
+    megatron_args(is_instruction_dataset=True)
+    with pytest.raises(ValueError, match="--is-instruction-dataset"):
+        patches.apply(z_loss_coeff=1e-4)
+    megatron_args(output_logit_softcapping=30.0)
+    patches.apply(z_loss_coeff=1e-4)  # the loss alone serves it
+    with pytest.raises(ValueError, match=r"apply\(fused_output_layer=True\) and MindSpeed-LLM's --output-logit-softcapping"):
+        patches.apply(z_loss_coeff=1e-4, fused_output_layer=True)
+    megatron_args(loss_compute_mode="chunk", tensor_model_parallel_size=2)  # chunk mode at TP>1: served
+    assert patches.apply(z_loss_coeff=1e-4).z_loss_coeff == 1e-4
+
+
+def test_apply_warns_once_where_it_cannot_check(monkeypatch):
+    """MindSpeed-LLM loaded, Megatron's arguments not parsed yet: one loud warning, then quiet."""
+    for name in ("mindspeed_llm", "mindspeed_llm.training"):  # packages with nothing in them
+        package = types.ModuleType(name)
+        package.__path__ = []
+        monkeypatch.setitem(sys.modules, name, package)
+    monkeypatch.delitem(sys.modules, "megatron.training.global_vars", raising=False)
+    monkeypatch.setattr(patches, "_WARNED_UNCHECKED", [])
+    try:
+        with pytest.warns(UserWarning, match="--loss-compute-mode chunk at TP=1.*could not be checked"):
+            patches.apply(z_loss_coeff=1e-4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            patches.apply(z_loss_coeff=1e-4)
+    finally:
+        patches.remove()
+
+
+def test_backends_from_the_environment_name_the_variable():
+    env = {"MINDSPEED_CEZ_BACKEND": "torch", "MINDSPEED_CEZ_LINEAR_BACKEND": ""}
+    assert _settings.backends_from_environment(env) == {"backend": "torch", "linear_backend": None}
+    with pytest.raises(ValueError, match="MINDSPEED_CEZ_LINEAR_BACKEND='cublas'"):
+        _settings.backends_from_environment({"MINDSPEED_CEZ_LINEAR_BACKEND": "cublas"})
+    with pytest.raises(ValueError, match="backend must be None or one of"):
+        patches.apply(backend="cuda")

@@ -108,14 +108,15 @@ def test_compiled_kernels_launch_directly_with_triton_launch_results(monkeypatch
     import triton
 
     from mindspeed_cez.kernels import triton_cross_entropy as tce
-    from mindspeed_cez.kernels.launch import Launcher
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     base = torch.randn(300, 5000, device="cuda", generator=gen).to(torch.bfloat16)
     target = torch.randint(0, 5000, (300,), device="cuda", generator=gen)
-    monkeypatch.setattr(Launcher, "enabled", False)
+    for launcher in tce.LAUNCHERS:
+        monkeypatch.setattr(launcher, "direct", False)
     expected = _op_fwd_bwd(base, target)
-    monkeypatch.setattr(Launcher, "enabled", True)
+    for launcher in tce.LAUNCHERS:
+        launcher.direct = True
     _op_fwd_bwd(base, target)  # compiles or finds the kernels, keeps them
 
     calls = []

@@ -12,7 +12,6 @@ from backends import triton_runs_on_cpu
 from support import run_on_ranks
 from support import cross_entropy_zloss_float64, relative_error
 from mindspeed_cez import kernels, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
-import mindspeed_cez.linear_cross_entropy as op_module
 from mindspeed_cez.kernels import chunked_linear
 
 SEQ, BATCH, HIDDEN, V_PER_RANK = 13, 3, 24, 53  # 39 tokens; chunks of 16 rows do not divide them
@@ -27,10 +26,6 @@ def _problem(dtype, tp, gen):
     target[torch.rand(target.shape, generator=gen) < 0.15] = -100
     upstream = torch.randn(target.shape, generator=gen)
     return hidden.to(dtype), weight.to(dtype), target, upstream
-
-
-def _sixteen_cols(n_rows, v_local):
-    return min(v_local, 16)
 
 
 def _float64(hidden, weight, target, upstream, z, a):
@@ -49,8 +44,6 @@ def _token_weights(target, gen):
 
 
 def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_grads=False):
-    chunked_linear.chunk_cols = _sixteen_cols  # several vocab chunks, the last one short
-    op_module.row_block = lambda n_rows, v_local: min(n_rows, 16)  # several token blocks, the last one short
     gen = torch.Generator().manual_seed(4321)  # every rank draws the same full problem
     hidden, weight, target, upstream = _problem(dtype, world_size, gen)
     token_weights = None
@@ -63,10 +56,12 @@ def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_g
     h = hidden[seq].clone().requires_grad_()
     w = weight[rows].clone().requires_grad_()
     backend, _, linear = backend.partition("+")  # "triton+gemm": Triton's CE kernels on GEMM chunks
-    with kernels.use_backend(backend), kernels.use_linear_backend(linear or None):
-        loss, z_loss = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=z, label_smoothing=a, tp_group=group,
-                                                  sequence_parallel=sequence_parallel, token_weights=token_weights)
-        (loss * upstream).sum().backward()
+    # chunks of 16 vocab rows / blocks of 16 tokens: several, the last one short
+    loss, z_loss = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=z, label_smoothing=a, tp_group=group,
+                                              sequence_parallel=sequence_parallel, token_weights=token_weights,
+                                              grads="forward" if forward_grads else "recompute", backend=backend,
+                                              linear_backend=linear or None, chunk_cols=16, row_block=16)
+    (loss * upstream).sum().backward()
     errors = {"loss": relative_error(loss, exp_loss), "dhidden": relative_error(h.grad, exp_dh[seq]),
               "dweight": relative_error(w.grad, exp_dw[rows])}
     if z:
@@ -124,17 +119,17 @@ def test_token_weights_need_an_upstream_gradient_proportional_to_them():
     hidden, weight, target, upstream = _problem(torch.float32, 1, gen)
     mask, _ = _token_weights(target, gen)
     h, w = hidden.requires_grad_(), weight.requires_grad_()
-    loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask)
+    loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask, grads="forward")
     with pytest.raises(RuntimeError, match="upstream gradient must be k"):
         (loss * upstream).sum().backward()
     # ignored tokens (loss 0, gradient 0) may get any upstream gradient
-    loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask)
+    loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask, grads="forward")
     g = torch.where(target == -100, 5.0, 0.37 * mask)
     (loss * g).sum().backward()
     exp = _float64(hidden.detach(), weight.detach(), target, 0.37 * mask, 1e-3, 0.0)
     assert relative_error(w.grad, exp[3]) < 1e-5 and relative_error(h.grad, exp[2]) < 1e-5
     with pytest.raises(ValueError, match="token_weights must be a tensor of target's shape"):
-        linear_cross_entropy_zloss(h, w, target, token_weights=mask[:-1])
+        linear_cross_entropy_zloss(h, w, target, token_weights=mask[:-1], grads="forward")
 
 
 def test_chunks_bound_the_logits_and_cover_every_vocab_row(monkeypatch):
@@ -159,10 +154,9 @@ def test_chunks_bound_the_logits_and_cover_every_vocab_row(monkeypatch):
         return out
 
     real_matmul = torch.matmul
-    monkeypatch.setattr(chunked_linear, "chunk_cols", _sixteen_cols)
     monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
     monkeypatch.setattr(torch, "matmul", spy_out)
-    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-2)
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-2, chunk_cols=16)
     (loss * upstream).sum().backward()
     monkeypatch.undo()
     logits_shapes = [s for s in shapes if s[0] == rows.shape[0] and s[1] != HIDDEN]
@@ -251,7 +245,7 @@ def test_sequence_parallel_target_must_cover_the_gathered_sequence():
 
 def test_default_chunk_is_small_beside_the_logits():
     for n, v in ((8192, 151936), (8192, 37984), (65536, 151936), (16384, 16160), (39, 53)):
-        step = chunked_linear.chunk_cols(n, v)
+        step = chunked_linear.default_chunk_cols(n, v)
         assert 1 <= step <= v and (step == v or 1024 <= step <= 4096)
         assert n * step <= max(chunked_linear.CHUNK_LOGITS, 1024 * n)
 
@@ -286,15 +280,30 @@ def test_linear_kernels_match_float64(label_smoothing):
 
 def test_linear_backend_choice_and_bad_names():
     """CPU and CUDA default to GEMM chunks, other accelerators with the Triton CE backend to the
-    tl.dot kernels; a forced name is checked."""
+    tl.dot kernels; a named one is checked."""
     npu = types.SimpleNamespace(type="npu")  # torch.device("npu") needs torch_npu
     assert kernels.linear_backend_for(torch.device("cpu")) is chunked_linear
     if kernels.triton_available():
-        with kernels.use_backend("triton"):
-            assert kernels.linear_backend_for(torch.device("cuda")) is chunked_linear
-            assert kernels.linear_backend_for(npu).__name__.endswith("triton_linear_cross_entropy")
-    with kernels.use_linear_backend("gemm"):
-        assert kernels.linear_backend_for(npu) is chunked_linear
+        assert kernels.linear_backend_for(torch.device("cuda"), backend="triton") is chunked_linear
+        assert kernels.linear_backend_for(npu, backend="triton").__name__.endswith("triton_linear_cross_entropy")
+    assert kernels.linear_backend_for(npu, "gemm", backend="triton") is chunked_linear
     with pytest.raises(ValueError, match="unknown linear backend 'cublas'"):
-        with kernels.use_linear_backend("cublas"):
-            pass
+        kernels.linear_backend_for(npu, "cublas")
+
+
+def test_settings_are_arguments_and_bad_ones_name_theirs():
+    """The algorithm is the ``grads`` argument, not the presence of ``token_weights``."""
+    gen = torch.Generator().manual_seed(13)
+    hidden, weight, target, _ = _problem(torch.float32, 1, gen)
+    mask, _ = _token_weights(target, gen)
+    for kwargs, message in (({"grads": "forward"}, "grads='forward' needs token_weights"),
+                            ({"token_weights": mask}, "token_weights .*grads='forward'"),
+                            ({"grads": "backward"}, "grads must be one of"),
+                            ({"chunk_cols": 0}, "chunk_cols must be"),
+                            ({"row_block": 2.5}, "row_block must be"),
+                            ({"backend": "cuda"}, "unknown backend 'cuda'"),
+                            ({"linear_backend": "cublas"}, "unknown linear backend 'cublas'")):
+        with pytest.raises(ValueError, match=message):
+            linear_cross_entropy_zloss(hidden, weight, target, **kwargs)
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        vocab_parallel_cross_entropy_zloss(hidden[..., :5], target.clamp(max=4), backend="cuda")

@@ -5,19 +5,18 @@ import torch
 
 from backends import DTYPES, GRAD_TOLERANCE, LOSS_TOLERANCE, backend_devices, backend_ids, random_logits
 from support import loss_and_grad_float64, relative_error
-from mindspeed_cez import kernels, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import vocab_parallel_cross_entropy_zloss
 
 PAIRS = backend_devices()
 
 
 @pytest.fixture(params=PAIRS, ids=backend_ids(PAIRS))
 def backend_device(request):
-    name, device = request.param
-    with kernels.use_backend(name):
-        yield name, device
+    return request.param  # (backend name, device): the tests pass the name as the op's backend
 
 
-def _check(logits_shape, dtype, device, z_loss_coeff, label_smoothing, ignore_fraction=0.2, seed=0, as_leaf=True):
+def _check(logits_shape, dtype, backend, device, z_loss_coeff, label_smoothing, ignore_fraction=0.2, seed=0,
+           as_leaf=True):
     gen = torch.Generator().manual_seed(seed)
     vocab = logits_shape[-1]
     base = random_logits(logits_shape, dtype, device, gen)
@@ -32,7 +31,7 @@ def _check(logits_shape, dtype, device, z_loss_coeff, label_smoothing, ignore_fr
     leaf = base.clone().requires_grad_(True)
     logits = leaf if as_leaf else leaf * 1  # a non-leaf gets its gradient written in place
     loss, z_loss = vocab_parallel_cross_entropy_zloss(
-        logits, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing
+        logits, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing, backend=backend
     )
     assert loss.dtype == torch.float32 and z_loss.dtype == torch.float32
     assert loss.shape == target.shape and z_loss.shape == target.shape
@@ -53,68 +52,68 @@ def _check(logits_shape, dtype, device, z_loss_coeff, label_smoothing, ignore_fr
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("z_loss_coeff", [0.0, 1e-4, 0.05])
 def test_matches_float64_reference(backend_device, dtype, z_loss_coeff):
-    _, device = backend_device
-    _check((48, 1000), dtype, device, z_loss_coeff, 0.0, seed=int(z_loss_coeff * 1e4))
+    backend, device = backend_device
+    _check((48, 1000), dtype, backend, device, z_loss_coeff, 0.0, seed=int(z_loss_coeff * 1e4))
 
 
 @pytest.mark.parametrize("label_smoothing", [0.1, 0.5])
 def test_label_smoothing_averages_over_the_vocab(backend_device, label_smoothing):
-    _, device = backend_device
-    _check((32, 777), torch.float32, device, 1e-3, label_smoothing, seed=3)
+    backend, device = backend_device
+    _check((32, 777), torch.float32, backend, device, 1e-3, label_smoothing, seed=3)
 
 
 @pytest.mark.parametrize("vocab", [1, 17, 4095, 4097, 9000])
 def test_vocab_not_a_multiple_of_the_block(backend_device, vocab):
-    _, device = backend_device
-    _check((6, vocab), torch.bfloat16, device, 1e-2, 0.1, seed=vocab)
+    backend, device = backend_device
+    _check((6, vocab), torch.bfloat16, backend, device, 1e-2, 0.1, seed=vocab)
 
 
 def test_sequence_batch_layout(backend_device):
-    _, device = backend_device
-    _check((8, 3, 300), torch.bfloat16, device, 1e-3, 0.0, seed=5)
+    backend, device = backend_device
+    _check((8, 3, 300), torch.bfloat16, backend, device, 1e-3, 0.0, seed=5)
 
 
 def test_gradient_reuses_the_buffer_of_non_leaf_logits(backend_device):
-    _, device = backend_device
-    logits, grad = _check((16, 257), torch.float32, device, 1e-3, 0.0, seed=7, as_leaf=False)
+    backend, device = backend_device
+    logits, grad = _check((16, 257), torch.float32, backend, device, 1e-3, 0.0, seed=7, as_leaf=False)
     assert grad.data_ptr() == logits.data_ptr()
 
 
 def test_leaf_logits_keep_their_values(backend_device):
-    _, device = backend_device
+    backend, device = backend_device
     gen = torch.Generator().manual_seed(11)
     leaf = random_logits((10, 99), torch.float32, device, gen).requires_grad_(True)
     before = leaf.detach().clone()
     target = torch.randint(0, 99, (10,), generator=gen).to(device)
-    loss, _ = vocab_parallel_cross_entropy_zloss(leaf, target, z_loss_coeff=1e-2)
+    loss, _ = vocab_parallel_cross_entropy_zloss(leaf, target, z_loss_coeff=1e-2, backend=backend)
     loss.sum().backward()
     assert torch.equal(leaf.detach(), before)
     assert leaf.grad.data_ptr() != leaf.data_ptr()
 
 
 def test_second_backward_through_overwritten_logits_fails_loudly(backend_device):
-    _, device = backend_device
+    backend, device = backend_device
     gen = torch.Generator().manual_seed(12)
     leaf = random_logits((4, 50), torch.float32, device, gen).requires_grad_(True)
     target = torch.randint(0, 50, (4,), generator=gen).to(device)
-    loss, _ = vocab_parallel_cross_entropy_zloss(leaf * 1, target)
+    loss, _ = vocab_parallel_cross_entropy_zloss(leaf * 1, target, backend=backend)
     loss.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="inplace"):
         loss.sum().backward()
 
 
 def test_all_ignored_gives_zeros_not_nan(backend_device):
-    _, device = backend_device
+    backend, device = backend_device
     leaf = random_logits((5, 64), torch.bfloat16, device).requires_grad_(True)
     target = torch.full((5,), -100, device=device)
-    loss, z_loss = vocab_parallel_cross_entropy_zloss(leaf, target, z_loss_coeff=1e-3, label_smoothing=0.1)
+    loss, z_loss = vocab_parallel_cross_entropy_zloss(leaf, target, z_loss_coeff=1e-3, label_smoothing=0.1, backend=backend)
     loss.sum().backward()
     assert torch.count_nonzero(loss) == 0 and torch.count_nonzero(z_loss) == 0
     assert torch.count_nonzero(leaf.grad) == 0 and torch.isfinite(leaf.grad.float()).all()
 
 
 def test_custom_ignore_index(backend_device):
-    _, device = backend_device
+    backend, device = backend_device
     gen = torch.Generator().manual_seed(13)
     base = random_logits((12, 40), torch.float32, device, gen)
     target = torch.randint(0, 40, (12,), generator=gen)
@@ -123,30 +122,30 @@ def test_custom_ignore_index(backend_device):
     upstream = torch.rand(12, generator=gen).to(device) + 0.5
     _, _, exp_grad = loss_and_grad_float64(base, target, upstream, z_loss_coeff=1e-2, ignore_index=7)
     leaf = base.clone().requires_grad_(True)
-    loss, _ = vocab_parallel_cross_entropy_zloss(leaf, target, z_loss_coeff=1e-2, ignore_index=7)
+    loss, _ = vocab_parallel_cross_entropy_zloss(leaf, target, z_loss_coeff=1e-2, ignore_index=7, backend=backend)
     (grad,) = torch.autograd.grad(loss, leaf, upstream)
     assert torch.count_nonzero(loss[::3]) == 0 and torch.count_nonzero(loss[1::3]) == 4
     assert relative_error(grad, exp_grad) < 2e-6
 
 
 def test_empty_batch(backend_device):
-    _, device = backend_device
+    backend, device = backend_device
     leaf = torch.randn(0, 32, device=device, requires_grad=True)
     target = torch.zeros(0, dtype=torch.long, device=device)
-    loss, z_loss = vocab_parallel_cross_entropy_zloss(leaf, target, z_loss_coeff=1e-3)
+    loss, z_loss = vocab_parallel_cross_entropy_zloss(leaf, target, z_loss_coeff=1e-3, backend=backend)
     loss.sum().backward()
     assert loss.shape == (0,) and z_loss.shape == (0,) and leaf.grad.shape == (0, 32)
 
 
 def test_transposed_logits_are_copied(backend_device):
-    _, device = backend_device
+    backend, device = backend_device
     gen = torch.Generator().manual_seed(14)
     base_t = random_logits((130, 9), torch.float32, device, gen)
     target = torch.randint(0, 130, (9,), generator=gen).to(device)
     upstream = torch.randn(9, generator=gen).to(device)
     exp_loss, _, exp_grad = loss_and_grad_float64(base_t.t(), target, upstream, z_loss_coeff=1e-3)
     leaf = base_t.clone().requires_grad_(True)
-    loss, _ = vocab_parallel_cross_entropy_zloss(leaf.t(), target, z_loss_coeff=1e-3)
+    loss, _ = vocab_parallel_cross_entropy_zloss(leaf.t(), target, z_loss_coeff=1e-3, backend=backend)
     (grad,) = torch.autograd.grad(loss, leaf, upstream)
     assert relative_error(loss, exp_loss) < LOSS_TOLERANCE
     assert relative_error(grad.t(), exp_grad) < 2e-6
@@ -154,7 +153,7 @@ def test_transposed_logits_are_copied(backend_device):
 
 
 def test_strided_rows_of_a_leaf_are_read_in_place_and_left_intact(backend_device):
-    _, device = backend_device
+    backend, device = backend_device
     gen = torch.Generator().manual_seed(16)
     wide = random_logits((9, 2, 130), torch.float32, device, gen)
     target = torch.randint(0, 130, (9,), generator=gen).to(device)
@@ -169,14 +168,14 @@ def test_strided_rows_of_a_leaf_are_read_in_place_and_left_intact(backend_device
 
 
 def test_int32_targets(backend_device):
-    _, device = backend_device
+    backend, device = backend_device
     gen = torch.Generator().manual_seed(15)
     base = random_logits((7, 33), torch.float32, device, gen)
     target = torch.randint(0, 33, (7,), generator=gen).to(device)
     upstream = torch.randn(7, generator=gen).to(device)
     leaf = base.clone().requires_grad_(True)
-    loss64, _ = vocab_parallel_cross_entropy_zloss(base, target, z_loss_coeff=1e-3)
-    loss32, _ = vocab_parallel_cross_entropy_zloss(leaf, target.int(), z_loss_coeff=1e-3)
+    loss64, _ = vocab_parallel_cross_entropy_zloss(base, target, z_loss_coeff=1e-3, backend=backend)
+    loss32, _ = vocab_parallel_cross_entropy_zloss(leaf, target.int(), z_loss_coeff=1e-3, backend=backend)
     (grad32,) = torch.autograd.grad(loss32, leaf, upstream)
     exp_loss, _, exp_grad = loss_and_grad_float64(base, target, upstream, z_loss_coeff=1e-3)
     assert torch.equal(loss64, loss32) and relative_error(loss32, exp_loss) < LOSS_TOLERANCE
@@ -187,11 +186,11 @@ def test_lse_output_for_logging(backend_device):
     from support import cross_entropy_zloss_float64
     from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
 
-    _, device = backend_device
+    backend, device = backend_device
     gen = torch.Generator().manual_seed(17)
     base = random_logits((6, 5, 300), torch.bfloat16, device, gen)
     target = torch.randint(0, 300, (6, 5), generator=gen).to(device)
-    loss, z_loss, lse = cross_entropy_zloss_with_lse(base, target, z_loss_coeff=1e-3)
+    loss, z_loss, lse = cross_entropy_zloss_with_lse(base, target, z_loss_coeff=1e-3, backend=backend)
     _, _, exp_lse = cross_entropy_zloss_float64(base, target, z_loss_coeff=1e-3)
     assert lse.shape == target.shape and not lse.requires_grad
     assert relative_error(lse, exp_lse) < LOSS_TOLERANCE
@@ -203,7 +202,7 @@ def test_backward_gets_no_zero_tensors_for_the_logging_outputs(backend_device, m
     (8 bytes per token of peak memory, two fill launches)."""
     from mindspeed_cez.cross_entropy_zloss import VocabParallelCrossEntropyZLoss
 
-    _, device = backend_device
+    backend, device = backend_device
     seen = []
     backward = VocabParallelCrossEntropyZLoss.backward
 
@@ -214,7 +213,7 @@ def test_backward_gets_no_zero_tensors_for_the_logging_outputs(backend_device, m
     monkeypatch.setattr(VocabParallelCrossEntropyZLoss, "backward", staticmethod(recording_backward))
     leaf = random_logits((4, 3, 50), torch.float32, device).requires_grad_(True)
     target = torch.randint(0, 50, (4, 3)).to(device)
-    loss, z_loss = vocab_parallel_cross_entropy_zloss(leaf, target, z_loss_coeff=1e-2)
+    loss, z_loss = vocab_parallel_cross_entropy_zloss(leaf, target, z_loss_coeff=1e-2, backend=backend)
     (loss.sum() + z_loss.sum()).backward()
     ((grad_loss, grad_z_loss, grad_lse),) = seen
     assert grad_loss is not None and grad_z_loss is None and grad_lse is None

@@ -1,0 +1,72 @@
+"""The tensor-parallel steps the ops share, each written once.
+
+Every rank holds a slice of the vocab (and, with sequence parallelism, a chunk of the sequence).
+Megatron-Core's unfused and fused vocab-parallel cross entropy share one set of step functions
+(``VocabParallelCrossEntropy``); so do ``vocab_parallel_cross_entropy_zloss`` and both paths of
+``linear_cross_entropy_zloss``:
+
+* :func:`merged_loss`: a rank's ``[4, n]`` partials -> the loss over the global vocab: MAX
+  all-reduce of the row maxima, sum-exp rescaled to them, one SUM all-reduce of
+  (sum-exp, target term), then the loss;
+* :func:`gather_sequence` / :func:`reduce_dhidden`: ``ColumnParallelLinear``'s input all-gather
+  along the sequence and its ``dhidden`` reduction (reduce-scatter with sequence parallelism,
+  else all-reduce).
+"""
+
+import sys
+
+import torch.distributed as dist
+
+from mindspeed_cez.kernels.torch_reference import ROW_MAX, SUM_EXP, TARGET_TERM
+
+
+def resolve_tp_group(tp_group=None):
+    """The given group, else Megatron's TP group when its parallel state is initialized, else None."""
+    if tp_group is not None:
+        return tp_group
+    # Megatron's parallel state is in sys.modules whenever Megatron initialized it; importing
+    # megatron.core here just to find out would cost seconds for users without Megatron.
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    return None
+
+
+def group_rank_and_size(tp_group):
+    """(rank, world size) in ``tp_group``; (0, 1) without a group or without torch.distributed.
+    Asked on every call (cheap), so no reference to the group is kept here."""
+    if tp_group is None or not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def merged_loss(backend, partials, target, ignore_index, z_loss_coeff, tp_group, tp_size):
+    """fp32 ``[3, n]`` (loss, z-loss, lse) from this rank's ``[4, n]`` partials (``shard_partials``'s
+    layout), merged over ``tp_group`` first when it has more than one rank. Overwrites ``partials``."""
+    if tp_size > 1:
+        dist.all_reduce(partials[ROW_MAX], op=dist.ReduceOp.MAX, group=tp_group)
+        backend.rescale_sum_exp(partials)
+        dist.all_reduce(partials[SUM_EXP:TARGET_TERM + 1], op=dist.ReduceOp.SUM, group=tp_group)
+    return backend.loss_from_partials(partials, target, ignore_index, z_loss_coeff)
+
+
+def gather_sequence(hidden, tp_group, tp_size, sequence_parallel):
+    """The whole sequence: ``hidden`` all-gathered along dim 0 under sequence parallelism, else itself."""
+    if not (sequence_parallel and tp_size > 1):
+        return hidden
+    out = hidden.new_empty((hidden.shape[0] * tp_size, *hidden.shape[1:]))
+    dist.all_gather_into_tensor(out, hidden.contiguous(), group=tp_group)
+    return out
+
+
+def reduce_dhidden(dhidden, tp_group, tp_size, sequence_parallel):
+    """This rank's ``dhidden`` of the whole sequence -> what ``ColumnParallelLinear`` returns: the
+    sum over ranks, reduce-scattered to this rank's sequence chunk with sequence parallelism."""
+    if tp_size == 1:
+        return dhidden
+    if sequence_parallel:
+        local = dhidden.new_empty((dhidden.shape[0] // tp_size, *dhidden.shape[1:]))
+        dist.reduce_scatter_tensor(local, dhidden.contiguous(), group=tp_group)
+        return local
+    dist.all_reduce(dhidden, group=tp_group)
+    return dhidden

@@ -1,0 +1,109 @@
+"""The package's floors, read from its source with ``ast``: ``kernels/`` imports nothing of the
+package outside ``kernels/`` and never reads the environment, and no two modules import each other
+through any chain, counting imports inside functions too (a lazy import that closes a cycle fails)."""
+
+import ast
+import importlib
+import os
+import pkgutil
+
+import mindspeed_cez
+
+PACKAGE = "mindspeed_cez"
+KERNELS = f"{PACKAGE}.kernels"
+
+
+def _modules():
+    """{module name: source file} of every module of the package (kernels/ and patches/ included)."""
+    found, packages = {PACKAGE: mindspeed_cez.__file__}, [(PACKAGE, mindspeed_cez.__path__)]
+    while packages:
+        package, path = packages.pop()
+        for info in pkgutil.iter_modules(path, prefix=f"{package}."):
+            if info.name == f"{PACKAGE}.{PACKAGE}":
+                continue  # a source checkout's __path__ holds the checkout (for kernels/, patches/)
+            spec = importlib.util.find_spec(info.name)
+            found[info.name] = spec.origin
+            if info.ispkg:
+                packages.append((info.name, spec.submodule_search_locations))
+    return found
+
+
+def _imports(name, path, modules):
+    """The package's modules that ``name`` imports anywhere in its source: ``import a.b`` -> a.b,
+    ``from a import b`` -> a.b when that is a module, else a; relative imports resolved."""
+    package = name if os.path.basename(path) == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in modules else base)
+    return {m for m in out if m == PACKAGE or m.startswith(PACKAGE + ".")}
+
+
+def _graph():
+    modules = _modules()
+    return modules, {name: _imports(name, path, modules) - {name} for name, path in modules.items()}
+
+
+def test_every_module_imports():
+    modules, _ = _graph()
+    for name in modules:
+        if name != f"{PACKAGE}.megatron_adaptor":  # importing it patches Megatron: its own tests do that
+            importlib.import_module(name)
+    assert {f"{PACKAGE}.tensor_parallel", f"{KERNELS}.chunked_linear", f"{PACKAGE}.patches.training_log"} <= set(modules)
+
+
+def test_kernels_import_nothing_of_the_package_outside_kernels():
+    _, graph = _graph()
+    for name, imported in graph.items():
+        if name == KERNELS or name.startswith(KERNELS + "."):
+            outside = {m for m in imported if not (m == KERNELS or m.startswith(KERNELS + "."))}
+            assert not outside, f"{name} imports {sorted(outside)}"
+
+
+def test_kernels_never_read_the_environment():
+    modules, _ = _graph()
+    for name, path in modules.items():
+        if name == KERNELS or name.startswith(KERNELS + "."):
+            source = open(path).read()
+            for word in ("os.environ", "getenv", "environ.get"):
+                assert word not in source, f"{name} mentions {word}"
+
+
+def test_no_import_cycle():
+    """Depth-first search for a back edge. Edges are the import statements (a module's parent
+    package runs first too, which no statement says: not an edge)."""
+    _, graph = _graph()
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
+    """The checker itself: an import inside a function that closes a cycle counts."""
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("import mindspeed_cez.b\n")
+    b.write_text("def f():\n    from mindspeed_cez import a\n")
+    modules = {f"{PACKAGE}.a": str(a), f"{PACKAGE}.b": str(b)}
+    assert _imports(f"{PACKAGE}.b", str(b), modules) == {f"{PACKAGE}.a"}
+    assert _imports(f"{PACKAGE}.a", str(a), modules) == {f"{PACKAGE}.b"}
