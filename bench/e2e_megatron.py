@@ -1,7 +1,7 @@
 """End to end in Megatron's own training loop on one GPU: step time and peak memory per LM loss.
 
 Each variant is one launch of ``bench/pretrain_gpt_bench.py`` (Megatron's ``pretrain`` through
-``examples/pretrain_gpt_cez.py``, mock data, bf16, the local transformer implementation):
+``examples/pretrain_gpt.py``, mock data, bf16, the local transformer implementation):
 
 ==============  ==============================================================================
 ``native``      Megatron's own CE, no z-loss

@@ -1,4 +1,5 @@
-"""``examples/pretrain_gpt_cez.py`` for the end-to-end benchmark: one variant per launch.
+"""``examples/pretrain_gpt.py`` with the adaptor (as ``-m mindspeed_cez.launch`` runs it) for the
+end-to-end benchmark: one variant per launch.
 
 Two additions, for measuring only:
 
@@ -12,13 +13,12 @@ Two additions, for measuring only:
 
 import atexit
 import os
-import runpy
 import sys
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENTRY = os.path.join(os.path.dirname(HERE), "examples", "pretrain_gpt_cez.py")
+ENTRY = os.path.join(os.path.dirname(HERE), "examples", "pretrain_gpt.py")
 
 
 def _z_loss_by_hand(coeff):
@@ -48,5 +48,6 @@ if __name__ == "__main__":
 
         sdpa_attention.use_sdpa()
     atexit.register(_report_peak_memory)
-    sys.argv[0] = ENTRY
-    runpy.run_path(ENTRY, run_name="__main__")
+    from mindspeed_cez import launch
+
+    sys.exit(launch.main([ENTRY, *sys.argv[1:]]))

@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # Megatron-LM style MoE pretraining launch with the fused LM cross entropy + z-loss.
 #
-# The integration is one line at the top of the pretrain script:
+# The integration is one change to the launch line: run the pretrain script through the launcher,
 #
-#     import mindspeed_cez.megatron_adaptor
+#     torchrun ... -m mindspeed_cez.launch pretrain_gpt.py <Megatron args> --lm-z-loss-coeff 1e-4
 #
-# (examples/pretrain_gpt_cez.py has it; in Megatron-LM's own pretrain_gpt.py add it as the first
-# import and set PRETRAIN_SCRIPT=/path/to/Megatron-LM/pretrain_gpt.py) plus the flag
-#
-#     --lm-z-loss-coeff 1e-4        (0 / absent: Megatron's own cross entropy)
+# (it imports mindspeed_cez.megatron_adaptor, then runs the script unchanged; set
+# PRETRAIN_SCRIPT=/path/to/Megatron-LM/pretrain_gpt.py for Megatron-LM's own) plus the flag
+# (0 / absent: Megatron's own cross entropy),
 #
 # and `lm_z_loss` appears in Megatron's log line next to `lm loss` and `load_balancing_loss`.
 #
@@ -20,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python}"
-PRETRAIN_SCRIPT="${PRETRAIN_SCRIPT:-examples/pretrain_gpt_cez.py}"
+PRETRAIN_SCRIPT="${PRETRAIN_SCRIPT:-examples/pretrain_gpt.py}"
 NPROC="${NPROC:-2}"
 TP="${TP:-2}"
 Z_LOSS_COEFF="${Z_LOSS_COEFF:-1e-4}"
@@ -67,7 +66,7 @@ if [ "$Z_LOSS_COEFF" != "0" ]; then
 fi
 
 cmd=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" --master-addr 127.0.0.1
-     --master-port "${MASTER_PORT:-29517}" "$PRETRAIN_SCRIPT"
+     --master-port "${MASTER_PORT:-29517}" -m mindspeed_cez.launch "$PRETRAIN_SCRIPT"
      "${GPT_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${IMPL_ARGS[@]}"
      "${Z_LOSS_ARGS[@]}" "$@")
 echo "${cmd[*]}"

@@ -3,19 +3,18 @@
 # The model and parallel flags follow MindSpeed-LLM v26.0.0's Qwen3-30B-A3B pretrain script
 # (examples/mcore/qwen3_moe/pretrain_qwen3_30b_a3b_4K_ptd.sh there), two nodes of 8 NPUs.
 #
-# The integration is one import in MindSpeed-LLM's pretrain_gpt.py, before or after its own adaptor:
+# The integration is one change to the launch line, no Python file edited: torchrun runs
+# MindSpeed-LLM's pretrain_gpt.py through the launcher,
 #
-#     from mindspeed_llm import megatron_adaptor     # already there
-#     import mindspeed_cez.megatron_adaptor          # the lm-z-loss MindSpeed feature
+#     torchrun $DISTRIBUTED_ARGS -m mindspeed_cez.launch pretrain_gpt.py ... --lm-z-loss-coeff 1e-4
 #
+# which imports mindspeed_cez.megatron_adaptor and then runs pretrain_gpt.py as `python pretrain_gpt.py`
+# would (its own `from mindspeed_llm import megatron_adaptor` runs after ours; either order is served).
 # MindSpeed-LLM's argument parser then knows --lm-z-loss-coeff, its own GPTModel forward computes
 # the loss with the fused kernel (on the logits after --output-multiplier-scale and
 # --output-logit-softcapping), and its training log line shows lm_z_loss next to lm loss.
 # Refused at startup, naming both flags: --loss-compute-mode chunk at TP=1 and CP=1 (its chunked
-# loss never reaches the kernel) and --is-instruction-dataset.
-#
-# Without editing pretrain_gpt.py, this script writes a launcher that imports this package and then
-# runs pretrain_gpt.py unchanged (USE_LAUNCHER=1, the default). Not run here: no NPU (README).
+# loss never reaches the kernel) and --is-instruction-dataset. Not run here: no NPU (README).
 #
 #   MINDSPEED_LLM_DIR=/path/to/MindSpeed-LLM TOKENIZER_PATH=/path/to/Qwen3-30B-A3B \
 #   DATA_PATH=/path/to/dataset_text_document bash examples/run_mindspeed_llm_moe.sh
@@ -44,16 +43,8 @@ export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
 # CANN environment (set_env.sh) is expected to be sourced already.
 
 cd "$MINDSPEED_LLM_DIR"
-PRETRAIN=pretrain_gpt.py
-if [ "$USE_LAUNCHER" = 1 ]; then
-    PRETRAIN="$(mktemp -d)/pretrain_gpt_cez.py"
-    cat > "$PRETRAIN" <<PY
-import runpy, sys
-import mindspeed_cez.megatron_adaptor  # noqa: F401  (pretrain_gpt.py then imports MindSpeed-LLM's adaptor)
-sys.path.insert(0, "$MINDSPEED_LLM_DIR"); sys.argv[0] = "$MINDSPEED_LLM_DIR/pretrain_gpt.py"
-runpy.run_path(sys.argv[0], run_name="__main__")
-PY
-fi
+LAUNCH="-m mindspeed_cez.launch pretrain_gpt.py"
+[ "$USE_LAUNCHER" = 1 ] || LAUNCH=pretrain_gpt.py  # with the import added to pretrain_gpt.py by hand
 
 DISTRIBUTED_ARGS="--nproc_per_node $NPUS_PER_NODE --nnodes $NNODES --node_rank $NODE_RANK \
     --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
@@ -101,7 +92,7 @@ DATA_ARGS="--data-path $DATA_PATH --split 100,0,0"
 OUTPUT_ARGS="--log-interval 1 --save-interval $TRAIN_ITERS --eval-interval $TRAIN_ITERS --eval-iters 0 --save $CKPT_SAVE_DIR"
 
 mkdir -p logs
-torchrun $DISTRIBUTED_ARGS "$PRETRAIN" \
+torchrun $DISTRIBUTED_ARGS $LAUNCH \
     $GPT_ARGS $MOE_ARGS $OPTIMIZE_ARGS $TRAIN_ARGS $MODEL_PARALLEL_ARGS $Z_LOSS_ARGS $DATA_ARGS $OUTPUT_ARGS \
     --distributed-backend nccl \
     "$@" | tee logs/pretrain_qwen3_moe_cez.log

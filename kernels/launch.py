@@ -13,10 +13,14 @@ of 16; an integer's value when it is 1, whether it is a multiple of 16 and its w
 (i32 / i64 / u64); constexprs by value; plus the device and the launch options. So two calls
 with equal keys get the same compiled kernel from Triton too (``tests/test_launch.py`` checks
 this against Triton's own binder). The direct launch runs on CUDA with Triton's launch
-convention of 3.4 and later (``triton.knobs``; ``CompiledKernel.run(grid, stream, function,
-packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``) while no launch hook (a
-profiler's) is set; everything else goes through ``kernel[grid]`` as before.
+convention of Triton 3.4 to 3.6 (``triton.knobs``; ``CompiledKernel.run(grid, stream, function,
+packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``; checked on GPUs with 3.6) while
+no launch hook (a profiler's) is set; everything else goes through ``kernel[grid]`` as before, with
+one warning on CUDA where this Triton is outside those versions (torch 2.7.1 brings Triton 3.3.1).
 """
+
+import re
+import warnings
 
 import torch
 import triton
@@ -31,9 +35,29 @@ _INT32 = (-(2**31), 2**31 - 1)
 _UINT64_START = 2**63
 
 
-def direct_launch_supported() -> bool:
-    """Triton with ``knobs`` and a ``CompiledKernel.run`` property (the launcher ``__call__`` uses)."""
-    return _knobs is not None and isinstance(getattr(_CompiledKernel, "run", None), property)
+DIRECT_LAUNCH_TRITON = ((3, 4), (3, 6))  # the Triton releases whose launch convention __call__ follows
+
+
+def direct_launch_supported(version=triton.__version__) -> bool:
+    """Triton ``version`` within :data:`DIRECT_LAUNCH_TRITON`, with ``knobs`` and a
+    ``CompiledKernel.run`` property (what ``Launcher.__call__`` uses)."""
+    release = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    in_range = DIRECT_LAUNCH_TRITON[0] <= release <= DIRECT_LAUNCH_TRITON[1]
+    return in_range and _knobs is not None and isinstance(getattr(_CompiledKernel, "run", None), property)
+
+
+_WARNED = []
+
+
+def warn_triton_launch(version=triton.__version__):
+    """Once per process: the CUDA launches go through Triton's own path with this Triton."""
+    if _WARNED:
+        return
+    _WARNED.append(version)
+    low, high = (".".join(map(str, v)) for v in DIRECT_LAUNCH_TRITON)
+    warnings.warn(f"mindspeed_cez: Triton {version} is outside {low}-{high}, the versions its direct kernel "
+                  "launcher follows; kernels launch through Triton's own path (same results, some tens of "
+                  "microseconds more host time per launch)", stacklevel=3)
 
 
 def _tensor_key(value):
@@ -94,6 +118,8 @@ class Launcher:
     def __call__(self, grid, args, options):
         device = args[0].device
         if not (self.direct and device.type == "cuda" and _DIRECT):
+            if device.type == "cuda" and not _DIRECT:
+                warn_triton_launch()
             self.kernel[grid](*args, **dict(options))
             return
         key = self.key(device, args, options)

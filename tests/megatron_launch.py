@@ -1,5 +1,5 @@
-"""Launch ``examples/pretrain_gpt_cez.py`` (through ``tests/megatron_pretrain_harness.py``) under
-torchrun and read what Megatron printed and dumped.
+"""Launch ``examples/pretrain_gpt.py`` (through ``tests/megatron_pretrain_harness.py``) as a user does,
+``torchrun ... -m mindspeed_cez.launch SCRIPT ARGS``, and read what Megatron printed and dumped.
 
 Shared by the end-to-end tests of Megatron's own training loop. Without a GPU the ranks talk
 over gloo and the example's CPU shims steer Megatron's CUDA calls to the CPU. The harness's
@@ -100,7 +100,7 @@ def launch(out, args, nproc=2, iters=ITERS, env=None):
                CEZ_TEST_MASK_TAIL="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(ENTRY), *args, "--distributed-backend", backend]
+           "-m", "mindspeed_cez.launch", str(ENTRY), *args, "--distributed-backend", backend]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + "\n" + proc.stderr
     if proc.returncode != 0 and CPP_ABORT in log:

@@ -1,4 +1,4 @@
-"""``examples/pretrain_gpt_cez.py`` with the end-to-end tests' hooks (``tests/megatron_launch.py``
+"""``examples/pretrain_gpt.py`` with the end-to-end tests' hooks (``tests/megatron_launch.py``
 runs this file under torchrun in its place). The example's own code runs unchanged; this file
 wraps three of its functions:
 
@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import pretrain_gpt_cez as example  # noqa: E402  (the adaptor's import; the CPU shims without a GPU)
+import pretrain_gpt as example  # noqa: E402  (the CPU shims without a GPU)
 
 import torch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402

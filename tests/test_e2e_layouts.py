@@ -1,6 +1,6 @@
 """The parallel layouts of MoE pretraining, end to end in Megatron's own training loop.
 
-Each layout launches ``examples/pretrain_gpt_cez.py`` through its test harness
+Each layout launches ``examples/pretrain_gpt.py`` through its test harness
 (``tests/megatron_pretrain_harness.py``: Megatron's ``pretrain``, megatron-core with
 ``megatron.training``, 2 processes, gloo on the CPU) twice, with ``--lm-z-loss-coeff`` and without
 it, and checks from Megatron's log and the dumped logits (every micro-batch on every

@@ -1,6 +1,6 @@
 """End to end through Megatron's own training loop (``megatron.training``).
 
-A tiny MoE GPT is pretrained by ``examples/pretrain_gpt_cez.py`` (Megatron's ``pretrain``,
+A tiny MoE GPT is pretrained by ``examples/pretrain_gpt.py`` (Megatron's ``pretrain``, launched with ``-m mindspeed_cez.launch``,
 ``torchrun --nproc-per-node 2``, TP=2 with sequence parallelism, mock data, two micro-batches per
 iteration whose loss masks keep different numbers of tokens). Without a GPU the ranks talk over
 gloo and the CPU shims of ``examples/`` steer Megatron's CUDA calls to the CPU. The real log
@@ -168,7 +168,7 @@ _VALIDATION_SCRIPT = textwrap.dedent(
     flow = sys.argv[3]
     results = []
     for extra in cases:
-        sys.argv = ["pretrain_gpt_cez.py", *base, *extra]
+        sys.argv = ["pretrain_gpt.py", *base, *extra]
         try:
             if flow == "new":
                 args = ma.parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
@@ -214,3 +214,13 @@ def test_bad_flag_values_fail_in_megatron_validation(flow):
     good = results[-1]
     assert good["ok"], good
     assert good["coeff"] == 0.01 and good["active_coeff"] == 0.01, good
+
+
+def test_the_plain_example_needs_the_launcher_for_the_flag():
+    """``examples/pretrain_gpt.py`` has no line of this package: run as ``python SCRIPT`` (no
+    ``-m mindspeed_cez.launch``), Megatron's own parser refuses the flag instead of ignoring it."""
+    cmd = [sys.executable, str(REPO / "examples" / "pretrain_gpt.py"), *TINY_GPT, "--lm-z-loss-coeff", "1e-2",
+           "--distributed-backend", "gloo"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0"))
+    assert proc.returncode != 0 and "unrecognized arguments: --lm-z-loss-coeff" in proc.stderr, proc.stderr[-3000:]

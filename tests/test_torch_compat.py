@@ -2,6 +2,7 @@
 int32 targets, ``addmm``'s ``out_dtype`` (torch 2.8 on) and its exact fallback, the version floor."""
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -64,3 +65,15 @@ def test_older_torch_gets_an_error_naming_the_version_needed():
             check_torch(old)
     for ok in (need, "2.7.1+cpu", "2.8.0a0+git1234", "2.13.0"):
         check_torch(ok)
+
+
+def test_the_direct_kernel_launcher_names_the_triton_versions_it_follows():
+    launch = pytest.importorskip("mindspeed_cez.kernels.launch")
+    assert not launch.direct_launch_supported("3.3.1") and not launch.direct_launch_supported("3.2.0")
+    assert not launch.direct_launch_supported("3.7.0")
+    with pytest.warns(UserWarning, match=r"Triton 3\.3\.1 is outside 3\.4-3\.6"):
+        launch._WARNED.clear()
+        launch.warn_triton_launch("3.3.1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch.warn_triton_launch("3.3.1")  # once per process

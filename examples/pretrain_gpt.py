@@ -1,21 +1,19 @@
-"""Pretrain a GPT (dense or MoE) with Megatron's own training loop and the fused CE + z-loss.
+"""Pretrain a GPT (dense or MoE) with Megatron's own training loop: a plain Megatron entry script.
 
-The one line that matters is the first import: it patches Megatron so that ``--lm-z-loss-coeff C``
-(and ``--lm-fused-ce`` / ``--no-lm-fused-ce``) are parsed, validated and applied, and the metric
-``lm_z_loss`` shows up in Megatron's training log line. The rest is a short Megatron entry script
-(model provider, forward step / loss with ``loss_mask``, mock or real GPT data), written for
+Nothing in it is about this package: it is launched through ``python -m mindspeed_cez.launch``,
+which imports ``mindspeed_cez.megatron_adaptor`` first, so ``--lm-z-loss-coeff C`` (and the other
+``--lm-*`` flags) are parsed, validated and applied, and ``lm_z_loss`` shows up in Megatron's log
+line. Model provider, forward step / loss with ``loss_mask``, mock or real GPT data; written for
 megatron-core 0.18 and later with ``megatron.training`` (``parse_and_validate_args`` ->
 ``pretrain_cfg_container_from_args`` -> ``pretrain(cfg, ...)``) and for the classic Megatron-LM
 flow (``pretrain(datasets_provider, model_provider, ...)`` parsing the arguments itself).
 
-GPU: ``torchrun --nproc-per-node 2 examples/pretrain_gpt_cez.py <Megatron args>`` (NCCL).
-CPU (CI): the same with ``--distributed-backend gloo``; without a GPU the CPU shims
+GPU: ``torchrun --nproc-per-node 2 -m mindspeed_cez.launch examples/pretrain_gpt.py <Megatron args>``
+(NCCL). CPU (CI): the same with ``--distributed-backend gloo``; without a GPU the CPU shims
 (``examples/megatron_cpu_shims.py`` if present, then ``examples/megatron_training_cpu_shims.py``)
 steer Megatron's hard-coded CUDA calls to the CPU. See ``examples/run_megatron_lm_moe.sh``.
 (The end-to-end tests run it through ``tests/megatron_pretrain_harness.py``, which adds their hooks.)
 """
-
-import mindspeed_cez.megatron_adaptor  # noqa: F401  (the one-line integration)
 
 import dataclasses
 import inspect
@@ -58,17 +56,8 @@ try:
 except ImportError:
     get_blend_and_blend_per_split = None
 
-from mindspeed_cez import arguments as cez_arguments
-
 
 # ----------------------------------------------------------------------------------- arguments
-def extra_args_provider(parser):
-    """The adaptor's flags, unless the adaptor already put them into Megatron's parser."""
-    if cez_arguments.FLAG_COEFF not in parser._option_string_actions:
-        parser = cez_arguments.extra_args_provider(parser)
-    return parser
-
-
 ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 
 
@@ -282,7 +271,7 @@ def main():
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
         from megatron.training.arguments import parse_and_validate_args
 
-        args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS)
+        args = parse_and_validate_args(extra_args_provider=None, args_defaults=ARGS_DEFAULTS)
         cfg = pretrain_cfg_container_from_args(args)
         pretrain(  # by keyword: 0.18 and 0.19 order these parameters differently
             cfg, train_valid_test_dataset_provider=train_valid_test_datasets_provider,
@@ -293,7 +282,7 @@ def main():
         # Classic Megatron-LM: pretrain() parses and validates the arguments itself.
         pretrain(
             train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-            extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS,
+            args_defaults=ARGS_DEFAULTS,
         )
 
 
