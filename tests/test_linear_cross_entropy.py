@@ -72,7 +72,7 @@ def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_g
     if dtype == torch.bfloat16:  # no worse than the unfused bf16 path: logits in bf16, then the op
         hu = hidden.clone().requires_grad_()
         wu = weight[rows].clone().requires_grad_()
-        lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, z, a, tp_group=group)
+        lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, z, a, tp_group=group, backend=backend)
         (lu * upstream).sum().backward()
         dist.all_reduce(hu.grad, group=group)  # what ColumnParallelLinear's backward does
         unfused = {"dhidden": relative_error(hu.grad[seq], exp_dh[seq]), "dweight": relative_error(wu.grad, exp_dw[rows])}
