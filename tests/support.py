@@ -8,7 +8,7 @@ online softmax, no sharding.
 import os
 import socket
 import sys
-import threading
+import time
 import traceback
 
 import torch
@@ -24,61 +24,69 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, backend, fn, args, errors):
+def _rank_main(rank, world_size, port, backend, fn, args, reports):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
-    ok = False
     try:
         fn(rank, world_size, *args)
         # Every rank done before any tears the group down: a rank that destroys its gloo group
         # while a peer still talks to it can abort ("terminate called without an active exception").
         dist.barrier()
-        ok = True
+        reports.put((rank, None))
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-    finally:
-        _destroy_group()
-    # Leave without the interpreter's teardown, where gloo's threads were seen to abort a rank
-    # (exit -6) after its work had passed (CI, 2026-11-23); the outcome is already decided above.
+        reports.put((rank, f"rank {rank}:\n{traceback.format_exc()}"))
+    # The outcome is reported: the teardown decides nothing. torch 2.7.1's gloo was seen to hang in
+    # destroy_process_group (holding the GIL) after every rank passed the barrier, and gloo's threads
+    # to abort a rank (exit -6) in the interpreter's teardown (CI, 2026-11-23): the parent ends a rank
+    # that has not left a few seconds after every rank reported, and os._exit skips the interpreter's.
+    dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if ok else 1)
+    os._exit(0)
 
 
-def _destroy_group(seconds=60):
-    """``dist.destroy_process_group()``, given up after ``seconds``: on torch 2.7.1 a gloo rank was seen
-    to hang there for good after every rank had passed the barrier (the outcome is decided by then)."""
-    thread = threading.Thread(target=dist.destroy_process_group, daemon=True)
-    thread.start()
-    thread.join(seconds)
+TEARDOWN_S = 20  # how long ranks that reported may take to leave before they are ended
 
 
 def run_on_ranks(world_size, fn, *args, timeout=300, backend="gloo"):
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (one torch thread
-    each; rank r on cuda:r with NCCL); re-raise any rank's failure. ``fn`` must be module-level."""
+    each; rank r on cuda:r with NCCL); re-raise any rank's failure, and fail if a rank reports
+    nothing within ``timeout`` seconds (a hang, or a crash). ``fn`` must be module-level."""
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
+    reports = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, backend, fn, args, errors))
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, backend, fn, args, reports))
              for r in range(world_size)]
     for p in procs:
         p.start()
+    outcome, deadline = {}, time.monotonic() + timeout
+    while len(outcome) < world_size and time.monotonic() < deadline:
+        if not reports.empty():
+            rank, error = reports.get()
+            outcome[rank] = error
+        elif any(p.exitcode is not None for r, p in enumerate(procs) if r not in outcome):
+            time.sleep(0.5)  # a rank left without a report (crashed): let a late report arrive, then stop
+            while not reports.empty():
+                rank, error = reports.get()
+                outcome[rank] = error
+            break
+        else:
+            time.sleep(0.02)
     for p in procs:
-        p.join(timeout)
+        p.join(TEARDOWN_S if len(outcome) == world_size else 1)
     for p in procs:
         if p.is_alive():
             p.kill()
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
+            p.join()
+    failures = [error for error in outcome.values() if error]
     if failures:
         raise AssertionError("\n".join(failures))
-    codes = [p.exitcode for p in procs]
-    assert codes == [0] * world_size, f"rank exit codes {codes}"
+    silent = {r: p.exitcode for r, p in enumerate(procs) if r not in outcome}
+    assert not silent, f"ranks that reported nothing within {timeout} s (rank: exit code): {silent}"
 
 
 # ---------------------------------------------------------------------------- float64 references
