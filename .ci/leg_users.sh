@@ -29,7 +29,8 @@ rm -rf "$VENV" dist
 stamp "build the wheel"
 "$VENV/bin/python" -m pip wheel -q --no-deps -w dist .
 wheel=$(ls dist/mindspeed_cez-*.whl)
-"$VENV/bin/python" -m zipfile -l "$wheel" | grep -q "mindspeed_cez/kernels/triton_cross_entropy.py"
+"$VENV/bin/python" -c "import sys, zipfile; names = zipfile.ZipFile(sys.argv[1]).namelist()
+assert 'mindspeed_cez/kernels/triton_cross_entropy.py' in names and 'mindspeed_cez/patches/output_layer.py' in names, names" "$wheel"
 
 stamp "install $wheel[test,examples] with torch==$TORCH_VERSION triton==$TRITON_VERSION megatron-core==$MEGATRON_CORE_VERSION"
 "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION" "triton==$TRITON_VERSION" \
