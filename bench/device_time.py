@@ -14,6 +14,7 @@ Memory: bytes per token held after forward and at the peak of forward+backward b
 inputs, and each allocation the op makes (size and where), from the allocator's history.
 
     python bench/device_time.py [--shapes 8192x151936 ...] [--out out/device_time.md]
+    python bench/device_time.py --logit-softcap 30 [--logit-scale S]   # the op on transformed logits
 """
 
 import argparse
@@ -40,9 +41,9 @@ class _Alias(torch.autograd.Function):
         return None
 
 
-def _step(base, target, upstream, backward):
+def _step(base, target, upstream, backward, transform):
     logits = _Alias.apply(base)
-    loss, _ = vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=Z_LOSS_COEFF)
+    loss, _ = vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=Z_LOSS_COEFF, **transform)
     if backward:
         torch.autograd.grad(loss, logits, upstream)
 
@@ -62,14 +63,14 @@ def _median_ms(run, restore, timer, iters, head_start=True):
     return timer.median_ms()
 
 
-def _allocations(base, target, upstream):
+def _allocations(base, target, upstream, transform):
     """(bytes held after forward, peak bytes of fwd+bwd, [(bytes, where)] of each allocation)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=10000)
     logits = _Alias.apply(base)
-    loss, z = vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=Z_LOSS_COEFF)
+    loss, z = vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=Z_LOSS_COEFF, **transform)
     held = torch.cuda.memory_allocated() - before
     torch.autograd.grad(loss, logits, upstream)
     torch.cuda.synchronize()
@@ -92,14 +93,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="*", default=None, help="N x V, e.g. 8192x151936")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--logit-scale", type=float, default=1.0)
+    parser.add_argument("--logit-softcap", type=float, default=0.0, help="0: no cap")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    transform = {"logit_scale": args.logit_scale, "logit_softcap": args.logit_softcap}
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else GPU_SHAPES
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     timer = Timer(device)
     lines = [
-        f"device time of mindspeed_cez (TP=1, bf16, c={Z_LOSS_COEFF}), {torch.cuda.get_device_name()}, "
+        f"device time of mindspeed_cez (TP=1, bf16, c={Z_LOSS_COEFF}, logit_scale={args.logit_scale}, "
+        f"logit_softcap={args.logit_softcap}), {torch.cuda.get_device_name()}, "
         f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; median of {args.iters}; "
         f"copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write)",
         "",
@@ -124,7 +129,7 @@ def main(argv=None):
         floors = {"fwd": one_pass / 2, "fwd+bwd": 3 * one_pass / 2}
         for mode, backward in (("fwd", False), ("fwd+bwd", True)):
             def eager():
-                _step(base, target, upstream, backward)
+                _step(base, target, upstream, backward, transform)
 
             restore()
             graph, _ = capture_cuda_graph(eager, warmup=3)
@@ -137,7 +142,7 @@ def main(argv=None):
             print(lines[-1], flush=True)
             del graph
         restore()
-        held, peak, allocs = _allocations(base, target, upstream)
+        held, peak, allocs = _allocations(base, target, upstream, transform)
         listed = "; ".join(f"{size}: {where}" for size, where in allocs) or "none"
         memory_lines.append(f"| {n} x {v} | {held / n:.1f} | {peak / n:.1f} | {listed} |")
         print(memory_lines[-1], flush=True)

@@ -1,7 +1,11 @@
 """Backends for the fused cross-entropy + z-loss op.
 
 Each backend is a module with the same functions (logits ``[n, v_local]`` with a contiguous
-last dim, target ``[n]`` global ids, results fp32):
+last dim, target ``[n]`` global ids, results fp32). ``fused_loss``, ``shard_partials`` and
+``write_grad`` also take the keywords ``logit_scale=1.0, logit_softcap=0.0``: everything below
+is then of ``z = cap * tanh(scale * x / cap)`` (``z = scale * x`` for cap 0), transformed per
+element in the backend's own working tiles / chunks, and ``write_grad`` writes ``dz * dz/dx``
+(``scale * (1 - (z/cap)**2)``, or ``scale``); the defaults compute on ``x`` itself:
 
 ``fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing)``
     one rank holds the whole vocab: ``[3, n]`` rows loss, z-loss, lse, in one pass.
@@ -28,8 +32,9 @@ nothing in ``kernels/`` reads the environment (the adaptor's settings do).
 
 The fused output projection (``linear_cross_entropy_zloss``) has backends of its own, with
 ``linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing,
-*, ce_backend=None, chunk_cols=None)`` (the ``[4, n]`` partials of ``rows @ weight.T``) and
-``linear_grad(rows, weight, grad, ..., *, ce_backend=None)`` (its gradient into ``grad``):
+*, ce_backend=None, chunk_cols=None, logit_scale=1.0, logit_softcap=0.0)`` (the ``[4, n]`` partials
+of ``rows @ weight.T``) and ``linear_grad(rows, weight, grad, ..., *, ce_backend=None,
+logit_scale=1.0, logit_softcap=0.0)`` (its gradient into ``grad``), the transform as above:
 ``"triton"`` (``triton_linear_cross_entropy``, ``tl.dot`` tiles; it makes no logits, so it needs
 neither keyword) and ``"gemm"`` (``chunked_linear``: GEMMs on ``chunk_cols`` vocab rows at a time,
 reduced by the cross-entropy backend ``ce_backend``, ``backend_for(device)`` when None);

@@ -37,21 +37,23 @@ def merge_chunks(parts):
 
 
 def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
-                    ce_backend=None, chunk_cols=None):
+                    ce_backend=None, chunk_cols=None, logit_scale=1.0, logit_softcap=0.0):
     """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``, ``chunk_cols``
-    vocab rows at a time (None: :func:`default_chunk_cols`). Memory beyond one chunk of logits: 16
-    bytes per token and chunk."""
+    vocab rows at a time (None: :func:`default_chunk_cols`), transformed by the CE backend. Memory
+    beyond one chunk of logits: 16 bytes per token and chunk."""
     backend = ce_backend or backend_for(rows.device)
     n_rows, n_cols = rows.shape[0], weight.shape[0]
     step = chunk_cols or default_chunk_cols(n_rows, n_cols)
     parts = [backend.shard_partials(rows @ weight[c:c + step].t(), target, vocab_start + c, global_vocab,
-                                    ignore_index, label_smoothing) for c in range(0, n_cols, step)]
+                                    ignore_index, label_smoothing, logit_scale=logit_scale, logit_softcap=logit_softcap)
+             for c in range(0, n_cols, step)]
     return merge_chunks(torch.stack(parts))
 
 
 def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff,
-                label_smoothing, global_vocab, *, ce_backend=None):
+                label_smoothing, global_vocab, *, ce_backend=None, logit_scale=1.0, logit_softcap=0.0):
     """Writes the gradient of ``rows @ weight.T``'s loss into ``grad`` ``[n, weight rows]``."""
     torch.matmul(rows, weight.t(), out=grad)
     return (ce_backend or backend_for(rows.device)).write_grad(grad, grad, target, lse, grad_loss, ignore_index, vocab_start,
-                                               z_loss_coeff, label_smoothing, global_vocab)
+                                               z_loss_coeff, label_smoothing, global_vocab, logit_scale=logit_scale,
+                                               logit_softcap=logit_softcap)

@@ -23,6 +23,12 @@ Backward reads the logits once more and writes the gradient, in place when the c
 the logits' own buffer as ``grad``; each row's lse, upstream gradient and target are loaded
 one row ahead.
 
+A logit scale or soft cap is a ``TRANSFORM`` constexpr (``NO_TRANSFORM`` compiles to the kernels
+without one): forward transforms each fp32 tile in registers before the online softmax, the
+smoothing sum and the target logit (the soft cap's padding columns put back to -inf); backward
+recomputes z from x per element and multiplies by its slope. tanh is ``_tanh_and_slope``, from
+exp2 (``tl.math.tanh`` does not lower on triton-ascend).
+
 Launches go through ``launch.Launcher`` (the compiled kernel reused without Triton's per-call
 specialization) with each shape's grid and settings computed once.
 """
@@ -78,6 +84,54 @@ TARGET_TERM = tl.constexpr(2)
 LOCAL_MAX = tl.constexpr(3)
 PARTIAL_ROWS = 4
 
+# The kernels' TRANSFORM constexpr: the loss of x itself, of z = scale * x, or of
+# z = cap * tanh(scale * x / cap). The first compiles to the kernels without a transform.
+NO_TRANSFORM, SCALE, SOFTCAP = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+def transform_args(logit_scale, logit_softcap):
+    """The kernels' (logit_scale, logit_softcap) arguments and TRANSFORM constexpr (an int)."""
+    kind = SOFTCAP if logit_softcap else (SCALE if logit_scale != 1.0 else NO_TRANSFORM)
+    return float(logit_scale), float(logit_softcap), kind.value
+
+
+@triton.jit
+def _tanh_and_slope(u):
+    """(tanh(u), 1 - tanh(u)**2) from e = exp(-2|u|) in (0, 1]: tanh = sign(u) * (1 - e) / (1 + e)
+    and 1 - tanh**2 = 4e / (1 + e)**2. exp2 never overflows, so large |u| give exactly +-1 and 0
+    (NaN stays NaN); the slope has no cancellation where tanh nears +-1. Written with exp2 because
+    ``tl.math.tanh`` does not lower on triton-ascend."""
+    e = tl.exp2(tl.abs(u) * (-2.0 * LOG2E))
+    r = 1.0 / (1.0 + e)
+    t = (1.0 - e) * r
+    return tl.where(u < 0, -t, t), 4.0 * e * r * r
+
+
+@triton.jit
+def _transform(x, logit_scale, logit_softcap, TRANSFORM: tl.constexpr):
+    """fp32 z of fp32 logits x: ``scale * x`` (SCALE), ``cap * tanh(scale * x / cap)`` (SOFTCAP), x."""
+    z = x
+    if TRANSFORM == SCALE:
+        z = x * logit_scale
+    if TRANSFORM == SOFTCAP:
+        z = logit_softcap * _tanh_and_slope(x * (logit_scale / logit_softcap))[0]
+    return z
+
+
+@triton.jit
+def _transform_with_slope(x, logit_scale, logit_softcap, TRANSFORM: tl.constexpr):
+    """(z, dz/dx): the slope is ``scale``, or ``scale * (1 - tanh**2)`` with a cap; 1 for no transform."""
+    z = x
+    slope = 1.0
+    if TRANSFORM == SCALE:
+        z = x * logit_scale
+        slope = logit_scale
+    if TRANSFORM == SOFTCAP:
+        t, sech2 = _tanh_and_slope(x * (logit_scale / logit_softcap))
+        z = logit_softcap * t
+        slope = logit_scale * sech2
+    return z, slope
+
 
 @triton.jit
 def _load_tile(logits_ptr, row_stride, row, col, n_cols, end, offs, other: tl.constexpr, EVICT: tl.constexpr):
@@ -113,12 +167,15 @@ def _forward_kernel(
     z_loss_coeff,
     target_weight,  # 1 - label_smoothing
     smoothing_per_col,  # label_smoothing / global_vocab
+    logit_scale,
+    logit_softcap,
     SLOTS: tl.constexpr,
     SLOT_WIDTH: tl.constexpr,
     FINISH: tl.constexpr,
     WITH_LOGIT_SUM: tl.constexpr,
     CHECK_TARGETS: tl.constexpr,  # a device-side assert (compiled with debug=True)
     EVICT: tl.constexpr,
+    TRANSFORM: tl.constexpr,  # the loss of x (NO_TRANSFORM) or of its transform z (SCALE, SOFTCAP)
 ):
     BLOCK_V: tl.constexpr = SLOTS * SLOT_WIDTH
     offs = tl.arange(0, SLOTS)[:, None] * SLOT_WIDTH + tl.arange(0, SLOT_WIDTH)[None, :]
@@ -145,7 +202,9 @@ def _forward_kernel(
                 logits_ptr, row_stride, tl.where(row_ends, row + 1, row), tl.where(row_ends, 0, col + BLOCK_V),
                 n_cols, end, offs, -float("inf"), EVICT,
             )
-            xf = x.to(tl.float32)
+            xf = _transform(x.to(tl.float32), logit_scale, logit_softcap, TRANSFORM)
+            if TRANSFORM == SOFTCAP:  # the padding's -inf became -cap: keep it out of the softmax
+                xf = tl.where(offs < n_cols - col, xf, -float("inf"))
             new_max = tl.maximum(slot_max, tl.max(xf, axis=1))
             ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E  # all -inf so far: no rescale
             tile_sum = tl.sum(tl.exp2(xf * LOG2E - ref[:, None]), axis=1)
@@ -158,7 +217,8 @@ def _forward_kernel(
         row_max = tl.max(slot_max, axis=0)
         ref = tl.where(row_max == -float("inf"), 0.0, row_max)
         sum_exp = tl.sum(slot_sum * tl.exp2((slot_max - ref) * LOG2E), axis=0)
-        target_term = target_weight * picked
+        # z(0) = 0: a target on another rank still adds nothing
+        target_term = target_weight * _transform(picked, logit_scale, logit_softcap, TRANSFORM)
         if WITH_LOGIT_SUM:
             target_term += smoothing_per_col * tl.sum(slot_logits, axis=0)
         invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
@@ -238,8 +298,11 @@ def _grad_kernel(
     z_loss_coeff,
     target_weight,  # 1 - label_smoothing
     smoothing_per_col,  # label_smoothing / global_vocab
+    logit_scale,
+    logit_softcap,
     BLOCK_V: tl.constexpr,
     EVICT: tl.constexpr,
+    TRANSFORM: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK_V)
     first = tl.program_id(0).to(tl.int64) * rows_per_program
@@ -252,7 +315,8 @@ def _grad_kernel(
         next_target, next_lse, next_g = _load_grad_row_inputs(
             target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, row + 1, end, ignore_index
         )
-        # dx = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V), softmax = exp2(x*log2e - lse*log2e)
+        # dz = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V), softmax = exp2(z*log2e - lse*log2e);
+        # dx = dz * dz/dx (z = x without a transform)
         scale = g * (1.0 + 2.0 * z_loss_coeff * lse)
         lse2 = lse * LOG2E
         smooth = g * smoothing_per_col
@@ -266,8 +330,11 @@ def _grad_kernel(
                 logits_ptr, logits_row_stride, tl.where(row_ends, row + 1, row), tl.where(row_ends, 0, col + BLOCK_V),
                 n_cols, end, offs, 0.0, EVICT,
             )
-            dx = tl.exp2(x.to(tl.float32) * LOG2E - lse2) * scale - smooth
+            z, slope = _transform_with_slope(x.to(tl.float32), logit_scale, logit_softcap, TRANSFORM)
+            dx = tl.exp2(z * LOG2E - lse2) * scale - smooth
             dx = tl.where(offs == local - col, dx - onehot, dx)
+            if TRANSFORM != NO_TRANSFORM:
+                dx *= slope
             tl.store(grad_row + col + offs, dx.to(grad_ptr.dtype.element_ty), mask=offs < n_cols - col,
                      eviction_policy=EVICT)
             x = x_next
@@ -339,32 +406,37 @@ def _loss_constants(z_loss_coeff, label_smoothing, global_vocab):
     return float(z_loss_coeff), 1.0 - float(label_smoothing), float(label_smoothing) / global_vocab
 
 
-def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_loss_coeff, label_smoothing, finish):
+def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_loss_coeff, label_smoothing, finish,
+             logit_scale, logit_softcap):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return out
     plan = _plan(logits.device, n_rows, n_cols, "fwd")
     grid, rows_per_program, (slots, slot_width, check), evict, options = plan
+    scale, cap, transform = transform_args(logit_scale, logit_softcap)
     args = (
         logits, logits.stride(0), target, out, n_rows, n_cols, rows_per_program, vocab_start, global_vocab,
-        ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),
-        slots, slot_width, finish, label_smoothing > 0, check, evict,
+        ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab), scale, cap,
+        slots, slot_width, finish, label_smoothing > 0, check, evict, transform,
     )
     _launch_forward(grid, args, options)
     return out
 
 
-def fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing):
+def fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing, *, logit_scale=1.0, logit_softcap=0.0):
     """One rank holds the whole vocab: fp32 [3, n] rows (loss, z-loss, lse) in one pass."""
     out = torch.empty(3, logits.shape[0], dtype=torch.float32, device=logits.device)
     n_cols = logits.shape[1]
-    return _forward(logits, target, out, 0, n_cols, ignore_index, z_loss_coeff, label_smoothing, finish=True)
+    return _forward(logits, target, out, 0, n_cols, ignore_index, z_loss_coeff, label_smoothing, True, logit_scale,
+                    logit_softcap)
 
 
-def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0):
+def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *, logit_scale=1.0,
+                   logit_softcap=0.0):
     """fp32 [PARTIAL_ROWS, n]: row max, sum-exp, target term, row max again (see the constants)."""
     out = torch.empty(PARTIAL_ROWS, logits.shape[0], dtype=torch.float32, device=logits.device)
-    return _forward(logits, target, out, vocab_start, global_vocab, ignore_index, 0.0, label_smoothing, finish=False)
+    return _forward(logits, target, out, vocab_start, global_vocab, ignore_index, 0.0, label_smoothing, False,
+                    logit_scale, logit_softcap)
 
 
 def _vector_grid(n_rows):
@@ -387,15 +459,16 @@ def loss_from_partials(partials, target, ignore_index, z_loss_coeff):
 
 
 def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff, label_smoothing,
-               global_vocab):
+               global_vocab, *, logit_scale=1.0, logit_softcap=0.0):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return grad
     grid, rows_per_program, (block_v,), evict, options = _plan(logits.device, n_rows, n_cols, "bwd")
+    scale, cap, transform = transform_args(logit_scale, logit_softcap)
     args = (
         logits, logits.stride(0), grad, grad.stride(0), target, lse, grad_loss, grad_loss.stride(0), n_rows, n_cols,
         rows_per_program, vocab_start, ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),
-        block_v, evict,
+        scale, cap, block_v, evict, transform,
     )
     _launch_grad(grid, args, options)
     return grad

@@ -3,7 +3,9 @@
 One source for NVIDIA and Ascend (``tl.dot`` lowers to wgmma on Hopper, to the cube unit on
 Ascend). Neither kernel writes logits: each computes ``[BLOCK_M, BLOCK_N]`` tiles of
 ``hidden @ weight.T`` in registers (fp32 accumulation over ``h`` in ``BLOCK_K`` steps) and
-turns them into what the op needs.
+turns them into what the op needs; with a logit scale or soft cap (``TRANSFORM``, as in
+``triton_cross_entropy``) each tile is transformed in registers first, and the gradient tile is
+multiplied by the transform's slope.
 
 ``partials``: the forward. A task is a block of ``BLOCK_M`` token rows and a group of
 ``GROUP_N`` consecutive vocab tiles; it keeps the online softmax (row max, sum-exp) and the
@@ -30,7 +32,8 @@ import triton.language as tl
 
 from .device_cores import num_programs
 from .launch import Launcher
-from .triton_cross_entropy import LOG2E, PARTIAL_ROWS, _loss_constants
+from .triton_cross_entropy import (LOG2E, NO_TRANSFORM, PARTIAL_ROWS, _loss_constants, _transform,
+                                   _transform_with_slope, transform_args)
 
 PARTIALS = tl.constexpr(PARTIAL_ROWS)  # rows of one group's partials, inside the kernels
 
@@ -96,8 +99,9 @@ def _partials_kernel(
     n_rows, n_cols, h, vocab_start, global_vocab, ignore_index,
     target_weight,  # 1 - label_smoothing
     smoothing_per_col,  # label_smoothing / global_vocab
+    logit_scale, logit_softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-    SWIZZLE_M: tl.constexpr, WITH_LOGIT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+    SWIZZLE_M: tl.constexpr, WITH_LOGIT_SUM: tl.constexpr, PRECISION: tl.constexpr, TRANSFORM: tl.constexpr,
 ):
     m_blocks = tl.cdiv(n_rows, BLOCK_M)
     groups = tl.cdiv(n_cols, BLOCK_N * GROUP_N)
@@ -116,6 +120,7 @@ def _partials_kernel(
             cols = first_col + j * BLOCK_N + tl.arange(0, BLOCK_N)
             logits = _logits_tile(x_ptr, x_row_stride, w_ptr, w_row_stride, rows, cols, n_rows, n_cols, h,
                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+            logits = _transform(logits, logit_scale, logit_softcap, TRANSFORM)  # columns past the end: masked below
             col_ok = cols[None, :] < n_cols
             new_max = tl.maximum(row_max, tl.max(tl.where(col_ok, logits, -float("inf")), axis=1))
             ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E  # a group past the end
@@ -168,9 +173,9 @@ def _grad_kernel(
     grad_ptr, grad_row_stride,  # [n, n_cols] in the inputs' dtype
     target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride,
     n_rows, n_cols, h, vocab_start,  # global id of the chunk's first column
-    ignore_index, z_loss_coeff, target_weight, smoothing_per_col,
+    ignore_index, z_loss_coeff, target_weight, smoothing_per_col, logit_scale, logit_softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIZZLE_M: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TRANSFORM: tl.constexpr,
 ):
     m_blocks = tl.cdiv(n_rows, BLOCK_M)
     n_blocks = tl.cdiv(n_cols, BLOCK_N)
@@ -185,9 +190,12 @@ def _grad_kernel(
         g = tl.where(target == ignore_index, 0.0, g)
         logits = _logits_tile(x_ptr, x_row_stride, w_ptr, w_row_stride, rows, cols, n_rows, n_cols, h,
                               BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        z, slope = _transform_with_slope(logits, logit_scale, logit_softcap, TRANSFORM)
         scale = g * (1.0 + 2.0 * z_loss_coeff * lse)
-        dx = tl.exp2(logits * LOG2E - (lse * LOG2E)[:, None]) * scale[:, None] - (g * smoothing_per_col)[:, None]
+        dx = tl.exp2(z * LOG2E - (lse * LOG2E)[:, None]) * scale[:, None] - (g * smoothing_per_col)[:, None]
         dx = tl.where(cols[None, :] == (target - vocab_start)[:, None], dx - (g * target_weight)[:, None], dx)
+        if TRANSFORM != NO_TRANSFORM:
+            dx *= slope
         tl.store(grad_ptr + rows[:, None] * grad_row_stride + cols[None, :], dx.to(grad_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (cols[None, :] < n_cols))
 
@@ -233,7 +241,7 @@ def _unit_stride(t):
 
 
 def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
-                    ce_backend=None, chunk_cols=None):
+                    ce_backend=None, chunk_cols=None, logit_scale=1.0, logit_softcap=0.0):
     """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``, no logits (so
     neither a cross-entropy backend nor a chunk width: ``ce_backend`` and ``chunk_cols`` are unused)."""
     rows, weight = _unit_stride(rows), _unit_stride(weight)
@@ -246,15 +254,17 @@ def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_inde
     n_groups = groups(n_cols, rows.device.type)
     per_group = torch.empty(n_groups, PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
     _, target_weight, smoothing_per_col = _loss_constants(0.0, label_smoothing, global_vocab)
+    scale, cap, transform = transform_args(logit_scale, logit_softcap)
     args = (rows, rows.stride(0), weight, weight.stride(0), target, per_group, n_rows, n_cols, h, vocab_start,
-            global_vocab, ignore_index, target_weight, smoothing_per_col, *constexprs, label_smoothing > 0, precision)
+            global_vocab, ignore_index, target_weight, smoothing_per_col, scale, cap, *constexprs, label_smoothing > 0,
+            precision, transform)
     _launch_partials(grid, args, options)
     _launch_merge((triton.cdiv(n_rows, MERGE_BLOCK),), (per_group, out, n_rows, n_groups, MERGE_BLOCK), ())
     return out
 
 
 def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff,
-                label_smoothing, global_vocab, *, ce_backend=None):
+                label_smoothing, global_vocab, *, ce_backend=None, logit_scale=1.0, logit_softcap=0.0):
     """Writes the gradient of ``rows @ weight.T``'s loss into ``grad`` ``[n, weight rows]`` (in the
     kernel: ``ce_backend`` is unused)."""
     rows, weight = _unit_stride(rows), _unit_stride(weight)
@@ -263,8 +273,9 @@ def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_
     if n_rows == 0:
         return grad
     grid, constexprs, options, precision = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad")
+    scale, cap, transform = transform_args(logit_scale, logit_softcap)
     args = (rows, rows.stride(0), weight, weight.stride(0), grad, grad.stride(0), target, lse, grad_loss,
             grad_loss.stride(0), n_rows, n_cols, h, vocab_start, ignore_index,
-            *_loss_constants(z_loss_coeff, label_smoothing, global_vocab), *constexprs, precision)
+            *_loss_constants(z_loss_coeff, label_smoothing, global_vocab), scale, cap, *constexprs, precision, transform)
     _launch_grad(grid, args, options)
     return grad

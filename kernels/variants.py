@@ -13,6 +13,9 @@ import triton
 from . import triton_cross_entropy as tce
 from . import triton_linear_cross_entropy as tlce
 
+# The logit transforms compiled besides none: "scale" (z = s*x) and "softcap" (z = C*tanh(s*x/C)).
+TRANSFORMS = {"scale": tce.SCALE.value, "softcap": tce.SOFTCAP.value}
+
 # Arguments that Triton's launcher finds divisible by 16 in real use (it specializes on that at
 # run time): every pointer, the row strides, and the vocab width (a multiple of 128 in Megatron).
 DIVISIBLE = ("row_stride", "logits_row_stride", "grad_row_stride", "n_cols", "x_row_stride", "w_row_stride", "h")
@@ -32,6 +35,10 @@ class Variant:
         return [k for k, v in self.signature.items() if v.startswith("*") or k in DIVISIBLE]
 
 
+def _named(transform):
+    return f" transform={transform}" if transform else ""
+
+
 def variants(settings, dtype="bf16", n_cols=151936):
     """The variants one ``LAUNCH_CONFIG`` entry compiles for ``dtype`` logits ``n_cols`` wide."""
     fwd_block = min(settings["fwd_block_v"], triton.next_power_of_2(n_cols))
@@ -39,27 +46,31 @@ def variants(settings, dtype="bf16", n_cols=151936):
     ints = ["n_rows", "n_cols", "rows_per_program", "vocab_start", "global_vocab", "ignore_index"]
     fwd_sig = {"logits_ptr": f"*{dtype}", "row_stride": "i32", "target_ptr": "*i64", "out_ptr": "*fp32",
                **{k: "i32" for k in ints}, "z_loss_coeff": "fp32", "target_weight": "fp32",
-               "smoothing_per_col": "fp32"}
+               "smoothing_per_col": "fp32", "logit_scale": "fp32", "logit_softcap": "fp32"}
     bwd_sig = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i32", "grad_ptr": f"*{dtype}",
                "grad_row_stride": "i32", "target_ptr": "*i64", "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32",
                "grad_loss_stride": "i32", "n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32",
                "vocab_start": "i32", "ignore_index": "i32", "z_loss_coeff": "fp32", "target_weight": "fp32",
-               "smoothing_per_col": "fp32"}
+               "smoothing_per_col": "fp32", "logit_scale": "fp32", "logit_softcap": "fp32"}
     out = []
     # CUDA launches the forward with its target assert (CHECK_TARGETS, a debug compile), other
-    # devices without; the smoothing sum does not interact with it, so it is compiled once.
-    for finish, logit_sum, check in [(f, s, False) for f in (True, False) for s in (False, True)] + [
-        (True, False, True), (False, False, True)
-    ]:
+    # devices without; the smoothing sum does not interact with it, so it is compiled once. The
+    # transforms: with the smoothing sum (the most they add to), the soft cap also with the assert.
+    forwards = [(f, s, False, None) for f in (True, False) for s in (False, True)] + [
+        (True, False, True, None), (False, False, True, None), (True, True, False, "scale"),
+        (True, True, False, "softcap"), (False, True, False, "softcap"), (True, True, True, "softcap")]
+    for finish, logit_sum, check, transform in forwards:
         out.append(Variant(
-            f"forward finish={finish} logit_sum={logit_sum}" + (" check_targets" if check else ""),
+            f"forward finish={finish} logit_sum={logit_sum}" + (" check_targets" if check else "") + _named(transform),
             tce._forward_kernel, fwd_sig,
             {"SLOTS": fwd_block // slot, "SLOT_WIDTH": slot, "FINISH": finish, "WITH_LOGIT_SUM": logit_sum,
-             "CHECK_TARGETS": check, "EVICT": "evict_first"},
+             "CHECK_TARGETS": check, "EVICT": "evict_first", "TRANSFORM": TRANSFORMS.get(transform, 0)},
             settings["fwd_warps"], cuda_only=check, options=dict(tce.ASSERT_OPTIONS if check else ())))
     bwd_block = min(settings["bwd_block_v"], triton.next_power_of_2(n_cols))
-    out.append(Variant("grad", tce._grad_kernel, bwd_sig, {"BLOCK_V": bwd_block, "EVICT": "evict_first"},
-                       settings["bwd_warps"]))
+    for transform in (None, *TRANSFORMS):
+        out.append(Variant("grad" + _named(transform), tce._grad_kernel, bwd_sig,
+                           {"BLOCK_V": bwd_block, "EVICT": "evict_first", "TRANSFORM": TRANSFORMS.get(transform, 0)},
+                           settings["bwd_warps"]))
     out.append(Variant("rescale", tce._rescale_kernel, {"partials_ptr": "*fp32", "n_rows": "i32"},
                        {"BLOCK": tce.VECTOR_BLOCK}, 4))
     out.append(Variant("loss from partials", tce._loss_from_partials_kernel,
@@ -80,15 +91,20 @@ def linear_variants(device_type, dtype="bf16"):
     ints = {k: "i32" for k in ("n_rows", "n_cols", "h", "vocab_start")}
     operands = {"x_ptr": f"*{dtype}", "x_row_stride": "i32", "w_ptr": f"*{dtype}", "w_row_stride": "i32"}
     partials_sig = {**operands, "target_ptr": "*i64", "out_ptr": "*fp32", **ints, "global_vocab": "i32",
-                    "ignore_index": "i32", "target_weight": "fp32", "smoothing_per_col": "fp32"}
+                    "ignore_index": "i32", "target_weight": "fp32", "smoothing_per_col": "fp32", "logit_scale": "fp32",
+                    "logit_softcap": "fp32"}
     grad_sig = {**operands, "grad_ptr": f"*{dtype}", "grad_row_stride": "i32", "target_ptr": "*i64",
                 "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32", "grad_loss_stride": "i32", **ints,
-                "ignore_index": "i32", "z_loss_coeff": "fp32", "target_weight": "fp32", "smoothing_per_col": "fp32"}
-    out = [Variant(f"linear partials logit_sum={s}", tlce._partials_kernel, partials_sig,
+                "ignore_index": "i32", "z_loss_coeff": "fp32", "target_weight": "fp32", "smoothing_per_col": "fp32",
+                "logit_scale": "fp32", "logit_softcap": "fp32"}
+    partials = [(False, None), (True, None), (True, "scale"), (True, "softcap")]
+    out = [Variant(f"linear partials logit_sum={s}" + _named(t), tlce._partials_kernel, partials_sig,
                    {**tiles, "GROUP_N": c["group_n"], "SWIZZLE_M": c["swizzle_m"], "WITH_LOGIT_SUM": s,
-                    "PRECISION": precision}, c["warps"], options=options) for s in (False, True)]
-    out.append(Variant("linear grad", tlce._grad_kernel, grad_sig,
-                       {**tiles, "SWIZZLE_M": c["swizzle_m"], "PRECISION": precision}, c["warps"], options=options))
+                    "PRECISION": precision, "TRANSFORM": TRANSFORMS.get(t, 0)}, c["warps"], options=options)
+           for s, t in partials]
+    out += [Variant("linear grad" + _named(t), tlce._grad_kernel, grad_sig,
+                    {**tiles, "SWIZZLE_M": c["swizzle_m"], "PRECISION": precision, "TRANSFORM": TRANSFORMS.get(t, 0)},
+                    c["warps"], options=options) for t in (None, *TRANSFORMS)]
     out.append(Variant("linear merge", tlce._merge_kernel,
                        {"groups_ptr": "*fp32", "out_ptr": "*fp32", "n_rows": "i32", "n_groups": "i32"},
                        {"BLOCK": tlce.MERGE_BLOCK}, 4))

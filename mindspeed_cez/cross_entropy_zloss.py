@@ -10,6 +10,10 @@ Per token, with each tensor-parallel rank holding the vocab slice
     loss = lse - (1-a)*t - a*mean(x over the global vocab) + c*lse**2
     dx   = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)   (no collective)
 
+With ``logit_scale`` s and ``logit_softcap`` C all of it is of ``z = C*tanh(s*x/C)`` (``z = s*x``
+for C = 0), made per element inside the kernels; backward multiplies by ``dz/dx``
+(``s*(1 - (z/C)**2)``, or ``s``).
+
 The backends in ``mindspeed_cez.kernels`` do the per-row work (with one rank, the whole
 forward is one kernel); the collectives are the steps of :mod:`mindspeed_cez.tensor_parallel`.
 """
@@ -25,7 +29,7 @@ from mindspeed_cez.tensor_parallel import group_rank_and_size, merged_loss, reso
 _checked_shard_widths = {}
 
 
-def _check_arguments(logits, target, z_loss_coeff, label_smoothing):
+def _check_arguments(logits, target, z_loss_coeff, label_smoothing, logit_scale, logit_softcap):
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor (bf16/fp16/fp32), got {getattr(logits, 'dtype', type(logits))}")
     if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
@@ -38,14 +42,22 @@ def _check_arguments(logits, target, z_loss_coeff, label_smoothing):
         raise ValueError("logits has an empty vocab dimension")
     if logits.device != target.device:
         raise ValueError(f"logits ({logits.device}) and target ({target.device}) are on different devices")
-    check_coefficients(z_loss_coeff, label_smoothing)
+    check_coefficients(z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
 
 
-def check_coefficients(z_loss_coeff, label_smoothing):
+def _finite_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_coefficients(z_loss_coeff, label_smoothing, logit_scale=1.0, logit_softcap=0.0):
     if not (isinstance(z_loss_coeff, (int, float)) and math.isfinite(z_loss_coeff) and z_loss_coeff >= 0):
         raise ValueError(f"z_loss_coeff must be a finite number >= 0, got {z_loss_coeff!r}")
     if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0):
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    if not (_finite_number(logit_scale) and logit_scale > 0):
+        raise ValueError(f"logit_scale must be a finite number > 0, got {logit_scale!r}")
+    if not (_finite_number(logit_softcap) and logit_softcap >= 0):
+        raise ValueError(f"logit_softcap must be a finite number >= 0 (0: no cap), got {logit_softcap!r}")
 
 
 def _check_target_range(target, global_vocab, ignore_index, backend):
@@ -91,7 +103,8 @@ def _as_rows(logits):
 
 class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, backend):
+    def forward(ctx, logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, backend, logit_scale,
+                logit_softcap):
         rank, world_size = group_rank_and_size(tp_group)
         v_local = logits.shape[-1]
         global_vocab = v_local * world_size
@@ -101,11 +114,12 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         flat_target = target.reshape(-1)
         vocab_start = rank * v_local
         _check_target_range(flat_target, global_vocab, ignore_index, backend)
+        transform = {"logit_scale": float(logit_scale), "logit_softcap": float(logit_softcap)}
         if world_size == 1:
-            out = backend.fused_loss(rows, flat_target, ignore_index, z_loss_coeff, label_smoothing)
+            out = backend.fused_loss(rows, flat_target, ignore_index, z_loss_coeff, label_smoothing, **transform)
         else:
             partials = backend.shard_partials(rows, flat_target, vocab_start, global_vocab, ignore_index,
-                                              label_smoothing)
+                                              label_smoothing, **transform)
             out = merged_loss(backend, partials, flat_target, ignore_index, z_loss_coeff, tp_group, world_size)
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)  # one view op for the three
 
@@ -121,6 +135,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         ctx.z_loss_coeff = float(z_loss_coeff)
         ctx.label_smoothing = float(label_smoothing)
         ctx.ignore_index = ignore_index
+        ctx.transform = transform
         ctx.save_for_backward(rows, flat_target, lse)
         ctx.set_materialize_grads(False)  # no zero tensors for the gradients of z_loss and lse
         ctx.mark_non_differentiable(z_loss, lse)
@@ -143,11 +158,12 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
             ctx.z_loss_coeff,
             ctx.label_smoothing,
             ctx.global_vocab,
+            **ctx.transform,
         )
         if ctx.in_place:
             # The logits now hold their gradient: any later use of them in backward must fail loudly.
             torch.autograd.graph.increment_version(rows)
-        return grad.view(ctx.logits_shape), None, None, None, None, None, None
+        return grad.view(ctx.logits_shape), *(None,) * 8
 
 
 def vocab_parallel_cross_entropy_zloss(
@@ -158,6 +174,8 @@ def vocab_parallel_cross_entropy_zloss(
     ignore_index=-100,
     tp_group=None,
     *,
+    logit_scale=1.0,
+    logit_softcap=0.0,
     backend=None,
 ):
     """Fused cross entropy + z-loss on this rank's vocab slice of the logits.
@@ -169,6 +187,10 @@ def vocab_parallel_cross_entropy_zloss(
         z_loss_coeff: ``c >= 0``; the z-loss is ``c * logsumexp(logits)**2`` per token.
         label_smoothing: ``0 <= a < 1``; ``(1-a)*CE + a*mean(-log p)`` over the global vocab.
         ignore_index: target value whose tokens get loss 0 and gradient 0.
+        logit_scale: ``s > 0``, finite; the loss is of ``s * logits`` (MindSpeed-LLM's
+            ``output_multiplier_scale``), made per tile inside the kernels.
+        logit_softcap: ``C >= 0``, finite; ``C > 0``: the loss is of ``C * tanh(s * logits / C)``
+            (soft-capped logits), 0 (default): no cap. Gradients go through the transform exactly.
         tp_group: the tensor-parallel process group; ``None`` takes Megatron's TP group when
             ``megatron.core.parallel_state`` is initialized, else a single rank.
         backend: ``"triton"`` or ``"torch"`` (the pure-torch reference); ``None`` (default): Triton on
@@ -176,26 +198,30 @@ def vocab_parallel_cross_entropy_zloss(
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``loss = CE + c*lse**2`` per token and the
-        detached ``z_loss = c*lse**2`` (for logging), both 0 where ``target == ignore_index``.
+        detached ``z_loss = c*lse**2`` (for logging), both 0 where ``target == ignore_index``; CE and
+        lse of the transformed logits.
 
     Backward writes d(loss)/d(logits) in the logits' dtype; when ``logits`` is an intermediate
     of the autograd graph (the usual case: the output layer's result) the gradient reuses the
     logits' buffer, so the logits must not be read after backward.
     """
     loss, z_loss, _ = cross_entropy_zloss_with_lse(
-        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, backend=backend
+        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, logit_scale=logit_scale,
+        logit_softcap=logit_softcap, backend=backend,
     )
     return loss, z_loss
 
 
 def cross_entropy_zloss_with_lse(
-    logits, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100, tp_group=None, *, backend=None
+    logits, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100, tp_group=None, *, logit_scale=1.0,
+    logit_softcap=0.0, backend=None
 ):
     """The op, also returning the detached per-token log-sum-exp (fp32, shape of target) it
-    computed anyway: the adaptor logs its mean as ``lm_lse`` without another pass."""
-    _check_arguments(logits, target, z_loss_coeff, label_smoothing)
+    computed anyway (of the transformed logits): the adaptor logs its mean as ``lm_lse`` without
+    another pass."""
+    _check_arguments(logits, target, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
     tp_group = resolve_tp_group(tp_group)
     return VocabParallelCrossEntropyZLoss.apply(
         logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
-        kernels.backend_for(logits.device, backend),
+        kernels.backend_for(logits.device, backend), logit_scale, logit_softcap,
     )

@@ -1,7 +1,9 @@
 """Output projection + vocab-parallel cross entropy + z-loss, without the logits tensor.
 
 ``loss = CE(hidden @ weight.T) + c * lse**2`` per token, for the per-row partials of
-``vocab_parallel_cross_entropy_zloss`` (merged across ranks by :mod:`mindspeed_cez.tensor_parallel`). Two paths:
+``vocab_parallel_cross_entropy_zloss`` (merged across ranks by :mod:`mindspeed_cez.tensor_parallel`),
+of the logits scaled and soft-capped as that op's ``logit_scale`` / ``logit_softcap`` say (by the
+backends, per tile or chunk). Two paths:
 
 - recompute (``LinearCrossEntropyZLoss``): the forward reduces the logits to the partials as
   they are made (Triton: ``tl.dot`` tiles in registers, kernels/triton_linear_cross_entropy.py;
@@ -28,7 +30,8 @@ from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size,
                                            resolve_tp_group)
 
 
-def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, sequence_parallel):
+def _check(hidden, weight, target, z_loss_coeff, label_smoothing, logit_scale, logit_softcap, tp_size,
+           sequence_parallel):
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() not in (2, 3):
         raise TypeError(f"hidden must be a floating-point [s, b, h] or [n, h] tensor, got "
                         f"{getattr(hidden, 'dtype', type(hidden))} {tuple(getattr(hidden, 'shape', ()))}")
@@ -50,7 +53,7 @@ def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, seque
         raise ValueError(f"target {tuple(target.shape)} must be hidden's shape without h, {expected}{sp}")
     if target.device != hidden.device:
         raise ValueError(f"target ({target.device}) and hidden ({hidden.device}) are on different devices")
-    check_coefficients(z_loss_coeff, label_smoothing)
+    check_coefficients(z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
 
 
 def _check_targets(target, global_vocab, ignore_index):
@@ -108,7 +111,7 @@ def _accumulate_mm(out, a, b):
 class LinearCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
-                sequence_parallel, gradient_accumulation_fusion, backend, linear, chunk_cols):
+                sequence_parallel, gradient_accumulation_fusion, backend, linear, chunk_cols, transform):
         rank, tp_size = group_rank_and_size(tp_group)
         full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = _rows(full)
@@ -117,14 +120,14 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
         _check_targets(flat_target, global_vocab, ignore_index)
         stats = linear.linear_partials(rows, weight, flat_target, vocab_start, global_vocab, ignore_index,
-                                       label_smoothing, ce_backend=backend, chunk_cols=chunk_cols)
+                                       label_smoothing, ce_backend=backend, chunk_cols=chunk_cols, **transform)
         out = merged_loss(backend, stats, flat_target, ignore_index, z_loss_coeff, tp_group, tp_size)
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
 
         ctx.save_for_backward(hidden, weight, flat_target, lse)
         ctx.settings = (float(z_loss_coeff), float(label_smoothing), ignore_index, tp_group, tp_size,
                         sequence_parallel, gradient_accumulation_fusion, vocab_start, global_vocab, backend, linear,
-                        chunk_cols)
+                        chunk_cols, transform)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
         return loss, z_loss, lse
@@ -133,7 +136,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
         hidden, weight, flat_target, lse = ctx.saved_tensors
         (z_loss_coeff, label_smoothing, ignore_index, tp_group, tp_size, sequence_parallel,
-         accumulate, vocab_start, global_vocab, backend, linear, chunk_cols) = ctx.settings
+         accumulate, vocab_start, global_vocab, backend, linear, chunk_cols, transform) = ctx.settings
         full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = _rows(full)
         lse = lse.reshape(-1)
@@ -147,7 +150,8 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
             dlogits = linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss, ignore_index,
-                                         vocab_start + c, z_loss_coeff, label_smoothing, global_vocab, ce_backend=backend)
+                                         vocab_start + c, z_loss_coeff, label_smoothing, global_vocab, ce_backend=backend,
+                                         **transform)
             _accumulate_mm(drows, dlogits, w)  # fp32 sum over vocab chunks
             if into_main_grad:
                 _accumulate_mm(weight.main_grad[c:c + step], dlogits.t(), rows)
@@ -156,7 +160,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         dhidden = reduce_dhidden(drows.to(rows.dtype).view(full.shape), tp_group, tp_size, sequence_parallel)
         if into_main_grad:
             dweight = _main_grad_placeholder(weight)
-        return dhidden, dweight, *(None,) * 10
+        return dhidden, dweight, *(None,) * 11
 
 
 def default_row_block(n_rows, v_local):
@@ -179,7 +183,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, token_weights, z_loss_coeff, label_smoothing, ignore_index, tp_group,
-                sequence_parallel, gradient_accumulation_fusion, backend, row_block):
+                sequence_parallel, gradient_accumulation_fusion, backend, row_block, transform):
         rank, tp_size = group_rank_and_size(tp_group)
         full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = full.reshape(-1, full.shape[-1])
@@ -196,10 +200,11 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         for r in range(0, n, step):
             x, t = rows[r:r + step], flat_target[r:r + step]
             logits = x @ weight.t()
-            stats = backend.shard_partials(logits, t, vocab_start, global_vocab, ignore_index, label_smoothing)
+            stats = backend.shard_partials(logits, t, vocab_start, global_vocab, ignore_index, label_smoothing,
+                                           **transform)
             out[:, r:r + step] = merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size)
             backend.write_grad(logits, logits, t, out[2, r:r + step], unit[r:r + step], ignore_index, vocab_start,
-                               z_loss_coeff, label_smoothing, global_vocab)
+                               z_loss_coeff, label_smoothing, global_vocab, **transform)
             drows[r:r + step] = 0
             _accumulate_mm(drows[r:r + step], logits, weight)
             _accumulate_mm(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
@@ -215,7 +220,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         drows, dweight_sum, weights, weight, counted = ctx.saved_tensors
         tp_group, tp_size, sequence_parallel, accumulate, full_shape, dtype = ctx.settings
         if grad_loss is None:
-            return (None,) * 12
+            return (None,) * 13
         g = grad_loss.reshape(-1).float()
         k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
         proportional = ((g - k * weights).abs() <= 1e-3 * (k * weights).abs() + 1e-30) | ~counted  # ignored: any g
@@ -228,7 +233,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             dweight = _main_grad_placeholder(weight)
         else:
             dweight = dweight_sum.to(weight.dtype)
-        return dhidden, dweight, *(None,) * 10
+        return dhidden, dweight, *(None,) * 11
 
 
 GRADS = ("recompute", "forward")
@@ -257,27 +262,30 @@ def _check_settings(target, token_weights, grads, chunk_cols, row_block):
 
 def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0,
                                         ignore_index=-100, tp_group=None, sequence_parallel=False,
-                                        gradient_accumulation_fusion=False, token_weights=None, *, grads="recompute",
-                                        backend=None, linear_backend=None, chunk_cols=None, row_block=None):
+                                        gradient_accumulation_fusion=False, token_weights=None, *, logit_scale=1.0,
+                                        logit_softcap=0.0, grads="recompute", backend=None, linear_backend=None,
+                                        chunk_cols=None, row_block=None):
     """:func:`linear_cross_entropy_zloss` that also returns the detached per-token lse."""
     tp_group = resolve_tp_group(tp_group)
-    _check(hidden, weight, target, z_loss_coeff, label_smoothing, group_rank_and_size(tp_group)[1], sequence_parallel)
+    _check(hidden, weight, target, z_loss_coeff, label_smoothing, logit_scale, logit_softcap,
+           group_rank_and_size(tp_group)[1], sequence_parallel)
     _check_settings(target, token_weights, grads, chunk_cols, row_block)
     ce_backend = kernels.backend_for(hidden.device, backend)
+    transform = {"logit_scale": float(logit_scale), "logit_softcap": float(logit_softcap)}
     if grads == "recompute":
         linear = kernels.linear_backend_for(hidden.device, linear_backend, backend)
         return LinearCrossEntropyZLoss.apply(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index,
                                              tp_group, sequence_parallel, gradient_accumulation_fusion, ce_backend,
-                                             linear, chunk_cols)
+                                             linear, chunk_cols, transform)
     return LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(), z_loss_coeff,
                                                      label_smoothing, ignore_index, tp_group, sequence_parallel,
-                                                     gradient_accumulation_fusion, ce_backend, row_block)
+                                                     gradient_accumulation_fusion, ce_backend, row_block, transform)
 
 
 def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
                                tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False,
-                               token_weights=None, *, grads="recompute", backend=None, linear_backend=None,
-                               chunk_cols=None, row_block=None):
+                               token_weights=None, *, logit_scale=1.0, logit_softcap=0.0, grads="recompute",
+                               backend=None, linear_backend=None, chunk_cols=None, row_block=None):
     """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
 
     Args:
@@ -286,6 +294,9 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         weight: ``[v_local, h]``, this rank's rows of the output projection (no bias); same dtype.
         target: ``[s, b]`` (``[n]``) global vocab ids, the whole sequence; may hold ``ignore_index``.
         z_loss_coeff, label_smoothing, ignore_index: as :func:`vocab_parallel_cross_entropy_zloss`.
+        logit_scale, logit_softcap: as :func:`vocab_parallel_cross_entropy_zloss`: the loss is of
+            ``cap * tanh(scale * logits / cap)`` (``scale * logits`` for cap 0), made inside the
+            projection's tiles / chunks, gradients through it.
         tp_group: the tensor-parallel group; ``None`` takes Megatron's when initialized.
         sequence_parallel: hidden is sequence-sharded over ``tp_group`` (all-gathered here).
         gradient_accumulation_fusion: add ``dweight`` (fp32) into ``weight.main_grad`` as Megatron's
@@ -314,6 +325,6 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
     """
     loss, z_loss, _ = linear_cross_entropy_zloss_with_lse(
         hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, sequence_parallel,
-        gradient_accumulation_fusion, token_weights, grads=grads, backend=backend, linear_backend=linear_backend,
-        chunk_cols=chunk_cols, row_block=row_block)
+        gradient_accumulation_fusion, token_weights, logit_scale=logit_scale, logit_softcap=logit_softcap, grads=grads,
+        backend=backend, linear_backend=linear_backend, chunk_cols=chunk_cols, row_block=row_block)
     return loss, z_loss

@@ -90,9 +90,13 @@ def run_on_ranks(world_size, fn, *args, timeout=300, backend="gloo"):
 
 
 # ---------------------------------------------------------------------------- float64 references
-def cross_entropy_zloss_float64(logits, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100):
-    """Per-token (loss, z_loss, lse) in float64; logits [..., V] over the GLOBAL vocab."""
-    x = logits.double()
+def cross_entropy_zloss_float64(logits, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
+                                logit_scale=1.0, logit_softcap=0.0):
+    """Per-token (loss, z_loss, lse) in float64; logits [..., V] over the GLOBAL vocab, first scaled
+    by ``logit_scale``, then soft-capped ``cap * tanh(x / cap)`` where ``logit_softcap`` is not 0."""
+    x = logits.double() * logit_scale
+    if logit_softcap:
+        x = logit_softcap * torch.tanh(x / logit_softcap)
     lse = torch.logsumexp(x, dim=-1)
     log_probs = x - lse.unsqueeze(-1)
     valid = target != ignore_index

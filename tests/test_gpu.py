@@ -41,7 +41,30 @@ def test_real_sizes_bf16(n, vocab, label_smoothing):
     assert abs(last - exp_grads[-1][-1, -1].item()) < 1e-2 * abs(exp_grads[-1][-1, -1].item()) + 1e-6
 
 
-def test_cuda_graph_captures_forward_and_backward():
+@pytest.mark.parametrize("logit_softcap", [0.0, 30.0], ids=["scale", "scale-softcap"])
+def test_real_size_scaled_and_soft_capped_bf16(logit_softcap):
+    """8192 x 151936 bf16 with a logit scale, with and without the soft cap: loss, z-loss and the
+    in-place gradient through the transform against float64."""
+    n, vocab = 8192, 151936
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    base = (torch.randn(n, vocab, device="cuda", generator=gen) * 8).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    target[torch.rand(n, device="cuda", generator=gen) < 0.1] = -100
+    upstream = torch.randn(n, device="cuda", generator=gen)
+    transform = {"logit_scale": 1.7, "logit_softcap": logit_softcap}
+    exp_loss, exp_grads = loss_and_grad_float64_chunked(base, target, upstream, z_loss_coeff=1e-4, label_smoothing=0.1,
+                                                         **transform)
+    leaf = base.clone().requires_grad_(True)
+    logits = leaf * 1
+    loss, _ = vocab_parallel_cross_entropy_zloss(logits, target, 1e-4, 0.1, **transform)
+    assert relative_error(loss, exp_loss) < 1e-5
+    (grad,) = torch.autograd.grad(loss, logits, upstream)
+    assert grad.data_ptr() == logits.data_ptr()
+    assert relative_error_chunked(grad, exp_grads) < 8e-3
+
+
+@pytest.mark.parametrize("transform", [{}, {"logit_scale": 0.5, "logit_softcap": 15.0}], ids=["plain", "softcap"])
+def test_cuda_graph_captures_forward_and_backward(transform):
     n, vocab = 512, 32000
     static_logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16) * 3
     static_target = torch.randint(0, vocab, (n,), device="cuda")
@@ -49,7 +72,7 @@ def test_cuda_graph_captures_forward_and_backward():
 
     def step():
         leaf = static_logits.detach().requires_grad_(True)
-        loss, z_loss = vocab_parallel_cross_entropy_zloss(leaf * 1, static_target, z_loss_coeff=1e-3)
+        loss, z_loss = vocab_parallel_cross_entropy_zloss(leaf * 1, static_target, z_loss_coeff=1e-3, **transform)
         (grad,) = torch.autograd.grad(loss, leaf, static_upstream)
         return loss, z_loss, grad
 

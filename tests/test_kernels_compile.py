@@ -4,7 +4,7 @@ The interpreter that runs the kernels in CI checks what they compute, not whethe
 compiler accepts them (it skips the compiler's checks, e.g. on non-constexpr globals). This
 compiles every kernel ahead of time for sm_90 under both launch settings (CUDA's and Ascend's
 shape), for a wide and a narrow vocab slice (CUDA picks its settings by width), the fused output
-projection's tl.dot kernels included.
+projection's tl.dot kernels included, each also with the logit scale and the soft cap compiled in.
 """
 
 import json
@@ -39,7 +39,9 @@ def test_kernels_compile_for_sm90(settings, n_cols):
     rows = json.loads(result.stdout.strip().splitlines()[-1])
     names = [row[0] for row in rows]
     assert "grad" in names and "forward finish=True logit_sum=False check_targets" in names
-    assert {"linear partials logit_sum=False", "linear grad", "linear merge"} <= set(names) and len(rows) == 13
+    assert {"linear partials logit_sum=False", "linear grad", "linear merge"} <= set(names) and len(rows) == 23
+    assert {"forward finish=True logit_sum=True check_targets transform=softcap", "grad transform=softcap",
+            "linear partials logit_sum=True transform=softcap", "linear grad transform=softcap"} <= set(names)
     for name, warps, registers, stack, shared, ctas in rows:
         assert 0 < registers <= 255 and stack < 1024, name
         if settings == "cuda":

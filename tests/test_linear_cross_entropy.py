@@ -1,5 +1,6 @@
 """linear_cross_entropy_zloss against float64, over real gloo processes for TP 1/2/4, with and without
-sequence parallelism: loss, z-loss, dhidden (as ColumnParallelLinear gives it) and dweight."""
+sequence parallelism: loss, z-loss, dhidden (as ColumnParallelLinear gives it) and dweight; also of
+scaled and soft-capped logits."""
 
 import types
 
@@ -28,10 +29,10 @@ def _problem(dtype, tp, gen):
     return hidden.to(dtype), weight.to(dtype), target, upstream
 
 
-def _float64(hidden, weight, target, upstream, z, a):
+def _float64(hidden, weight, target, upstream, z, a, **transform):
     h = hidden.double().requires_grad_()
     w = weight.double().requires_grad_()
-    loss, z_loss, _ = cross_entropy_zloss_float64(h @ w.t(), target, z_loss_coeff=z, label_smoothing=a)
+    loss, z_loss, _ = cross_entropy_zloss_float64(h @ w.t(), target, z_loss_coeff=z, label_smoothing=a, **transform)
     (loss * upstream.double()).sum().backward()
     return loss.detach(), z_loss.detach(), h.grad, w.grad
 
@@ -43,13 +44,14 @@ def _token_weights(target, gen):
     return mask, 0.37 * mask
 
 
-def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_grads=False):
+def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_grads=False, transform=None):
+    transform = transform or {}
     gen = torch.Generator().manual_seed(4321)  # every rank draws the same full problem
     hidden, weight, target, upstream = _problem(dtype, world_size, gen)
     token_weights = None
     if forward_grads:
         token_weights, upstream = _token_weights(target, gen)
-    exp_loss, exp_z, exp_dh, exp_dw = _float64(hidden, weight, target, upstream, z, a)
+    exp_loss, exp_z, exp_dh, exp_dw = _float64(hidden, weight, target, upstream, z, a, **transform)
     rows = slice(rank * V_PER_RANK, (rank + 1) * V_PER_RANK)
     seq = slice(rank * SEQ, (rank + 1) * SEQ) if sequence_parallel else slice(None)
     group = dist.group.WORLD
@@ -60,7 +62,7 @@ def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_g
     loss, z_loss = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=z, label_smoothing=a, tp_group=group,
                                               sequence_parallel=sequence_parallel, token_weights=token_weights,
                                               grads="forward" if forward_grads else "recompute", backend=backend,
-                                              linear_backend=linear or None, chunk_cols=16, row_block=16)
+                                              linear_backend=linear or None, chunk_cols=16, row_block=16, **transform)
     (loss * upstream).sum().backward()
     errors = {"loss": relative_error(loss, exp_loss), "dhidden": relative_error(h.grad, exp_dh[seq]),
               "dweight": relative_error(w.grad, exp_dw[rows])}
@@ -72,7 +74,8 @@ def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_g
     if dtype == torch.bfloat16:  # no worse than the unfused bf16 path: logits in bf16, then the op
         hu = hidden.clone().requires_grad_()
         wu = weight[rows].clone().requires_grad_()
-        lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, z, a, tp_group=group, backend=backend)
+        lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, z, a, tp_group=group, backend=backend,
+                                                   **transform)
         (lu * upstream).sum().backward()
         dist.all_reduce(hu.grad, group=group)  # what ColumnParallelLinear's backward does
         unfused = {"dhidden": relative_error(hu.grad[seq], exp_dh[seq]), "dweight": relative_error(wu.grad, exp_dw[rows])}
@@ -110,6 +113,33 @@ def test_matches_float64_over_tp(world_size, dtype, z, a, sequence_parallel, bac
     if backend.startswith("triton") and not triton_runs_on_cpu():
         pytest.skip("the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
     run_on_ranks(world_size, _worker, dtype, z, a, sequence_parallel, backend, forward_grads)
+
+
+# (world size, dtype, z-loss, smoothing, sequence parallel, backend, gradients in forward, scale, cap)
+TRANSFORM_CASES = [
+    (1, torch.float32, 1e-2, 0.1, False, "torch", False, 1.0, 5.0),
+    (2, torch.bfloat16, 1e-3, 0.0, True, "torch", False, 0.5, 0.0),
+    (4, torch.float32, 1e-3, 0.2, True, "torch", False, 2.0, 3.0),
+    (2, torch.float16, 1e-2, 0.1, True, "torch", True, 1.0, 4.0),
+    (4, torch.bfloat16, 1e-3, 0.1, False, "torch", True, 1.5, 6.0),
+    (1, torch.bfloat16, 1e-3, 0.1, False, "triton", False, 1.0, 5.0),
+    (2, torch.float32, 1e-2, 0.1, True, "triton", False, 2.0, 3.0),
+    (4, torch.float16, 1e-3, 0.0, False, "triton", False, 0.8, 0.0),
+    (2, torch.bfloat16, 1e-3, 0.1, True, "triton+gemm", False, 1.0, 4.0),
+    (2, torch.float32, 1e-2, 0.1, False, "triton", True, 1.2, 5.0),
+]
+
+
+@pytest.mark.parametrize("world_size,dtype,z,a,sequence_parallel,backend,forward_grads,logit_scale,logit_softcap",
+                         TRANSFORM_CASES)
+def test_transform_matches_float64_over_tp(world_size, dtype, z, a, sequence_parallel, backend, forward_grads,
+                                           logit_scale, logit_softcap):
+    """Scaled and soft-capped logits (cap 3-6 against logits of spread ~3: much of the tanh's range),
+    every path: GEMM chunks and tl.dot tiles recomputed in backward, gradients in forward."""
+    if backend.startswith("triton") and not triton_runs_on_cpu():
+        pytest.skip("the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
+    run_on_ranks(world_size, _worker, dtype, z, a, sequence_parallel, backend, forward_grads,
+                 {"logit_scale": logit_scale, "logit_softcap": logit_softcap})
 
 
 def test_token_weights_need_an_upstream_gradient_proportional_to_them():
@@ -230,6 +260,10 @@ def test_bad_input_names_the_argument():
         linear_cross_entropy_zloss(h, w, torch.full((4, 2), 10))
     with pytest.raises(ValueError, match="weight has no vocab rows"):
         linear_cross_entropy_zloss(h, w[:0], t)
+    with pytest.raises(ValueError, match="logit_scale must be a finite number > 0"):
+        linear_cross_entropy_zloss(h, w, t, logit_scale=0.0)
+    with pytest.raises(ValueError, match="logit_softcap must be a finite number >= 0"):
+        linear_cross_entropy_zloss(h, w, t, logit_softcap=float("inf"), grads="forward", token_weights=t.float())
 
 
 def _sp_shape_worker(rank, world_size):

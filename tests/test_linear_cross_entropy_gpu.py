@@ -1,8 +1,8 @@
 """The fused output projection + CE + z-loss on a GPU at a real size, each of its paths (logits
 recomputed in backward by the Triton ``tl.dot`` kernels or by GEMM chunks; gradients made in
 forward with the loss mask as token weights), against float64 and no worse than the unfused path
-of the same dtype (cuBLAS logits, then the op); the Triton path captured in a CUDA graph.
-Skipped without CUDA."""
+of the same dtype (cuBLAS logits, then the op), also with a logit scale and soft cap; the Triton
+path captured in a CUDA graph, with and without the cap. Skipped without CUDA."""
 
 import pytest
 import torch
@@ -22,6 +22,20 @@ PATHS = [("triton", torch.bfloat16), ("triton", torch.float16), ("triton", torch
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("path,dtype", PATHS, ids=[f"{p}-{str(d)[6:]}" for p, d in PATHS])
 def test_matches_float64_at_a_real_size(path, dtype, label_smoothing):
+    _compare_at_a_real_size(path, dtype, label_smoothing)
+
+
+TRANSFORM_PATHS = [("triton", torch.bfloat16), ("triton", torch.float32), ("gemm", torch.bfloat16),
+                   ("forward", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("path,dtype", TRANSFORM_PATHS, ids=[f"{p}-{str(d)[6:]}" for p, d in TRANSFORM_PATHS])
+def test_scaled_and_soft_capped_at_a_real_size(path, dtype):
+    """Logits of spread ~4 scaled by 2 and capped at 15: much of the tanh's curve, on every path."""
+    _compare_at_a_real_size(path, dtype, 0.1, logit_scale=2.0, logit_softcap=15.0)
+
+
+def _compare_at_a_real_size(path, dtype, label_smoothing, **transform):
     forward_grads = path == "forward"
     g = torch.Generator(device="cuda").manual_seed(5)
     hidden = torch.randn(N, H, device="cuda", generator=g).to(dtype)
@@ -31,15 +45,15 @@ def test_matches_float64_at_a_real_size(path, dtype, label_smoothing):
     mask = (torch.rand(N, device="cuda", generator=g) < 0.9).float()
     upstream = mask / mask.sum()
     exp_loss, exp_dh, exp_dw = linear_loss_and_grads_float64(hidden, weight, target, upstream, z_loss_coeff=Z,
-                                                              label_smoothing=label_smoothing)
+                                                              label_smoothing=label_smoothing, **transform)
 
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss, _ = linear_cross_entropy_zloss(h, w, target, Z, label_smoothing, token_weights=mask if forward_grads else None,
                                          grads=path if forward_grads else "recompute",
-                                         linear_backend=None if forward_grads else path)
+                                         linear_backend=None if forward_grads else path, **transform)
     (loss * upstream).sum().backward()
     hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, Z, label_smoothing)
+    lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, Z, label_smoothing, **transform)
     (lu * upstream).sum().backward()
 
     # logits in the inputs' dtype bound the unfused path's error (the float64 reference takes exact products)
@@ -48,7 +62,8 @@ def test_matches_float64_at_a_real_size(path, dtype, label_smoothing):
             relative_error(ours, exp), relative_error(unfused, exp))
 
 
-def test_triton_path_captures_in_a_cuda_graph():
+@pytest.mark.parametrize("transform", [{}, {"logit_softcap": 20.0}], ids=["plain", "softcap"])
+def test_triton_path_captures_in_a_cuda_graph(transform):
     n, h, v = 1000, 256, 5000  # no dimension a multiple of the tiles
     hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
     weight = (torch.randn(v, h, device="cuda") / h**0.5 * 4).bfloat16()
@@ -57,7 +72,7 @@ def test_triton_path_captures_in_a_cuda_graph():
 
     def step():
         x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-        loss, z_loss = linear_cross_entropy_zloss(x, w, target, Z, 0.1, linear_backend="triton")
+        loss, z_loss = linear_cross_entropy_zloss(x, w, target, Z, 0.1, linear_backend="triton", **transform)
         return (loss, z_loss, *torch.autograd.grad(loss, (x, w), upstream))
 
     graph, out = capture_cuda_graph(step)

@@ -1,4 +1,5 @@
-"""The op on one rank, every backend, against the float64 oracle: loss, z-loss, gradients."""
+"""The op on one rank, every backend, against the float64 oracle: loss, z-loss, gradients (also of
+scaled and soft-capped logits)."""
 
 import pytest
 import torch
@@ -16,22 +17,22 @@ def backend_device(request):
 
 
 def _check(logits_shape, dtype, backend, device, z_loss_coeff, label_smoothing, ignore_fraction=0.2, seed=0,
-           as_leaf=True):
+           as_leaf=True, spread=4.0, **transform):
     gen = torch.Generator().manual_seed(seed)
     vocab = logits_shape[-1]
-    base = random_logits(logits_shape, dtype, device, gen)
+    base = random_logits(logits_shape, dtype, device, gen, scale=spread)
     target = torch.randint(0, vocab, logits_shape[:-1], generator=gen)
     target[torch.rand(target.shape, generator=gen) < ignore_fraction] = -100
     target = target.to(device)
     upstream = torch.randn(target.shape, generator=gen).to(device)
 
     exp_loss, exp_z, exp_grad = loss_and_grad_float64(
-        base, target, upstream, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing
+        base, target, upstream, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing, **transform
     )
     leaf = base.clone().requires_grad_(True)
     logits = leaf if as_leaf else leaf * 1  # a non-leaf gets its gradient written in place
     loss, z_loss = vocab_parallel_cross_entropy_zloss(
-        logits, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing, backend=backend
+        logits, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing, backend=backend, **transform
     )
     assert loss.dtype == torch.float32 and z_loss.dtype == torch.float32
     assert loss.shape == target.shape and z_loss.shape == target.shape
@@ -66,6 +67,41 @@ def test_label_smoothing_averages_over_the_vocab(backend_device, label_smoothing
 def test_vocab_not_a_multiple_of_the_block(backend_device, vocab):
     backend, device = backend_device
     _check((6, vocab), torch.bfloat16, backend, device, 1e-2, 0.1, seed=vocab)
+
+
+# (logit_scale, logit_softcap, spread of the logits): a scale alone, a cap alone, both; a cap of 2,
+# where a padding column left at -cap would add a measurable exp(-2 - 2) to the sum; logits of
+# +-1e4, where tanh is +-1 and its slope 0.
+TRANSFORMS = [(0.5, 0.0, 4.0), (1.0, 15.0, 4.0), (2.0, 10.0, 4.0), (1.0, 2.0, 4.0), (1.3, 30.0, 1e4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("logit_scale,logit_softcap,spread", TRANSFORMS)
+def test_scaled_and_soft_capped_logits(backend_device, dtype, logit_scale, logit_softcap, spread):
+    """Loss, z-loss and the gradient through the transform, with smoothing and ignored tokens; the
+    vocab (1000) leaves the last tile part empty: its padding must stay out of the softmax."""
+    backend, device = backend_device
+    _check((24, 1000), dtype, backend, device, 1e-3, 0.1, seed=21, as_leaf=False, spread=spread,
+           logit_scale=logit_scale, logit_softcap=logit_softcap)
+
+
+def test_transform_lse_and_custom_ignore_index(backend_device):
+    """The lse returned for logging is the transformed logits' lse; a custom ignore_index holds."""
+    from support import cross_entropy_zloss_float64
+    from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
+
+    backend, device = backend_device
+    gen = torch.Generator().manual_seed(22)
+    base = random_logits((5, 3, 4097), torch.bfloat16, device, gen)
+    target = torch.randint(0, 4097, (5, 3), generator=gen)
+    target[::2, 0] = 4
+    target = target.to(device)
+    transform = {"logit_scale": 0.8, "logit_softcap": 12.0}
+    loss, z_loss, lse = cross_entropy_zloss_with_lse(base, target, 1e-3, 0.1, 4, backend=backend, **transform)
+    exp_loss, exp_z, exp_lse = cross_entropy_zloss_float64(base, target, 1e-3, 0.1, 4, **transform)
+    assert relative_error(lse, exp_lse) < LOSS_TOLERANCE and relative_error(loss, exp_loss) < LOSS_TOLERANCE
+    assert relative_error(z_loss, exp_z) < LOSS_TOLERANCE and torch.count_nonzero(loss[::2, 0]) == 0
+    assert (lse < 12.0 + torch.log(torch.tensor(4097.0))).all()  # capped logits bound the lse
 
 
 def test_sequence_batch_layout(backend_device):

@@ -74,3 +74,19 @@ def test_kernels_turn_an_out_of_range_target_into_nan(backend):
     partials = kernels.get_backend(backend).shard_partials(logits, target, 0, 30, -100, False)
     assert torch.isnan(partials[2, 1]) and torch.isnan(partials[2, 2])
     assert torch.isfinite(partials[2, [0, 3]]).all() and partials[2, 0] == logits[0, 3]
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, math.inf, "2", True])
+def test_bad_logit_scale(scale):
+    logits, target = _inputs()
+    with pytest.raises(ValueError, match="logit_scale must be a finite number > 0"):
+        vocab_parallel_cross_entropy_zloss(logits, target, logit_scale=scale)
+
+
+@pytest.mark.parametrize("cap", [-1.0, math.nan, math.inf, -math.inf, None])
+def test_bad_logit_softcap(cap):
+    from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
+
+    logits, target = _inputs()
+    with pytest.raises(ValueError, match=r"logit_softcap must be a finite number >= 0 \(0: no cap\)"):
+        cross_entropy_zloss_with_lse(logits, target, logit_softcap=cap)
