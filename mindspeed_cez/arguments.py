@@ -152,6 +152,7 @@ def settings_from_args(args):
         fused_output_layer=bool(getattr(args, "lm_fused_output_layer", None)),
         output_layer_grads=(getattr(args, "lm_fused_output_layer", None) if
                             getattr(args, "lm_fused_output_layer", None) in OUTPUT_LAYER_GRADS else "recompute"),
+        logit_transform=mindspeed_llm.transforms_logits(args),
         **backends_from_environment(),
     )
 

@@ -38,6 +38,7 @@ from mindspeed_cez import metrics
 from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
 from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 from mindspeed_cez.patches import output_layer as _output_layer
+from mindspeed_cez.patches.logit_transform import LogitTransformError, TransformedLogits
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
 
@@ -72,7 +73,8 @@ def ce_value_with_z_loss_gradient(loss, z_loss, z_loss_coeff):
     return loss - z_loss if z_loss_coeff > 0 else loss
 
 
-def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff, backend=None):
+def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff, backend=None, logit_scale=1.0,
+               logit_softcap=0.0):
     """The op on ``[s, b, v_local]`` logits, in Megatron's convention for auxiliary losses.
 
     Returns ``(loss, z_loss, lse)`` shaped like ``target``: ``loss`` has the value of the plain
@@ -89,6 +91,8 @@ def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff,
         label_smoothing=smoothing,
         tp_group=tp_group,
         backend=backend,
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
     )
     return ce_value_with_z_loss_gradient(loss, z_loss, z_loss_coeff), z_loss, lse
 
@@ -207,6 +211,11 @@ def compute_language_model_loss_wrapper(fn):
         # [b s] => [s b], as Megatron does
         target = labels.transpose(0, 1).contiguous()
         tp_group = _module_tp_group(self)
+        scale, cap = 1.0, 0.0
+        if isinstance(logits, TransformedLogits):  # MindSpeed-LLM's scaling / soft cap, in the kernels
+            if not is_main:
+                raise LogitTransformError("mindspeed_cez: an MTP head's loss got the main head's transformed logits")
+            (scale, cap), logits = logits.transform(), logits.logits
         if isinstance(logits, _output_layer.DeferredLogits):
             if not is_main:
                 raise _output_layer.FusedOutputLayerError(
@@ -216,14 +225,16 @@ def compute_language_model_loss_wrapper(fn):
             if settings.output_layer_grads == "forward" and loss_mask is not None:
                 weights = loss_mask.transpose(0, 1).to(torch.float32)  # [b s] => [s b]
             loss, z_loss, lse = _output_layer.linear_loss(
-                logits, target, tp_group, megatron_to_torch_smoothing(smoothing, global_vocab), coeff, settings, weights)
+                logits, target, tp_group, megatron_to_torch_smoothing(smoothing, global_vocab), coeff, settings, weights,
+                logit_scale=scale, logit_softcap=cap)
             loss = ce_value_with_z_loss_gradient(loss, z_loss, coeff)
         else:
             if is_main and _output_layer.expects_deferred():
                 raise _output_layer.FusedOutputLayerError(
-                    f"{_output_layer.FLAG}: the LM loss got logits, not the deferred output layer call "
-                    f"(output layer {type(getattr(self, 'output_layer', None)).__name__}); this model's forward is not served")
-            loss, z_loss, lse = fused_loss(logits, target, tp_group, smoothing, coeff, settings.backend)
+                    f"mindspeed_cez ({_output_layer.FLAG} or the logit transform): the LM loss got a tensor, not the "
+                    f"output layer call the adaptor handed out (output layer {type(getattr(self, 'output_layer', None)).__name__}); "
+                    "this model's forward is not served")
+            loss, z_loss, lse = fused_loss(logits, target, tp_group, smoothing, coeff, settings.backend, scale, cap)
         if is_main:
             _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, bool(_MASK_CONTEXT))
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged

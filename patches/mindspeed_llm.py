@@ -7,7 +7,8 @@ Megatron core 0.12.1. MindSpeed-LLM replaces the Megatron code the other patches
   over Megatron's) has a forward of its own that never calls Megatron's: it scales and soft-caps
   the logits (``--output-multiplier-scale``, ``--output-logit-softcapping``) and calls
   ``self.compute_language_model_loss(labels, logits)``, still Megatron's method, which the
-  adaptor patches. The loss mask reaches only that forward, so it is a loss-context target here
+  adaptor patches. With either flag the scaling and soft cap are recorded and computed in the
+  loss kernels (:mod:`.logit_transform`, ``Settings.logit_transform``), not by its torch ops. The loss mask reaches only that forward, so it is a loss-context target here
   (master's ``DeepSeek4Model`` likewise). dualpipev runs the same forward.
 * ``pretrain_gpt.py`` trains with ``mindspeed_llm.training.training.train``, whose own
   ``training_log`` (same leading parameters as Megatron's) logs the iteration: wrapped like
@@ -19,9 +20,8 @@ Megatron core 0.12.1. MindSpeed-LLM replaces the Megatron code the other patches
   run by the flags' validation and by ``mindspeed_cez.patches.apply``) rather than silently
   trained without z-loss.
 * ``--lm-fused-output-layer``: the main head's output layer call is deferred in its forward as in
-  Megatron's; the flags that change the logits after that call or the output layer itself
-  (``--output-multiplier-scale``, ``--output-logit-softcapping``, ``--add-output-layer-bias``) are
-  refused with it. ``--output-layer-slice-num`` > 1 is refused too, but MindSpeed-LLM's own argument
+  Megatron's (with the logit transform above, if any); ``--add-output-layer-bias``, which changes
+  the output layer itself, is refused with it. ``--output-layer-slice-num`` > 1 is refused too, but MindSpeed-LLM's own argument
   validation resets it to 1 before any feature's check runs, so there the check sees 1 and the
   run goes on with the one output layer MindSpeed-LLM kept (the check only fires on arguments
   that still hold the value, e.g. set after MindSpeed-LLM's validation).
@@ -58,6 +58,12 @@ def patch_targets():
     return targets
 
 
+def transforms_logits(args):
+    """Whether MindSpeed-LLM's forward scales or soft-caps the logits before the loss (its
+    ``--output-multiplier-scale`` / ``--output-logit-softcapping``)."""
+    return bool(getattr(args, "output_multiplier_scale", None) or getattr(args, "output_logit_softcapping", None))
+
+
 def check_args(args, fused_flag, output_layer_flag=None):
     """Raise ``ValueError`` for MindSpeed-LLM modes the fused kernel cannot serve. ``fused_flag`` names
     what turned the kernel on; ``output_layer_flag`` what turned the fused output layer on (None:
@@ -71,11 +77,9 @@ def check_args(args, fused_flag, output_layer_flag=None):
             "drop one of them (chunk mode at TP>1 falls back to the regular loss, which is served)"
         )
     if output_layer_flag:
-        # its GPTModel forward transforms the logits between the output layer and the loss, or
-        # swaps the output layer for one the fused op does not stand in for
-        for dest, flag, off in (("output_multiplier_scale", "--output-multiplier-scale", None),
-                                ("output_logit_softcapping", "--output-logit-softcapping", None),
-                                ("output_layer_slice_num", "--output-layer-slice-num", 1),
+        # its GPTModel forward swaps the output layer for one the fused op does not stand in for
+        # (its scaling and soft cap of the logits are served: .logit_transform)
+        for dest, flag, off in (("output_layer_slice_num", "--output-layer-slice-num", 1),
                                 ("add_output_layer_bias", "--add-output-layer-bias", False)):
             value = getattr(args, dest, off)
             if value not in (off, None, False, 0):

@@ -8,6 +8,10 @@ The main head's call is the last one: MTP heads (``config.mtp_num_layers``) call
 first and get real logits, as without the flag. Anything unexpected fails loudly, naming the
 flag: deferred logits reaching anything but the main loss, a main loss that got real logits, an
 output layer the op cannot stand in for (bias, gathered output, deferred embedding wgrad).
+
+With ``Settings.logit_transform`` (MindSpeed-LLM's scaled / soft-capped logits) the main head's
+call returns :class:`~.logit_transform.TransformedLogits` around its logits (or around the deferred
+call), which records the model's transform for the loss kernels instead of computing it.
 """
 
 import functools
@@ -15,6 +19,7 @@ import functools
 import torch
 
 from mindspeed_cez.linear_cross_entropy import linear_cross_entropy_zloss_with_lse
+from mindspeed_cez.patches.logit_transform import TransformedLogits
 
 FLAG = "--lm-fused-output-layer"
 
@@ -39,31 +44,35 @@ class DeferredLogits:
 
 
 class Pending:
-    """One forward's deferral: the output layer whose call number ``main_call`` (0-based) is the
-    main head's; ``deferred`` once it was handed out."""
+    """One forward's main-head output layer call, number ``main_call`` (0-based) of ``layer``: made
+    later by the loss (``defer``) and / or wrapped to record the model's logit transform
+    (``transform``)."""
 
-    __slots__ = ("layer", "main_call", "calls", "deferred")
+    __slots__ = ("layer", "main_call", "calls", "defer", "transform")
 
-    def __init__(self, layer, main_call):
-        self.layer, self.main_call, self.calls, self.deferred = layer, main_call, 0, False
+    def __init__(self, layer, main_call, defer, transform):
+        self.layer, self.main_call, self.calls, self.defer, self.transform = layer, main_call, 0, defer, transform
 
 
 _PENDING = []  # stack, one entry per GPT forward with labels in progress (None: no deferral)
 
 
 def pending_for(model, bound_args, settings):
-    """The deferral for a model forward with ``bound_args``, or None (flag off, no labels, no output
-    layer on this stage, inference)."""
-    if settings is None or not settings.fused_output_layer or bound_args.get("labels") is None:
+    """What the main head's output layer call does in a model forward with ``bound_args``, or None
+    (neither setting on, no labels, no output layer on this stage, inference)."""
+    if settings is None or not (settings.fused_output_layer or settings.logit_transform):
+        return None
+    if bound_args.get("labels") is None:
         return None
     if any(bound_args.get(k) is not None for k in ("inference_context", "inference_params")):
         return None
     layer = getattr(model, "output_layer", None)
     if layer is None or not getattr(model, "post_process", True):
         return None
-    if getattr(getattr(model, "config", None), "use_mup", False):
+    if settings.fused_output_layer and getattr(getattr(model, "config", None), "use_mup", False):
         raise FusedOutputLayerError(f"{FLAG} does not serve MuP's output scaling (--use-mup)")
-    return Pending(layer, getattr(model.config, "mtp_num_layers", None) or 0)
+    return Pending(layer, getattr(model.config, "mtp_num_layers", None) or 0, settings.fused_output_layer,
+                   settings.logit_transform)
 
 
 def push(pending):
@@ -86,8 +95,9 @@ def _check_layer(layer, runtime_gather_output):
 
 
 def column_parallel_forward_wrapper(fn):
-    """``ColumnParallelLinear.forward``: the main head's call under a deferral returns
-    ``(DeferredLogits, None)``; every other call runs unchanged."""
+    """``ColumnParallelLinear.forward``: the main head's call returns ``(DeferredLogits, None)`` under a
+    deferral, its logits (or that) wrapped in ``TransformedLogits`` under a transform; every other call
+    runs unchanged."""
 
     @functools.wraps(fn)
     def forward(self, input_, weight=None, runtime_gather_output=None):
@@ -97,25 +107,30 @@ def column_parallel_forward_wrapper(fn):
         call, pending.calls = pending.calls, pending.calls + 1
         if call != pending.main_call:
             return fn(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
-        _check_layer(self, runtime_gather_output)
-        if weight is None:
-            weight = self.weight
-        if weight is None:
-            raise RuntimeError("weight was not supplied to ColumnParallelLinear forward pass "
-                               "and skip_weight_param_allocation is True.")
-        pending.deferred = True
-        return DeferredLogits(input_, weight, self), None
+        if pending.defer:
+            _check_layer(self, runtime_gather_output)
+            if weight is None:
+                weight = self.weight
+            if weight is None:
+                raise RuntimeError("weight was not supplied to ColumnParallelLinear forward pass "
+                                   "and skip_weight_param_allocation is True.")
+            logits, bias = DeferredLogits(input_, weight, self), None
+        else:
+            logits, bias = fn(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        return (TransformedLogits(logits) if pending.transform else logits), bias
 
     forward.__cez_wraps__ = fn
     return forward
 
 
 def expects_deferred():
-    """Whether the innermost forward was to defer its main head's output layer."""
+    """Whether the innermost forward was to hand its main head's loss a ``DeferredLogits`` or a
+    ``TransformedLogits`` rather than a tensor."""
     return bool(_PENDING) and _PENDING[-1] is not None
 
 
-def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, settings, token_weights=None):
+def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, settings, token_weights=None,
+                logit_scale=1.0, logit_softcap=0.0):
     """``(loss, z_loss, lse)`` of the deferred output layer, ``[s, b]``, as the op returns them
     (``loss = CE + c*lse**2``), with the backends of ``settings``. ``settings.output_layer_grads``
     is the op's ``grads``; ``"forward"`` needs ``token_weights`` (``[s, b]``, the loss mask) and a
@@ -127,4 +142,5 @@ def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, setti
         tp_group=tp_group, sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
         gradient_accumulation_fusion=bool(getattr(layer, "gradient_accumulation_fusion", False)),
         token_weights=token_weights if forward else None, grads="forward" if forward else "recompute",
-        backend=settings.backend, linear_backend=settings.linear_backend)
+        backend=settings.backend, linear_backend=settings.linear_backend, logit_scale=logit_scale,
+        logit_softcap=logit_softcap)

@@ -33,6 +33,9 @@ class Settings:
         (``--lm-fused-output-layer``, :mod:`mindspeed_cez.patches.output_layer`).
     output_layer_grads: ``"recompute"`` (logits recomputed in backward) or ``"forward"`` (gradients
         made in the forward with the loss mask as token weights): the op's ``grads``.
+    logit_transform: the model scales / soft-caps the main head's logits with torch ops before the
+        loss (MindSpeed-LLM's ``--output-multiplier-scale`` / ``--output-logit-softcapping``): those
+        ops are recorded and computed in the kernels instead (:mod:`.logit_transform`).
     backend: the ops' cross-entropy backend, ``"triton"`` / ``"torch"``, None: automatic per device.
     linear_backend: the fused output layer's, ``"gemm"`` / ``"triton"``, None: automatic.
     """
@@ -43,6 +46,7 @@ class Settings:
     log_lse: bool = False
     fused_output_layer: bool = False
     output_layer_grads: str = "recompute"
+    logit_transform: bool = False
     backend: Optional[str] = None
     linear_backend: Optional[str] = None
 

@@ -9,6 +9,10 @@ MindSpeed-LLM's ``pretrain_gpt.model_provider`` and its ``loss_func``:
 * the model is MindSpeed-LLM's ``GPTModel``; per-token loss = CE of its logits, their gradient that of
   CE + c*lse^2, at TP=1 x DP=2 and TP=2 with sequence parallelism (float64 references);
 * its MTP head (``--mtp-num-layers 1``) gets plain CE and its gradient;
+* with ``--output-multiplier-scale`` / ``--output-logit-softcapping`` its forward's torch ops on the
+  logits are recorded, not run, and the kernels compute them: CE and gradient (with respect to the
+  logits before the transform) against float64 of its transform; with ``--lm-fused-output-layer``
+  too, where the gradient checked is the hidden states' (no logits are made);
 * MindSpeed-LLM's own ``training_log`` (MoE and dense) prints ``lm_z_loss`` = sum(c*lse^2*mask)/sum(mask) over the
   micro-batches and DP ranks, and writes it to TensorBoard;
 * ``--loss-compute-mode chunk`` at TP=1 fails at validation naming both flags; at TP=2 it is served.
@@ -25,6 +29,9 @@ import sys
 
 import pytest
 import torch
+
+from mindspeed_cez.patches.logit_transform import TransformedLogits
+from mindspeed_cez.patches.output_layer import DeferredLogits
 
 SOURCES = os.environ.get("CEZ_MINDSPEED_LLM_SOURCES")
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -113,28 +120,41 @@ def _worker(rank, world_size, tp, order, extra):
 
     def spy(labels, logits):
         loss = loss_method(labels, logits)
-        # the values now: backward writes the gradient into the logits' buffer
-        call = {"labels": labels, "logits": logits, "values": logits.detach().clone(), "loss": loss}
-        logits.register_hook(lambda g: call.__setitem__("grad", g.detach().clone()))
+        transformed = isinstance(logits, TransformedLogits)  # the scale / soft cap left to the kernels
+        logits = logits.logits if transformed else logits
+        call = {"labels": labels, "logits": logits, "loss": loss, "transformed": transformed}
+        if isinstance(logits, DeferredLogits):  # --lm-fused-output-layer (TP=1): no logits, its inputs
+            call["values"] = logits.hidden.detach().double() @ logits.weight.detach().double().t()
+            call["weight"] = logits.weight.detach().double()
+            logits.hidden.register_hook(lambda g: call.__setitem__("dhidden", g.detach().clone()))
+        else:  # the values now: backward writes the gradient into the logits' buffer
+            call["values"] = logits.detach().clone()
+            logits.register_hook(lambda g: call.__setitem__("grad", g.detach().clone()))
         calls.append(call)
         return loss
 
     model.compute_language_model_loss = spy
     sums = torch.zeros(4, dtype=torch.float64)  # sum(c*lse^2*m), sum(ce*m), sum(m), loss_func's lm loss sum
     identity = lambda x: x  # noqa: E731
+    transform = stand_in._transform(args)  # MindSpeed-LLM's scale and soft cap, in float64
+    transforms = bool(args.output_multiplier_scale or args.output_logit_softcapping)
     mtp_calls = []
     for tokens, labels, loss_mask in batches:
         calls.clear()
         out = model(tokens, position_ids, mask, labels=labels, loss_mask=loss_mask)
         main, mtp_calls = calls[-1], calls[:-1]
         assert main["labels"] is labels and torch.equal(main["loss"], out)
+        assert main["transformed"] == transforms  # its torch ops did not run: the kernels computed them
         assert len(mtp_calls) == (args.mtp_num_layers or 0)
         loss, count, reported = pretrain_gpt.loss_func(loss_mask, out)  # MindSpeed-LLM's own
         (loss / tokens_total).backward()
         weight = loss_mask.t().double() / tokens_total
-        ce, lse, grad = stand_in._reference(main["values"], labels, tp_group, tp_rank, identity, COEFF, weight)
+        ce, lse, grad = stand_in._reference(main["values"], labels, tp_group, tp_rank, transform, COEFF, weight)
         torch.testing.assert_close(out.detach().double(), ce, rtol=1e-5, atol=1e-5)  # the value is CE
-        torch.testing.assert_close(main["grad"].double(), grad, rtol=1e-4, atol=1e-7)  # the gradient has the z-loss
+        if "weight" in main:  # the fused output layer: d(hidden) = d(logits) @ weight
+            torch.testing.assert_close(main["dhidden"].double(), grad @ main["weight"], rtol=1e-4, atol=1e-7)
+        else:
+            torch.testing.assert_close(main["grad"].double(), grad, rtol=1e-4, atol=1e-7)  # the gradient has the z-loss
         m = loss_mask.double()
         sums += torch.stack([(COEFF * lse**2 * m).sum(), (ce * m).sum(), m.sum(), reported["lm loss"][0].double()])
     # in fp32: MindSpeed's torch.distributed.all_reduce wrapper reduces a float64 tensor into a copy
@@ -184,6 +204,11 @@ CASES = {  # a dense model: no MoE report, so the training_log wrapper alone car
     "tp1-dp2, dense, cez first": (1, "cez first", ["dense"]),
     "tp1-dp2, cez imported first, MTP": (1, "cez first", ["--mtp-num-layers", "1"]),
     "tp2sp, cez first, chunk mode (falls back at TP=2)": (2, "cez first", ["--loss-compute-mode", "chunk"]),
+    # Grok-1's multiplier, and a soft cap small enough to bend these logits (Gemma-2 uses 30)
+    "tp2sp, cez first, scaled and soft-capped logits": (
+        2, "cez first", ["--output-multiplier-scale", "0.5773502691896257", "--output-logit-softcapping", "2"]),
+    "tp1-dp2, cez last, soft-capped, fused output layer": (
+        1, "cez last", ["--output-logit-softcapping", "2", "--lm-fused-output-layer"]),
 }
 
 

@@ -6,13 +6,18 @@ In real gloo processes, with ``import mindspeed_cez.megatron_adaptor`` before or
 features list anew), MindSpeed-LLM's own ``GPTModel`` forward and its own ``train`` /
 ``training_log`` must give, against float64 references from the model's logits:
 
-* per-token loss = CE of the scaled and soft-capped logits, their gradient that of CE + c*lse^2;
+* per-token loss = CE of the scaled and soft-capped logits, their gradient (before the transform)
+  that of CE + c*lse^2;
 * ``lm_z_loss`` in MindSpeed-LLM's log line and TensorBoard, weighted by the loss mask its forward
   receives, over both micro-batches and the DP ranks; the MTP head's loss plain CE, not counted;
 * ``--loss-compute-mode chunk`` at TP=1 and ``--is-instruction-dataset`` refused naming both
   flags; chunk mode at TP=2 (MindSpeed-LLM falls back to the regular loss there) served;
 * ``--lm-fused-output-layer``: its forward's output layer makes no logits, outputs, gradients and
-  ``lm_z_loss`` as the unfused op's; refused with the flags that change the logits.
+  ``lm_z_loss`` as the unfused op's;
+* its scaling and soft cap of the logits are recorded, not run by its torch ops, and computed in the
+  kernels, with and without ``--lm-fused-output-layer``: the same outputs, gradients and
+  ``lm_z_loss`` as its own torch ops followed by the unfused op;
+* ``python -m mindspeed_cez.launch`` runs a stand-in of its ``pretrain_gpt.py`` unchanged.
 """
 
 import os
@@ -27,6 +32,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
 import test_adaptor_gpt as gpt  # noqa: E402
 from support import run_on_ranks  # noqa: E402
+from mindspeed_cez.patches.logit_transform import TransformedLogits  # noqa: E402
 
 STAND_INS = os.path.join(TESTS, "stand_ins")
 COEFF = 3e-2
@@ -103,7 +109,9 @@ def _train_worker(rank, world_size, tp, order, coeff, extra):
 
     def keep_logits(module, inputs, output):
         logits = output[0]
-        heads.append({"logits": logits.detach().clone(), "live": logits})
+        transformed = isinstance(logits, TransformedLogits)  # its torch ops are not run: the kernels do it
+        logits = logits.logits if transformed else logits
+        heads.append({"logits": logits.detach().clone(), "live": logits, "transformed": transformed})
         logits.register_hook(lambda g, entry=heads[-1]: entry.__setitem__("grad", g.detach().clone()))
 
     hooks = [model.output_layer.register_forward_hook(keep_logits),
@@ -119,6 +127,7 @@ def _train_worker(rank, world_size, tp, order, coeff, extra):
     sums = torch.zeros(4, dtype=torch.float64)  # sum(c*lse^2*m), sum(ce*m), sum(m), MTP-counted
     for i, (_, labels, loss_mask) in enumerate(batches):
         main = heads[per_mb * i + per_mb - 1]
+        assert main["transformed"] == bool(coeff and (args.output_multiplier_scale or args.output_logit_softcapping))
         weight = loss_mask.t().double() / tokens_total
         ce, lse, grad = _reference(main["logits"], labels, tp_group, tp_rank, transform, coeff, weight)
         torch.testing.assert_close(outputs[i].double(), ce, rtol=1e-5, atol=1e-5)  # the value is CE
@@ -170,15 +179,23 @@ def test_mindspeed_llm_model_and_loop(case):
     run_on_ranks(2, _train_worker, tp, order, coeff, extra, timeout=600)
 
 
-def _fused_output_layer_worker(rank, world_size, tp):
+def _kind(logits):
+    return (type(logits).__name__, *([type(logits.logits).__name__] if isinstance(logits, TransformedLogits) else []))
+
+
+def _fused_output_layer_worker(rank, world_size, tp, transform):
     """MindSpeed-LLM's forward and loop with ``--lm-fused-output-layer``: no logits made, and the
-    same outputs, parameter gradients and ``lm_z_loss`` as the unfused op's run of the same model."""
+    same outputs, parameter gradients and ``lm_z_loss`` as the unfused op's run of the same model.
+    With ``transform`` (its scaling and soft cap of the logits), both runs compute them in the kernels
+    and equal a third: MindSpeed-LLM's own torch ops on the logits, then the unfused op."""
+    import dataclasses
+
     from megatron.core import parallel_state as ps
 
     _import_adaptors("cez first")
     from mindspeed_llm.training import arguments, training
 
-    from mindspeed_cez.patches.output_layer import DeferredLogits
+    from mindspeed_cez.patches import settings as cez_settings
 
     model = gpt._setup(tp)
     model.train()
@@ -187,12 +204,15 @@ def _fused_output_layer_worker(rank, world_size, tp):
     mask = gpt.shims.causal_attention_mask(gpt.SEQ)
     base = [f"--tensor-model-parallel-size={tp}", f"--num-layers={gpt.LAYERS}", "--num-micro-batches=2",
             "--num-experts=4", "--lm-z-loss-coeff", str(COEFF)] + (["--sequence-parallel"] if tp > 1 else [])
+    base += TRANSFORM if transform else []
 
-    def run(extra):
+    def run(extra, torch_transform=False):
         arguments.parse_args(base + extra)
+        if torch_transform:  # the reference: MindSpeed-LLM's own ops on the logits
+            cez_settings.set_active(dataclasses.replace(cez_settings.get_active(), logit_transform=False))
         model.zero_grad(set_to_none=True)
         kinds, outputs = [], []
-        hooks = [model.output_layer.register_forward_hook(lambda m, i, o: kinds.append(type(o[0]))),
+        hooks = [model.output_layer.register_forward_hook(lambda m, i, o: kinds.append(_kind(o[0]))),
                  model.register_forward_hook(lambda m, i, o: outputs.append(o.detach().clone()))]
         training.LOG_LINES.clear()
         training.train(model, [[(t, lab, m, position_ids, mask) for t, lab, m in batches]])
@@ -202,21 +222,32 @@ def _fused_output_layer_worker(rank, world_size, tp):
         logged = dict(re.findall(r" ([\w ]+): ([0-9.E+-]+) \|", training.LOG_LINES[-1]))
         return kinds, outputs, grads, {k: float(v) for k, v in logged.items()}
 
-    kinds_u, out_u, grads_u, log_u = run([])
-    kinds_f, out_f, grads_f, log_f = run(["--lm-fused-output-layer"])
-    assert kinds_f == [DeferredLogits] * len(batches) and DeferredLogits not in kinds_u, (kinds_f, kinds_u)
-    for a, b in zip(out_f, out_u):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert grads_f.keys() == grads_u.keys()
-    for name in grads_f:
-        torch.testing.assert_close(grads_f[name], grads_u[name], rtol=1e-4, atol=1e-6, msg=name)
-    for key in ("lm loss", "lm_z_loss"):
-        assert log_f[key] == pytest.approx(log_u[key], rel=1e-5), (key, log_f, log_u)
+    runs = {"unfused": run([]), "fused": run(["--lm-fused-output-layer"])}
+    wrap = ("TransformedLogits",) if transform else ()
+    assert runs["fused"][0] == [(*wrap, "DeferredLogits")] * len(batches), runs["fused"][0]
+    assert runs["unfused"][0] == [(*wrap, "Tensor")] * len(batches), runs["unfused"][0]
+    if transform:
+        runs["torch ops"] = run([], torch_transform=True)
+        assert runs["torch ops"][0] == [("Tensor",)] * len(batches)
+    _, out_u, grads_u, log_u = runs.pop("unfused")
+    for name, (_, out, grads, log) in runs.items():
+        for a, b in zip(out, out_u):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+        assert grads.keys() == grads_u.keys()
+        for param in grads:
+            torch.testing.assert_close(grads[param], grads_u[param], rtol=1e-4, atol=1e-6, msg=f"{name}: {param}")
+        for key in ("lm loss", "lm_z_loss"):
+            assert log[key] == pytest.approx(log_u[key], rel=1e-5), (name, key, log, log_u)
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1-dp2", "tp2sp"])
-def test_mindspeed_llm_fused_output_layer(tp):
-    run_on_ranks(2, _fused_output_layer_worker, tp, timeout=600)
+# Grok-1's multiplier (as its MindSpeed-LLM script sets it) and a cap small enough to bend the logits
+TRANSFORM = ["--output-multiplier-scale=0.5773502691896257", "--output-logit-softcapping=2"]
+
+
+@pytest.mark.parametrize("tp,transform", [(1, False), (2, False), (1, True), (2, True)],
+                         ids=["tp1-dp2", "tp2sp", "tp1-dp2, scaled and soft-capped", "tp2sp, scaled and soft-capped"])
+def test_mindspeed_llm_fused_output_layer(tp, transform):
+    run_on_ranks(2, _fused_output_layer_worker, tp, transform, timeout=600)
 
 
 def _refusal_worker(rank, world_size, order):
@@ -229,10 +260,14 @@ def _refusal_worker(rank, world_size, order):
     args = arguments.parse_args(["--loss-compute-mode", "chunk", "--tensor-model-parallel-size", "2", "--lm-z-loss-coeff", "1e-4"])
     assert args.lm_z_loss_coeff == 1e-4
     arguments.parse_args(["--loss-compute-mode", "chunk"])  # without the flag: MindSpeed-LLM's own chunk loss
+    from mindspeed_cez.patches import active_settings
+
     for extra in (["--output-multiplier-scale", "0.5"], ["--output-logit-softcapping", "30"]):
-        with pytest.raises(ValueError, match=f"--lm-fused-output-layer and MindSpeed-LLM's {extra[0]}"):
-            arguments.parse_args(["--lm-fused-output-layer", *extra])
-        arguments.parse_args(["--lm-z-loss-coeff", "1e-4", *extra])  # the loss alone serves them
+        for flags in (["--lm-fused-output-layer"], ["--lm-z-loss-coeff", "1e-4"]):  # served, in the kernels
+            arguments.parse_args([*flags, *extra])
+            assert active_settings().logit_transform
+    arguments.parse_args(["--lm-z-loss-coeff", "1e-4"])
+    assert not active_settings().logit_transform
 
 
 @pytest.mark.parametrize("order", ["cez first", "cez last"])

@@ -1,0 +1,50 @@
+"""``TransformedLogits`` records MindSpeed-LLM's scaling and soft cap of the logits for the kernels
+(``x * s``, then ``x / C``, ``torch.tanh``, ``x * C``) and refuses every other use, naming the flags."""
+
+import pytest
+import torch
+
+from mindspeed_cez.patches.logit_transform import LogitTransformError, TransformedLogits
+
+
+def _as_mindspeed_llm_does(logits, scale, cap):
+    """MindSpeed-LLM's GPTModel forward (master, gpt_model.py): the same statements, in order."""
+    if scale:
+        logits = logits * scale
+    if cap:
+        logits = logits / cap
+        logits = torch.tanh(logits)
+        logits = logits * cap
+    return logits
+
+
+@pytest.mark.parametrize("scale,cap", [(None, None), (0.5773502691896257, None), (None, 30.0), (0.5, 3.0)])
+def test_records_the_transform_and_computes_nothing(scale, cap):
+    x = torch.randn(3, 4)
+    recorded = _as_mindspeed_llm_does(TransformedLogits(x), scale, cap)
+    assert isinstance(recorded, TransformedLogits) and recorded.logits is x
+    assert recorded.transform() == (scale or 1.0, cap or 0.0)
+    s, c = recorded.transform()  # what the kernels compute from them: MindSpeed-LLM's numbers
+    z = c * torch.tanh(s * x.double() / c) if c else s * x.double()
+    torch.testing.assert_close(z, _as_mindspeed_llm_does(x.double(), scale, cap))
+
+
+@pytest.mark.parametrize("use", [
+    lambda t: t * torch.ones(()),  # a tensor factor
+    lambda t: t + 1.0,
+    lambda t: torch.exp(t),
+    lambda t: t.shape,
+    lambda t: t.float(),
+    lambda t: torch.tanh(t),  # no division by the cap first
+    lambda t: torch.tanh(t / 3.0) * 2.0,  # closed by another number
+    lambda t: torch.tanh(t / 3.0) * 3.0 * 0.5,  # a scale after the cap
+], ids=["tensor factor", "add", "exp", "attribute", "method", "bare tanh", "other cap", "scale after cap"])
+def test_any_other_use_fails_naming_the_flags(use):
+    with pytest.raises((LogitTransformError, TypeError), match="output-multiplier-scale|unsupported operand"):
+        use(TransformedLogits(torch.randn(2, 2)))
+
+
+def test_an_unfinished_cap_is_refused_at_the_loss():
+    for partial in (lambda t: t / 3.0, lambda t: torch.tanh(t / 3.0)):
+        with pytest.raises(LogitTransformError, match="unfinished soft cap"):
+            partial(TransformedLogits(torch.randn(2, 2))).transform()
