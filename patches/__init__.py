@@ -130,7 +130,7 @@ def install_patches():
 
 
 def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
-          output_layer_grads="recompute", backend=None, linear_backend=None):
+          output_layer_grads="recompute", logit_transform=None, backend=None, linear_backend=None):
     """Use the fused op for Megatron's LM loss: per token, the gradient of ``CE + z_loss_coeff * lse**2``
     and the value of the CE (Megatron's convention for auxiliary losses: ``lm loss`` stays CE).
 
@@ -144,6 +144,8 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
             :func:`mindspeed_cez.linear_cross_entropy_zloss` (no logits tensor), see :mod:`.output_layer`.
         output_layer_grads: the op's ``grads``: ``"recompute"`` or ``"forward"`` (gradients during the
             forward, with the loss mask as the op's ``token_weights``).
+        logit_transform: compute MindSpeed-LLM's scaling / soft cap of the logits in the kernels
+            (:mod:`.logit_transform`); None: where Megatron's parsed arguments have those flags set.
         backend, linear_backend: the ops' ``backend`` / ``linear_backend`` (None: automatic per device).
 
     Runs the startup checks of the flag path (MindSpeed-LLM's modes that bypass the fused kernel,
@@ -152,9 +154,13 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
 
     Returns the active :class:`Settings`. Idempotent: a second call only replaces the settings.
     """
+    if logit_transform is None:
+        args = megatron_args()
+        logit_transform = args is not None and mindspeed_llm.transforms_logits(args)
     settings = Settings(z_loss_coeff=float(z_loss_coeff), label_smoothing=label_smoothing,
                         log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer),
-                        output_layer_grads=output_layer_grads, backend=backend, linear_backend=linear_backend)
+                        output_layer_grads=output_layer_grads, logit_transform=bool(logit_transform),
+                        backend=backend, linear_backend=linear_backend)
     _check_megatron_args(settings)
     return activate(settings)
 

@@ -212,6 +212,7 @@ def compute_language_model_loss_wrapper(fn):
         target = labels.transpose(0, 1).contiguous()
         tp_group = _module_tp_group(self)
         scale, cap = 1.0, 0.0
+        handed_out = isinstance(logits, (TransformedLogits, _output_layer.DeferredLogits))  # by the output layer's patch
         if isinstance(logits, TransformedLogits):  # MindSpeed-LLM's scaling / soft cap, in the kernels
             if not is_main:
                 raise LogitTransformError("mindspeed_cez: an MTP head's loss got the main head's transformed logits")
@@ -229,7 +230,7 @@ def compute_language_model_loss_wrapper(fn):
                 logit_scale=scale, logit_softcap=cap)
             loss = ce_value_with_z_loss_gradient(loss, z_loss, coeff)
         else:
-            if is_main and _output_layer.expects_deferred():
+            if is_main and not handed_out and _output_layer.expects_deferred():
                 raise _output_layer.FusedOutputLayerError(
                     f"mindspeed_cez ({_output_layer.FLAG} or the logit transform): the LM loss got a tensor, not the "
                     f"output layer call the adaptor handed out (output layer {type(getattr(self, 'output_layer', None)).__name__}); "

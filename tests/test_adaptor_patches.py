@@ -258,8 +258,11 @@ def test_apply_runs_the_startup_checks_on_megatron_args(megatron_args):
     with pytest.raises(ValueError, match="--is-instruction-dataset"):
         patches.apply(z_loss_coeff=1e-4)
     megatron_args(output_logit_softcapping=30.0)
-    patches.apply(z_loss_coeff=1e-4)  # the loss alone serves it
-    with pytest.raises(ValueError, match=r"apply\(fused_output_layer=True\) and MindSpeed-LLM's --output-logit-softcapping"):
+    assert patches.apply(z_loss_coeff=1e-4).logit_transform  # served: the soft cap in the kernels
+    assert patches.apply(z_loss_coeff=1e-4, fused_output_layer=True).logit_transform
+    assert not patches.apply(z_loss_coeff=1e-4, logit_transform=False).logit_transform
+    megatron_args(add_output_layer_bias=True)
+    with pytest.raises(ValueError, match=r"apply\(fused_output_layer=True\) and MindSpeed-LLM's --add-output-layer-bias"):
         patches.apply(z_loss_coeff=1e-4, fused_output_layer=True)
     megatron_args(loss_compute_mode="chunk", tensor_model_parallel_size=2)  # chunk mode at TP>1: served
     assert patches.apply(z_loss_coeff=1e-4).z_loss_coeff == 1e-4
