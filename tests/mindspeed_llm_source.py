@@ -72,6 +72,19 @@ def load(megatron_src, mindspeed_src, mindspeed_llm_src):
     torch.npu = _StubModule("torch.npu")
 
 
+def pretrain_gpt(mindspeed_llm_src):
+    """MindSpeed-LLM's ``pretrain_gpt.py`` as the module ``pretrain_gpt``, loaded from its tree by path
+    (``examples/pretrain_gpt.py`` has the same name and may come first on ``sys.path`` in a test)."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(mindspeed_llm_src, "pretrain_gpt.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["pretrain_gpt"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 class CudaTensorsOnCpu(types.ModuleType):
     """``torch`` for a module that makes its logging tensors with ``device='cuda'`` (MindSpeed-LLM's
     ``training_log``; ``torch_npu.contrib.transfer_to_npu`` maps that to the NPU): here, the CPU."""

@@ -30,9 +30,6 @@ import sys
 import pytest
 import torch
 
-from mindspeed_cez.patches.logit_transform import TransformedLogits
-from mindspeed_cez.patches.output_layer import DeferredLogits
-
 SOURCES = os.environ.get("CEZ_MINDSPEED_LLM_SOURCES")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
@@ -96,13 +93,16 @@ def _worker(rank, world_size, tp, order, extra):
     from megatron.training import global_vars
 
     import mindspeed_llm_source as source
+    from mindspeed_cez.patches.logit_transform import TransformedLogits
+    from mindspeed_cez.patches.output_layer import DeferredLogits
 
     args.padded_vocab_size = VOCAB  # what the tokenizer would set
     global_vars.set_global_variables(args, build_tokenizer=False)
     gpt.shims.apply(force=True)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     import mindspeed_llm.core.models.gpt.gpt_model as llm_gpt
-    import pretrain_gpt
+
+    pretrain_gpt = source.pretrain_gpt(SOURCES.split(os.pathsep)[2])
 
     torch.manual_seed(1234)
     model = pretrain_gpt.model_provider(pre_process=True, post_process=True)
@@ -162,7 +162,7 @@ def _worker(rank, world_size, tp, order, extra):
     reduced = sums[:3].float()
     torch.distributed.all_reduce(reduced, group=dp_group)
     sums[:3] = reduced.double()
-    assert float(sums[3]) == pytest.approx(float(sums[1]), rel=1e-5)  # loss_func's lm loss is CE
+    assert float(sums[3]) == pytest.approx(float(sums[1]), rel=1e-5), (float(sums[3]), float(sums[1]))  # loss_func's lm loss is CE
 
     # MindSpeed-LLM's own training_log, as its train() calls it after a step
     from mindspeed_llm.training import training as llm_training
