@@ -22,6 +22,12 @@ def default_chunk_cols(n_rows, n_cols):
     return min(n_cols, max(1024, min(4096, CHUNK_LOGITS // max(n_rows, 1))))
 
 
+def chunk_width(chunk_cols, n_rows, n_cols):
+    """The vocab rows per chunk for a ``chunk_cols`` setting (None: :func:`default_chunk_cols`),
+    never more than ``n_cols``."""
+    return min(chunk_cols, n_cols) if chunk_cols else default_chunk_cols(n_rows, n_cols)
+
+
 def merge_chunks(parts):
     """``[k, 4, n]`` partials of ``k`` vocab chunks -> ``[4, n]`` (``shard_partials``'s layout): the
     softmax merged across chunks as the TP path merges ranks, once after the last chunk (a merge
@@ -43,7 +49,7 @@ def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_inde
     beyond one chunk of logits: 16 bytes per token and chunk."""
     backend = ce_backend or backend_for(rows.device)
     n_rows, n_cols = rows.shape[0], weight.shape[0]
-    step = chunk_cols or default_chunk_cols(n_rows, n_cols)
+    step = chunk_width(chunk_cols, n_rows, n_cols)
     parts = [backend.shard_partials(rows @ weight[c:c + step].t(), target, vocab_start + c, global_vocab,
                                     ignore_index, label_smoothing, logit_scale=logit_scale, logit_softcap=logit_softcap)
              for c in range(0, n_cols, step)]

@@ -145,7 +145,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         dweight = None if into_main_grad else torch.empty_like(weight)
         drows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
         n, v_local = rows.shape[0], weight.shape[0]
-        step = min(chunk_cols, v_local) if chunk_cols else chunked_linear.default_chunk_cols(n, v_local)
+        step = chunked_linear.chunk_width(chunk_cols, n, v_local)
         chunk = rows.new_empty((rows.shape[0], step))
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
