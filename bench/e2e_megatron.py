@@ -82,10 +82,17 @@ VARIANTS = {
     "te": (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"], {}),
     "z_by_hand": ([], {"CEZ_BENCH_HAND_Z": str(Z_COEFF)}),
     "cez": (["--lm-z-loss-coeff", str(Z_COEFF)], {}),
-    # --lm-fused-output-layer: output layer + loss as one op (logits recomputed / grads in forward)
+    # --lm-fused-output-layer: output layer + loss as one op (default: grads in forward; logits recomputed)
     "cez_fol": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-fused-output-layer"], {}),
-    "cez_fol_fwd": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-fused-output-layer", "forward"], {}),
+    "cez_fol_recompute": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-fused-output-layer", "recompute"], {}),
 }
+# MindSpeed-LLM's logit transforms (bench/pretrain_gpt_bench.py): Grok-1's --output-multiplier-scale
+# and Gemma-2's --output-logit-softcapping, as its GPTModel's torch ops before the unfused op
+# ("_torch"), or in the kernels (the unfused op: "cez_"; the fused output layer: "cez_fol_")
+for _name, _transform in (("grok", "scale=0.5773502691896257"), ("softcap", "softcap=30")):
+    for _where, _args in (("cez", VARIANTS["cez"][0]), ("cez_fol", VARIANTS["cez_fol"][0])):
+        VARIANTS[f"{_where}_{_name}"] = (_args, {"CEZ_BENCH_LOGITS": _transform, "CEZ_BENCH_LOGITS_IN": "kernel"})
+    VARIANTS[f"cez_{_name}_torch"] = (VARIANTS["cez"][0], {"CEZ_BENCH_LOGITS": _transform, "CEZ_BENCH_LOGITS_IN": "torch"})
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")
 

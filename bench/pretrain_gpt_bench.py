@@ -8,6 +8,11 @@ Two additions, for measuring only:
   in torch (one rank holds the whole vocab: TP=1 only);
 * ``CEZ_BENCH_ATTENTION=sdpa``: Megatron's local core attention on torch's SDPA
   (``bench/sdpa_attention.py``: flash kernels, as a Transformer Engine run would have);
+* ``CEZ_BENCH_LOGITS=scale=S`` / ``softcap=C`` (``CEZ_BENCH_LOGITS_IN=torch|kernel``): MindSpeed-LLM's
+  ``--output-multiplier-scale`` / ``--output-logit-softcapping`` (Grok-1, Gemma-2), which Megatron's
+  GPTModel lacks: the same torch ops on the main head's logits as MindSpeed-LLM's GPTModel
+  (``logits * s``; ``logits / C``, ``tanh``, ``* C``), before the unfused op (``torch``) or recorded
+  by the adaptor for its kernels (``kernel``, as it serves MindSpeed-LLM);
 * at exit, one line ``CEZ_BENCH peak_allocated_bytes=N`` (``torch.cuda.max_memory_allocated``).
 """
 
@@ -35,6 +40,39 @@ def _z_loss_by_hand(coeff):
     LanguageModule.compute_language_model_loss = compute_language_model_loss
 
 
+def _mindspeed_llm_logits(spec, in_kernel):
+    """The main head's output layer followed by MindSpeed-LLM's torch ops (``spec``: ``scale=S`` or
+    ``softcap=C``); ``in_kernel``: the adaptor is told, as by MindSpeed-LLM's flags."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from mindspeed_cez.patches import mindspeed_llm
+
+    kind, value = spec.split("=")
+    value = float(value)
+    init = GPTModel.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        layer = getattr(self, "output_layer", None)
+        if layer is None:
+            return
+
+        def forward(*a, **k):  # the class's forward at call time: the adaptor's patch included
+            logits, bias = type(layer).forward(layer, *a, **k)
+            if kind == "scale":
+                logits = logits * value
+            else:
+                logits = logits / value
+                logits = torch.tanh(logits)
+                logits = logits * value
+            return logits, bias
+
+        layer.forward = forward
+
+    GPTModel.__init__ = __init__
+    mindspeed_llm.transforms_logits = lambda args: in_kernel  # MindSpeed-LLM's flags, as the adaptor reads them
+
+
 def _report_peak_memory():
     if torch.cuda.is_available():
         print(f"CEZ_BENCH peak_allocated_bytes={torch.cuda.max_memory_allocated()}", flush=True)
@@ -47,6 +85,8 @@ if __name__ == "__main__":
         import sdpa_attention
 
         sdpa_attention.use_sdpa()
+    if os.environ.get("CEZ_BENCH_LOGITS"):
+        _mindspeed_llm_logits(os.environ["CEZ_BENCH_LOGITS"], os.environ.get("CEZ_BENCH_LOGITS_IN") == "kernel")
     atexit.register(_report_peak_memory)
     from mindspeed_cez import launch
 

@@ -61,13 +61,14 @@ def add_lm_z_loss_args(parser):
         help="Also log the mean log-sum-exp of the logits as lm_lse (taken from the fused kernel, no extra pass).",
     )
     group.add_argument(
-        FLAG_OUTPUT_LAYER, nargs="?", const="recompute", default=None, choices=OUTPUT_LAYER_GRADS,
+        FLAG_OUTPUT_LAYER, nargs="?", const="forward", default=None, choices=OUTPUT_LAYER_GRADS,
         dest="lm_fused_output_layer",
         help="Compute the GPT output layer and the LM loss (CE + z-loss) as one fused op, without the "
              "logits tensor (labels given: training and validation; logits are still made without labels). "
-             "'recompute' (default): backward recomputes the logits in chunks (4 GEMMs, least memory); "
-             "'forward': the gradients are made during the forward with the loss mask (3 GEMMs, the "
-             "output weight's gradient held in fp32 from forward to backward).",
+             "'forward' (default): the gradients are made during the forward, blocks of 1/8 of the tokens, "
+             "for the upstream gradient Megatron's schedule gives the loss mask (3 GEMMs; the weight's "
+             "gradient added into its main_grad); 'recompute': backward recomputes the logits in vocab "
+             "chunks (4 GEMMs; any upstream gradient).",
     )
     return parser
 
@@ -151,7 +152,7 @@ def settings_from_args(args):
         log_lse=bool(getattr(args, "lm_z_loss_log_lse", False)),
         fused_output_layer=bool(getattr(args, "lm_fused_output_layer", None)),
         output_layer_grads=(getattr(args, "lm_fused_output_layer", None) if
-                            getattr(args, "lm_fused_output_layer", None) in OUTPUT_LAYER_GRADS else "recompute"),
+                            getattr(args, "lm_fused_output_layer", None) in OUTPUT_LAYER_GRADS else "forward"),
         logit_transform=mindspeed_llm.transforms_logits(args),
         **backends_from_environment(),
     )

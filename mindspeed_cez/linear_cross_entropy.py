@@ -21,6 +21,8 @@ rank's sequence chunk, are all-gathered along the sequence in forward, and ``dhi
 reduce-scattered back; without it every rank holds all of ``hidden`` and ``dhidden`` is all-reduced.
 """
 
+import math
+
 import torch
 
 from mindspeed_cez import kernels
@@ -163,27 +165,40 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         return dhidden, dweight, *(None,) * 11
 
 
+ROW_BLOCK_MIN, ROW_BLOCK_MAX = 1024, 4096
+
+
 def default_row_block(n_rows, v_local):
-    """Token rows per block of the gradients-in-forward path: 4096, the H100 sweep's best trade of
-    time for memory (bench/results/2026-11-24_h100/linear_ce_row_blocks.md): each block adds one
-    read and write of the fp32 ``dweight``, which blocks of ~441 rows (2**26 logits at V=151936)
-    made 1.84x the unfused path's time."""
-    return min(n_rows, 4096)
+    """Token rows per block of the gradients-in-forward path: an eighth of the tokens (a block's
+    logits are 1/8 of the logits), a power of two in [1024, 4096]. Each block reads and writes the
+    fp32 ``dweight`` once (``8 V h`` bytes against ``2 rows V h`` FLOPs), which below ~1024 rows
+    outweighs the GEMM on an H100; above 4096 the block's logits grow for < 4 % of time
+    (bench/results/2026-11-24_h100/linear_ce_row_blocks.md, 2026-11-25_h100/fused_layer/)."""
+    eighth = max(n_rows // 8, 1)
+    return min(n_rows, max(ROW_BLOCK_MIN, min(ROW_BLOCK_MAX, 1 << (eighth.bit_length() - 1))))
 
 
 class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
     """Gradients made during the forward, three GEMMs in all (no recomputation): blocks of token
-    rows with their whole vocab slice, each turned into its gradient for a unit upstream gradient.
-    ``dhidden`` per token is kept unscaled (exact for any upstream gradient); ``dweight`` is summed
-    with ``token_weights`` and scaled in backward by ``k = sum(g*w) / sum(w*w)``, exact when the
-    upstream gradient is ``k * token_weights`` on every token not ignored (Megatron's
-    ``loss * loss_mask / num_tokens``);
-    anything else trips a device-side assert in backward (no host sync), never a silent number.
-    Memory: ``dweight`` in fp32 and ``dhidden`` in fp32 live from forward to backward."""
+    rows with their whole vocab slice, each turned into its gradient in place.
+
+    With ``grad_scale`` the upstream gradient is known in forward: ``grad_scale * token_weights``
+    (Megatron's loss scale over its token count); each block's gradient is made for it, ``dhidden``
+    in the input's dtype exactly as the unfused path makes it, and ``dweight`` added straight into
+    ``weight.main_grad`` (``gradient_accumulation_fusion``; else an fp32 buffer until backward).
+    Backward checks on the device that the gradient that came is that one.
+
+    Without it, the upstream gradient must be ``k * token_weights`` with one unknown scalar ``k``:
+    blocks are made for a unit gradient, ``dhidden`` kept in fp32 and scaled per token in backward,
+    ``dweight`` summed in fp32 with ``token_weights`` and scaled by
+    ``k = sum(g*w) / sum(w*w)`` in backward.
+
+    Either way anything else trips a device-side assert in backward (no host sync), never a silent
+    number; and a forward that adds into ``main_grad`` must be followed by its backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, token_weights, z_loss_coeff, label_smoothing, ignore_index, tp_group,
-                sequence_parallel, gradient_accumulation_fusion, backend, row_block, transform):
+    def forward(ctx, hidden, weight, target, token_weights, grad_scale, z_loss_coeff, label_smoothing, ignore_index,
+                tp_group, sequence_parallel, gradient_accumulation_fusion, backend, row_block, transform):
         rank, tp_size = group_rank_and_size(tp_group)
         full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = full.reshape(-1, full.shape[-1])
@@ -192,59 +207,94 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         n, v_local = rows.shape[0], weight.shape[0]
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
         _check_target_range(flat_target, global_vocab, ignore_index, backend)
+        known = grad_scale is not None
+        upstream = weights * grad_scale if known else torch.ones(n, dtype=torch.float32, device=rows.device)
+        into_main_grad = known and gradient_accumulation_fusion and hasattr(weight, "main_grad")
         out = torch.empty((3, n), dtype=torch.float32, device=rows.device)
-        drows = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
-        dweight = torch.zeros(weight.shape, dtype=torch.float32, device=rows.device)
-        unit = torch.ones(n, dtype=torch.float32, device=rows.device)
+        drows = torch.empty(rows.shape, dtype=rows.dtype if known else torch.float32, device=rows.device)
+        dweight = weight.main_grad if into_main_grad else torch.zeros(weight.shape, dtype=torch.float32,
+                                                                      device=rows.device)
         step = row_block or default_row_block(n, v_local)
+        block = rows.new_empty((min(step, n), v_local))  # one block's logits, then their gradient
         for r in range(0, n, step):
             x, t = rows[r:r + step], flat_target[r:r + step]
-            logits = x @ weight.t()
+            logits = block[:x.shape[0]]
+            torch.matmul(x, weight.t(), out=logits)
             stats = backend.shard_partials(logits, t, vocab_start, global_vocab, ignore_index, label_smoothing,
                                            **transform)
             out[:, r:r + step] = merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size)
-            backend.write_grad(logits, logits, t, out[2, r:r + step], unit[r:r + step], ignore_index, vocab_start,
+            backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], ignore_index, vocab_start,
                                z_loss_coeff, label_smoothing, global_vocab, **transform)
-            drows[r:r + step] = 0
-            _accumulate_mm(drows[r:r + step], logits, weight)
-            _accumulate_mm(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
+            if known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
+                torch.matmul(logits, weight, out=drows[r:r + step])
+                _accumulate_mm(dweight, logits.t(), x)
+            else:
+                drows[r:r + step] = 0
+                _accumulate_mm(drows[r:r + step], logits, weight)
+                _accumulate_mm(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
-        ctx.save_for_backward(drows, dweight, weights, weight, flat_target != ignore_index)
-        ctx.settings = (tp_group, tp_size, sequence_parallel, gradient_accumulation_fusion, full.shape, hidden.dtype)
+        ctx.save_for_backward(drows, None if into_main_grad else dweight, weights, upstream, weight,
+                              flat_target != ignore_index)
+        ctx.settings = (known, into_main_grad, tp_group, tp_size, sequence_parallel, gradient_accumulation_fusion,
+                        full.shape, hidden.dtype)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
         return loss, z_loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
-        drows, dweight_sum, weights, weight, counted = ctx.saved_tensors
-        tp_group, tp_size, sequence_parallel, accumulate, full_shape, dtype = ctx.settings
+        drows, dweight_sum, weights, upstream, weight, counted = ctx.saved_tensors
+        known, into_main_grad, tp_group, tp_size, sequence_parallel, accumulate, full_shape, dtype = ctx.settings
         if grad_loss is None:
-            return (None,) * 13
+            return (None,) * 14
         g = grad_loss.reshape(-1).float()
-        k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
-        proportional = ((g - k * weights).abs() <= 1e-3 * (k * weights).abs() + 1e-30) | ~counted  # ignored: any g
-        torch._assert_async(proportional.all(),
-                            "linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w")
-        dhidden = reduce_dhidden((drows * g[:, None]).to(dtype).view(full_shape), tp_group, tp_size, sequence_parallel)
-        dweight_sum.mul_(k)
+        if known:
+            expected = upstream
+            message = "linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights"
+        else:
+            k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
+            expected = k * weights
+            message = "linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w"
+        matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
+        torch._assert_async(matches.all(), message)
+        drows = drows.view(full_shape) if known else (drows * g[:, None]).to(dtype).view(full_shape)
+        dhidden = reduce_dhidden(drows, tp_group, tp_size, sequence_parallel)
+        if into_main_grad:
+            return dhidden, _main_grad_placeholder(weight), *(None,) * 12
+        if not known:
+            dweight_sum.mul_(k)
         if accumulate and hasattr(weight, "main_grad"):
             weight.main_grad.add_(dweight_sum)
             dweight = _main_grad_placeholder(weight)
         else:
             dweight = dweight_sum.to(weight.dtype)
-        return dhidden, dweight, *(None,) * 11
+        return dhidden, dweight, *(None,) * 12
 
 
 GRADS = ("recompute", "forward")
 
 
-def _check_settings(target, token_weights, grads, chunk_cols, row_block):
+def _check_grad_scale(grad_scale, target):
+    if grad_scale is None:
+        return
+    if isinstance(grad_scale, torch.Tensor):
+        if grad_scale.numel() != 1 or grad_scale.is_complex() or grad_scale.dtype == torch.bool:
+            raise ValueError(f"grad_scale must be a real scalar (a float or a one-element tensor), got a "
+                             f"{grad_scale.dtype} tensor of shape {tuple(grad_scale.shape)}")
+        if grad_scale.device != target.device:
+            raise ValueError(f"grad_scale ({grad_scale.device}) and target ({target.device}) are on different devices")
+    elif isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not math.isfinite(grad_scale):
+        raise ValueError(f"grad_scale must be a finite float or a one-element tensor, got {grad_scale!r}")
+
+
+def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block):
     if grads not in GRADS:
         raise ValueError(f"grads must be one of {GRADS}, got {grads!r}")
-    if grads == "recompute" and token_weights is not None:
-        raise ValueError("token_weights are the weights of the gradients made during the forward: pass "
-                         "grads='forward' with them, or leave them out for grads='recompute'")
+    if grads == "recompute" and (token_weights is not None or grad_scale is not None):
+        name = "token_weights" if token_weights is not None else "grad_scale"
+        raise ValueError(f"{name}: token_weights (and grad_scale) are the weights of the gradients made during the "
+                         "forward: pass grads='forward' with them, or leave them out for grads='recompute'")
+    _check_grad_scale(grad_scale, target)
     if grads == "forward":
         if token_weights is None:
             raise ValueError("grads='forward' needs token_weights (Megatron: the loss mask), a tensor of "
@@ -262,14 +312,14 @@ def _check_settings(target, token_weights, grads, chunk_cols, row_block):
 
 def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0,
                                         ignore_index=-100, tp_group=None, sequence_parallel=False,
-                                        gradient_accumulation_fusion=False, token_weights=None, *, logit_scale=1.0,
-                                        logit_softcap=0.0, grads="recompute", backend=None, linear_backend=None,
+                                        gradient_accumulation_fusion=False, token_weights=None, *, grad_scale=None,
+                                        logit_scale=1.0, logit_softcap=0.0, grads="recompute", backend=None, linear_backend=None,
                                         chunk_cols=None, row_block=None):
     """:func:`linear_cross_entropy_zloss` that also returns the detached per-token lse."""
     tp_group = resolve_tp_group(tp_group)
     _check(hidden, weight, target, z_loss_coeff, label_smoothing, logit_scale, logit_softcap,
            group_rank_and_size(tp_group)[1], sequence_parallel)
-    _check_settings(target, token_weights, grads, chunk_cols, row_block)
+    _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block)
     ce_backend = kernels.backend_for(hidden.device, backend)
     transform = {"logit_scale": float(logit_scale), "logit_softcap": float(logit_softcap)}
     if grads == "recompute":
@@ -277,14 +327,18 @@ def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0
         return LinearCrossEntropyZLoss.apply(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index,
                                              tp_group, sequence_parallel, gradient_accumulation_fusion, ce_backend,
                                              linear, chunk_cols, transform)
-    return LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(), z_loss_coeff,
-                                                     label_smoothing, ignore_index, tp_group, sequence_parallel,
-                                                     gradient_accumulation_fusion, ce_backend, row_block, transform)
+    if isinstance(grad_scale, torch.Tensor):
+        grad_scale = grad_scale.detach().reshape(()).float()
+    return LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(), grad_scale,
+                                                     z_loss_coeff, label_smoothing, ignore_index, tp_group,
+                                                     sequence_parallel, gradient_accumulation_fusion, ce_backend,
+                                                     row_block, transform)
 
 
 def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
                                tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False,
-                               token_weights=None, *, logit_scale=1.0, logit_softcap=0.0, grads="recompute",
+                               token_weights=None, *, grad_scale=None, logit_scale=1.0, logit_softcap=0.0,
+                               grads="recompute",
                                backend=None, linear_backend=None, chunk_cols=None, row_block=None):
     """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
 
@@ -306,6 +360,12 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
             (Megatron: the loss mask) weighting the tokens' ``dweight``; the upstream gradient must be
             ``k * token_weights`` with one scalar ``k`` (checked on the device in backward, without a
             host sync). With ``grads="recompute"`` passing them is an error.
+        grad_scale: with ``grads="forward"``: the upstream gradient is ``grad_scale * token_weights``
+            exactly (a float or a one-element tensor; Megatron: its loss scale over the micro-batch's
+            token count and the number of micro-batches). Each block's gradient is then made for it:
+            ``dhidden`` as the unfused path makes it, ``dweight`` added into ``weight.main_grad`` during
+            the forward with ``gradient_accumulation_fusion`` (no buffer; the forward must be followed by
+            its backward). Backward checks the gradient on the device, as for ``token_weights``.
         grads: ``"recompute"`` (default): backward recomputes the logits one vocab chunk at a time
             (four GEMMs; any upstream gradient). ``"forward"``: the gradients are made during the
             forward, ``row_block`` tokens at a time (three GEMMs, ``dweight`` held in fp32 until backward).
@@ -316,7 +376,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
             CUDA and with the torch backend, Triton on other accelerators.
         chunk_cols: vocab rows per chunk of ``grads="recompute"`` (None: 4096, fewer where a chunk's
             logits would pass 2**26, never under 1024; ``kernels.chunked_linear.default_chunk_cols``).
-        row_block: token rows per block of ``grads="forward"`` (None: 4096, :func:`default_row_block`).
+        row_block: token rows per block of ``grads="forward"`` (None: an eighth of the tokens, a power
+            of two in [1024, 4096]: :func:`default_row_block`).
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``CE + c*lse**2`` per token and the detached
@@ -325,6 +386,7 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
     """
     loss, z_loss, _ = linear_cross_entropy_zloss_with_lse(
         hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, sequence_parallel,
-        gradient_accumulation_fusion, token_weights, logit_scale=logit_scale, logit_softcap=logit_softcap, grads=grads,
+        gradient_accumulation_fusion, token_weights, grad_scale=grad_scale, logit_scale=logit_scale,
+        logit_softcap=logit_softcap, grads=grads,
         backend=backend, linear_backend=linear_backend, chunk_cols=chunk_cols, row_block=row_block)
     return loss, z_loss

@@ -130,7 +130,7 @@ def install_patches():
 
 
 def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
-          output_layer_grads="recompute", logit_transform=None, backend=None, linear_backend=None):
+          output_layer_grads="forward", logit_transform=None, backend=None, linear_backend=None):
     """Use the fused op for Megatron's LM loss: per token, the gradient of ``CE + z_loss_coeff * lse**2``
     and the value of the CE (Megatron's convention for auxiliary losses: ``lm loss`` stays CE).
 
@@ -142,8 +142,8 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
         log_lse: also record the mean log-sum-exp as ``lm_lse``.
         fused_output_layer: compute GPT's output layer and the LM loss together with
             :func:`mindspeed_cez.linear_cross_entropy_zloss` (no logits tensor), see :mod:`.output_layer`.
-        output_layer_grads: the op's ``grads``: ``"recompute"`` or ``"forward"`` (gradients during the
-            forward, with the loss mask as the op's ``token_weights``).
+        output_layer_grads: the op's ``grads``: ``"forward"`` (default; gradients during the forward,
+            with the loss mask as the op's ``token_weights``, where there is one) or ``"recompute"``.
         logit_transform: compute MindSpeed-LLM's scaling / soft cap of the logits in the kernels
             (:mod:`.logit_transform`); None: where Megatron's parsed arguments have those flags set.
         backend, linear_backend: the ops' ``backend`` / ``linear_backend`` (None: automatic per device).

@@ -222,12 +222,13 @@ def compute_language_model_loss_wrapper(fn):
                 raise _output_layer.FusedOutputLayerError(
                     f"{_output_layer.FLAG}: an MTP head's loss got the main head's deferred output layer call")
             global_vocab = logits.weight.shape[0] * _tp_world_size(tp_group)
-            weights = None
+            weights = grad_scale = None
             if settings.output_layer_grads == "forward" and loss_mask is not None:
                 weights = loss_mask.transpose(0, 1).to(torch.float32)  # [b s] => [s b]
+                grad_scale = _output_layer.megatron_grad_scale(self.config, loss_mask)
             loss, z_loss, lse = _output_layer.linear_loss(
                 logits, target, tp_group, megatron_to_torch_smoothing(smoothing, global_vocab), coeff, settings, weights,
-                logit_scale=scale, logit_softcap=cap)
+                grad_scale, logit_scale=scale, logit_softcap=cap)
             loss = ce_value_with_z_loss_gradient(loss, z_loss, coeff)
         else:
             if is_main and not handed_out and _output_layer.expects_deferred():

@@ -129,18 +129,47 @@ def expects_deferred():
     return bool(_PENDING) and _PENDING[-1] is not None
 
 
+def megatron_grad_scale(config, loss_mask):
+    """The gradient Megatron's schedule sends into each unmasked token's LM loss of this micro-batch,
+    per unit of ``loss_mask``, as a device scalar: its loss scale (``config.grad_scale_func``),
+    over the micro-batch's token count (``loss_mask.sum()``, what GPT's ``loss_func`` returns) and
+    the number of micro-batches (``calculate_per_token_loss``: the loss scale alone). None where it
+    is not known in forward: no micro-batch calculator set up (a model run outside Megatron's
+    schedule), context parallelism (the count spans the CP group). The op checks it in backward."""
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        if parallel_state.get_context_parallel_world_size() > 1:
+            return None
+        num_microbatches = get_num_microbatches()
+    except (ImportError, AttributeError, AssertionError, RuntimeError):
+        return None
+    one = torch.ones((), dtype=torch.float32, device=loss_mask.device)
+    scale_func = getattr(config, "grad_scale_func", None)
+    loss_scale = scale_func(one).float().reshape(()) if scale_func is not None else one
+    if getattr(config, "calculate_per_token_loss", False):
+        return loss_scale
+    return loss_scale / (loss_mask.float().sum() * num_microbatches)
+
+
 def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, settings, token_weights=None,
-                logit_scale=1.0, logit_softcap=0.0):
+                grad_scale=None, logit_scale=1.0, logit_softcap=0.0):
     """``(loss, z_loss, lse)`` of the deferred output layer, ``[s, b]``, as the op returns them
     (``loss = CE + c*lse**2``), with the backends of ``settings``. ``settings.output_layer_grads``
     is the op's ``grads``; ``"forward"`` needs ``token_weights`` (``[s, b]``, the loss mask) and a
-    backward to come: without them (no mask, or autograd not recording) the logits are recomputed."""
-    layer = deferred.layer
+    backward to come: without them (no mask, or autograd not recording) the logits are recomputed.
+    ``grad_scale`` (:func:`megatron_grad_scale`): the weight gradient goes into ``main_grad`` in forward."""
+    layer, weight = deferred.layer, deferred.weight
     forward = settings.output_layer_grads == "forward" and token_weights is not None and torch.is_grad_enabled()
+    # Megatron's DDP gives the weight an fp32 main_grad and reads grad_added_to_main_grad: the op adds
+    # into it as the layer would with --gradient-accumulation-fusion (which needs apex / TE, the op not)
+    into_main_grad = bool(getattr(layer, "gradient_accumulation_fusion", False)) or (
+        hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad"))
     return linear_cross_entropy_zloss_with_lse(
-        deferred.hidden, deferred.weight, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
+        deferred.hidden, weight, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
         tp_group=tp_group, sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
-        gradient_accumulation_fusion=bool(getattr(layer, "gradient_accumulation_fusion", False)),
-        token_weights=token_weights if forward else None, grads="forward" if forward else "recompute",
-        backend=settings.backend, linear_backend=settings.linear_backend, logit_scale=logit_scale,
-        logit_softcap=logit_softcap)
+        gradient_accumulation_fusion=into_main_grad,
+        token_weights=token_weights if forward else None, grad_scale=grad_scale if forward else None,
+        grads="forward" if forward else "recompute", backend=settings.backend, linear_backend=settings.linear_backend,
+        logit_scale=logit_scale, logit_softcap=logit_softcap)

@@ -31,8 +31,9 @@ class Settings:
     log_lse: also record the mean log-sum-exp as ``lm_lse`` (the op's own lse: no extra pass).
     fused_output_layer: GPT's output layer and LM loss as one op, without the logits tensor
         (``--lm-fused-output-layer``, :mod:`mindspeed_cez.patches.output_layer`).
-    output_layer_grads: ``"recompute"`` (logits recomputed in backward) or ``"forward"`` (gradients
-        made in the forward with the loss mask as token weights): the op's ``grads``.
+    output_layer_grads: ``"forward"`` (default: gradients made in the forward with the loss mask as
+        token weights and Megatron's upstream gradient, where both are known; else as ``"recompute"``)
+        or ``"recompute"`` (logits recomputed in backward): the op's ``grads``.
     logit_transform: the model scales / soft-caps the main head's logits with torch ops before the
         loss (MindSpeed-LLM's ``--output-multiplier-scale`` / ``--output-logit-softcapping``): those
         ops are recorded and computed in the kernels instead (:mod:`.logit_transform`).
@@ -45,7 +46,7 @@ class Settings:
     log_z_loss: bool = True
     log_lse: bool = False
     fused_output_layer: bool = False
-    output_layer_grads: str = "recompute"
+    output_layer_grads: str = "forward"
     logit_transform: bool = False
     backend: Optional[str] = None
     linear_backend: Optional[str] = None

@@ -22,8 +22,9 @@ pytestmark = [
 ]
 
 
-def _run(model, batches, track_output=None):
-    """Forward + backward of every micro-batch (objective ``sum(loss*mask) / sum(mask)``);
+def _run(model, batches, track_output=None, loss_scale=None):
+    """Forward + backward of every micro-batch (objective ``sum(loss*mask) / sum(mask)``; with
+    ``loss_scale`` Megatron's schedule's: ``loss_scale * sum(loss*mask) / mask.sum() / micro-batches``);
     per-token losses, parameter gradients and the reported metrics."""
     from mindspeed_cez import metrics
 
@@ -39,7 +40,10 @@ def _run(model, batches, track_output=None):
         for tokens, labels, loss_mask in batches:
             loss = model(tokens, position_ids, mask, labels=labels, loss_mask=loss_mask)
             losses.append(loss.detach().clone())
-            ((loss * loss_mask).sum() / total).backward()
+            if loss_scale is None:
+                ((loss * loss_mask).sum() / total).backward()
+            else:
+                ((loss * loss_mask).sum() / loss_mask.sum() / len(batches) * loss_scale).backward()
     finally:
         if handle is not None:
             handle.remove()
@@ -77,15 +81,16 @@ def _worker(rank, world_size, tp, share_embeddings):
         logits_unfused = model(batches[0][0], position_ids, mask)
     unfused = _run(model, batches)
 
-    patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True)
+    patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True, output_layer_grads="recompute")
     outputs = []
     fused = _run(model, batches, track_output=outputs)
     assert outputs == [DeferredLogits] * len(batches), outputs  # no logits on the training path
     _compare(fused, unfused, f"tp={tp} tied={share_embeddings}")
     assert fused[2]["lm_z_loss"] > 0
-    # gradients made during the forward, the loss mask as token weights
-    patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True, output_layer_grads="forward")
+    # gradients made during the forward, the loss mask as token weights (the default)
+    patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True)
     _compare(_run(model, batches), unfused, f"forward grads tp={tp} tied={share_embeddings}")
+    _check_megatron_grad_scale(model, batches, tp, share_embeddings)
     patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True)
 
     with torch.no_grad():  # no labels: the logits, as without the flag
@@ -111,6 +116,36 @@ def _worker(rank, world_size, tp, share_embeddings):
     for name in plain[1]:
         torch.testing.assert_close(plain[1][name], reference[1][name], rtol=1e-4, atol=1e-6, msg=name)
     patches.remove()
+
+
+def _check_megatron_grad_scale(model, batches, tp, tied):
+    """Under Megatron's micro-batch calculator and loss scale (``config.grad_scale_func``) the
+    adaptor knows the upstream gradient in forward: the op gets it as ``grad_scale`` (and makes
+    ``dhidden`` / ``dweight`` for it); same gradients as the unfused run of that objective."""
+    from megatron.core import num_microbatches_calculator as nmc
+    from megatron.core import parallel_state as ps
+
+    import mindspeed_cez.patches as patches
+    from mindspeed_cez.patches import output_layer
+
+    loss_scale = 8.0
+    dp = ps.get_data_parallel_world_size()
+    nmc.init_num_microbatches_calculator(0, None, BATCH * len(batches) * dp, BATCH, dp)
+    model.config.grad_scale_func = lambda loss: loss * loss_scale
+    scales, original = [], output_layer.megatron_grad_scale
+    output_layer.megatron_grad_scale = lambda *a: scales.append(original(*a)) or scales[-1]
+    try:
+        patches.apply(z_loss_coeff=COEFF, log_lse=True)
+        unfused = _run(model, batches, loss_scale=loss_scale)
+        patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True, output_layer_grads="forward")
+        fused = _run(model, batches, loss_scale=loss_scale)
+    finally:
+        output_layer.megatron_grad_scale = original
+        model.config.grad_scale_func = None
+        nmc.unset_num_microbatches_calculator()
+    expected = [loss_scale / float(m.sum()) / len(batches) for _, _, m in batches]
+    assert [float(s) for s in scales] == pytest.approx(expected, rel=1e-6), (scales, expected)
+    _compare(fused, unfused, f"forward grads, Megatron's grad scale, tp={tp} tied={tied}")
 
 
 def _setup_tied(tp):

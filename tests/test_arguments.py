@@ -40,9 +40,9 @@ def test_settings_from_flags():
     assert math.isclose(s.z_loss_coeff, 3e-4) and s.metric_names() == ["lm_z_loss", "lm_lse"]
     s = arguments.settings_from_args(_parse(["--lm-fused-output-layer"]))
     assert s is not None and s.fused_output_layer and s.z_loss_coeff == 0.0
-    assert s.output_layer_grads == "recompute"
-    s = arguments.settings_from_args(_parse(["--lm-fused-output-layer", "forward", "--lm-z-loss-coeff", "1e-4"]))
-    assert s.fused_output_layer and s.output_layer_grads == "forward" and s.metric_names() == ["lm_z_loss"]
+    assert s.output_layer_grads == "forward"
+    s = arguments.settings_from_args(_parse(["--lm-fused-output-layer", "recompute", "--lm-z-loss-coeff", "1e-4"]))
+    assert s.fused_output_layer and s.output_layer_grads == "recompute" and s.metric_names() == ["lm_z_loss"]
     s = arguments.settings_from_args(_parse(["--lm-z-loss-coeff", "1e-4"]))
     assert not s.fused_output_layer
     for dest, flag in (("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute"), ("use_mup", "--use-mup")):
@@ -55,7 +55,7 @@ def test_settings_from_flags():
     assert arguments.validate_lm_z_loss_args(other) is other
 
 
-@pytest.mark.parametrize("argv", [["--lm-fused-output-layer", "forward", "--lm-z-loss-coeff", "1e-4"],
+@pytest.mark.parametrize("argv", [["--lm-fused-output-layer", "recompute", "--lm-z-loss-coeff", "1e-4"],
                                   ["--lm-fused-output-layer"], ["--lm-z-loss-coeff", "2e-4", "--lm-z-loss-log-lse"]])
 def test_megatron_adaptor_activates_every_setting(argv):
     """What the flags set is what the patches run with (the flag must never be a silent no-op)."""

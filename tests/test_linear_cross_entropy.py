@@ -37,11 +37,14 @@ def _float64(hidden, weight, target, upstream, z, a, **transform):
     return loss.detach(), z_loss.detach(), h.grad, w.grad
 
 
+K = 0.37  # the upstream gradient of the token weights' tests: K * weights
+
+
 def _token_weights(target, gen):
     """A loss mask with zeros (and a few halves) and its upstream gradient ``k * mask`` (Megatron's)."""
     mask = (torch.rand(target.shape, generator=gen) < 0.8).float()
     mask[torch.rand(target.shape, generator=gen) < 0.1] = 0.5
-    return mask, 0.37 * mask
+    return mask, K * mask
 
 
 def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_grads=False, transform=None):
@@ -57,18 +60,28 @@ def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_g
     group = dist.group.WORLD
     h = hidden[seq].clone().requires_grad_()
     w = weight[rows].clone().requires_grad_()
+    main_grad = forward_grads == "main_grad"  # the upstream gradient known in forward, dweight into main_grad
+    if main_grad:
+        w.main_grad = torch.full(w.shape, 0.25)
     backend, _, linear = backend.partition("+")  # "triton+gemm": Triton's CE kernels on GEMM chunks
     # chunks of 16 vocab rows / blocks of 16 tokens: several, the last one short
     loss, z_loss = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=z, label_smoothing=a, tp_group=group,
                                               sequence_parallel=sequence_parallel, token_weights=token_weights,
+                                              gradient_accumulation_fusion=main_grad,
+                                              grad_scale=torch.tensor(K) if forward_grads == "main_grad" else
+                                              K if forward_grads == "scaled" else None,
                                               grads="forward" if forward_grads else "recompute", backend=backend,
                                               linear_backend=linear or None, chunk_cols=16, row_block=16, **transform)
+    if main_grad:  # added during the forward
+        assert relative_error(w.main_grad - 0.25, exp_dw[rows]) < TOLERANCE[dtype]
     (loss * upstream).sum().backward()
+    dweight = w.main_grad - 0.25 if main_grad else w.grad
     errors = {"loss": relative_error(loss, exp_loss), "dhidden": relative_error(h.grad, exp_dh[seq]),
-              "dweight": relative_error(w.grad, exp_dw[rows])}
+              "dweight": relative_error(dweight, exp_dw[rows])}
     if z:
         errors["z_loss"] = relative_error(z_loss, exp_z)
-    assert loss.dtype == torch.float32 and h.grad.dtype == dtype and w.grad.dtype == dtype
+    assert loss.dtype == torch.float32 and h.grad.dtype == dtype
+    assert w.grad is None if main_grad else w.grad.dtype == dtype
     assert all(e < TOLERANCE[dtype] for e in errors.values()), errors
 
     if dtype == torch.bfloat16:  # no worse than the unfused bf16 path: logits in bf16, then the op
@@ -104,6 +117,13 @@ CASES = [
     (2, torch.float16, 1e-2, 0.0, False, "torch", True),
     (4, torch.float32, 1e-3, 0.2, True, "torch", True),
     (2, torch.float32, 1e-2, 0.1, False, "triton", True),
+    # grad_scale: the upstream gradient known in forward ("scaled"), dweight into main_grad ("main_grad")
+    (1, torch.float32, 1e-2, 0.1, False, "torch", "scaled"),
+    (1, torch.bfloat16, 1e-3, 0.0, False, "triton", "main_grad"),
+    (2, torch.bfloat16, 1e-3, 0.1, True, "torch", "main_grad"),
+    (2, torch.float16, 1e-2, 0.0, False, "torch", "scaled"),
+    (4, torch.float32, 1e-3, 0.2, True, "torch", "main_grad"),
+    (2, torch.float32, 1e-2, 0.1, False, "triton", "main_grad"),
 ]
 
 
@@ -127,6 +147,8 @@ TRANSFORM_CASES = [
     (4, torch.float16, 1e-3, 0.0, False, "triton", False, 0.8, 0.0),
     (2, torch.bfloat16, 1e-3, 0.1, True, "triton+gemm", False, 1.0, 4.0),
     (2, torch.float32, 1e-2, 0.1, False, "triton", True, 1.2, 5.0),
+    (2, torch.bfloat16, 1e-3, 0.1, True, "torch", "main_grad", 1.5, 6.0),
+    (1, torch.float32, 1e-2, 0.0, False, "triton", "main_grad", 0.6, 4.0),
 ]
 
 
@@ -140,6 +162,33 @@ def test_transform_matches_float64_over_tp(world_size, dtype, z, a, sequence_par
         pytest.skip("the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
     run_on_ranks(world_size, _worker, dtype, z, a, sequence_parallel, backend, forward_grads,
                  {"logit_scale": logit_scale, "logit_softcap": logit_softcap})
+
+
+def test_grad_scale_needs_that_upstream_gradient():
+    """With ``grad_scale`` the forward makes the gradients for ``grad_scale * token_weights``: any
+    other upstream gradient (here a different scale) fails in backward, never a silent number."""
+    gen = torch.Generator().manual_seed(12)
+    hidden, weight, target, _ = _problem(torch.float32, 1, gen)
+    mask, upstream = _token_weights(target, gen)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    w.main_grad = torch.zeros(w.shape)
+    loss, _ = linear_cross_entropy_zloss(h, w, target, token_weights=mask, grad_scale=K,
+                                         gradient_accumulation_fusion=True, grads="forward")
+    assert w.main_grad.abs().sum() > 0  # added during the forward
+    with pytest.raises(RuntimeError, match="upstream gradient must be s \\* token_weights"):
+        (loss * upstream * 1.01).sum().backward()
+    for bad in (float("nan"), "1", torch.ones(2), torch.tensor(True)):
+        with pytest.raises(ValueError, match="grad_scale must be"):
+            linear_cross_entropy_zloss(h, w, target, token_weights=mask, grad_scale=bad, grads="forward")
+    with pytest.raises(ValueError, match="grad_scale: .*grads='forward'"):
+        linear_cross_entropy_zloss(h, w, target, grad_scale=1.0)
+
+
+def test_default_row_block():
+    """An eighth of the tokens, a power of two in [1024, 4096], never more than the tokens."""
+    from mindspeed_cez.linear_cross_entropy import default_row_block
+    assert [default_row_block(n, 151936) for n in (100, 3000, 8192, 16384, 20000, 32768, 131072)] == \
+        [100, 1024, 1024, 2048, 2048, 4096, 4096]
 
 
 def test_token_weights_need_an_upstream_gradient_proportional_to_them():

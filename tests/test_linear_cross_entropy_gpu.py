@@ -1,6 +1,7 @@
 """The fused output projection + CE + z-loss on a GPU at a real size, each of its paths (logits
 recomputed in backward by the Triton ``tl.dot`` kernels or by GEMM chunks; gradients made in
-forward with the loss mask as token weights), against float64 and no worse than the unfused path
+forward with the loss mask as token weights, and with the upstream gradient known in forward, the
+weight gradient into ``main_grad``), against float64 and no worse than the unfused path
 of the same dtype (cuBLAS logits, then the op), also with a logit scale and soft cap; the Triton
 path captured in a CUDA graph, with and without the cap. Skipped without CUDA."""
 
@@ -16,7 +17,7 @@ N, H, V, Z = 4096, 2048, 32768, 1e-3
 
 
 PATHS = [("triton", torch.bfloat16), ("triton", torch.float16), ("triton", torch.float32), ("gemm", torch.bfloat16),
-         ("forward", torch.bfloat16)]
+         ("forward", torch.bfloat16), ("main_grad", torch.bfloat16)]
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
@@ -26,7 +27,7 @@ def test_matches_float64_at_a_real_size(path, dtype, label_smoothing):
 
 
 TRANSFORM_PATHS = [("triton", torch.bfloat16), ("triton", torch.float32), ("gemm", torch.bfloat16),
-                   ("forward", torch.bfloat16)]
+                   ("forward", torch.bfloat16), ("main_grad", torch.bfloat16)]
 
 
 @pytest.mark.parametrize("path,dtype", TRANSFORM_PATHS, ids=[f"{p}-{str(d)[6:]}" for p, d in TRANSFORM_PATHS])
@@ -36,7 +37,7 @@ def test_scaled_and_soft_capped_at_a_real_size(path, dtype):
 
 
 def _compare_at_a_real_size(path, dtype, label_smoothing, **transform):
-    forward_grads = path == "forward"
+    forward_grads = path in ("forward", "main_grad")  # main_grad: the upstream gradient known in forward
     g = torch.Generator(device="cuda").manual_seed(5)
     hidden = torch.randn(N, H, device="cuda", generator=g).to(dtype)
     weight = (torch.randn(V, H, device="cuda", generator=g) * 4 / H**0.5).to(dtype)
@@ -48,16 +49,21 @@ def _compare_at_a_real_size(path, dtype, label_smoothing, **transform):
                                                               label_smoothing=label_smoothing, **transform)
 
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    if path == "main_grad":
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
     loss, _ = linear_cross_entropy_zloss(h, w, target, Z, label_smoothing, token_weights=mask if forward_grads else None,
-                                         grads=path if forward_grads else "recompute",
+                                         grad_scale=1 / mask.sum() if path == "main_grad" else None,
+                                         gradient_accumulation_fusion=path == "main_grad",
+                                         grads="forward" if forward_grads else "recompute",
                                          linear_backend=None if forward_grads else path, **transform)
     (loss * upstream).sum().backward()
+    dweight = w.main_grad if path == "main_grad" else w.grad
     hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, Z, label_smoothing, **transform)
     (lu * upstream).sum().backward()
 
     # logits in the inputs' dtype bound the unfused path's error (the float64 reference takes exact products)
-    for ours, unfused, exp in ((loss, lu, exp_loss), (h.grad, hu.grad, exp_dh), (w.grad, wu.grad, exp_dw)):
+    for ours, unfused, exp in ((loss, lu, exp_loss), (h.grad, hu.grad, exp_dh), (dweight, wu.grad, exp_dw)):
         assert relative_error(ours, exp) <= 1.5 * relative_error(unfused, exp) + 1e-4, (
             relative_error(ours, exp), relative_error(unfused, exp))
 
