@@ -170,12 +170,13 @@ ROW_BLOCK_MIN, ROW_BLOCK_MAX = 1024, 4096
 
 def default_row_block(n_rows, v_local):
     """Token rows per block of the gradients-in-forward path: an eighth of the tokens (a block's
-    logits are 1/8 of the logits), a power of two in [1024, 4096]. Each block reads and writes the
-    fp32 ``dweight`` once (``8 V h`` bytes against ``2 rows V h`` FLOPs), which below ~1024 rows
-    outweighs the GEMM on an H100; above 4096 the block's logits grow for < 4 % of time
-    (bench/results/2026-11-24_h100/linear_ce_row_blocks.md, 2026-11-25_h100/fused_layer/)."""
-    eighth = max(n_rows // 8, 1)
-    return min(n_rows, max(ROW_BLOCK_MIN, min(ROW_BLOCK_MAX, 1 << (eighth.bit_length() - 1))))
+    logits are 1/8 of the logits), or where that is under ``CHUNK_LOGITS`` logits (128 MiB in bf16:
+    narrow vocab slices) as many rows as make that; a power of two in [1024, 4096], at most the
+    tokens. Each block reads and writes the fp32 ``dweight`` once: ``8 V h`` bytes against
+    ``6 rows V h`` FLOPs of its three GEMMs, ~30 % of an H100's GEMM time at 1024 rows, ~8 % at 4096
+    (bench/results/2026-11-25_h100/fused_layer/)."""
+    rows = max(n_rows // 8, chunked_linear.CHUNK_LOGITS // max(v_local, 1), 1)
+    return min(n_rows, max(ROW_BLOCK_MIN, min(ROW_BLOCK_MAX, 1 << (rows.bit_length() - 1))))
 
 
 class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
@@ -376,8 +377,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
             CUDA and with the torch backend, Triton on other accelerators.
         chunk_cols: vocab rows per chunk of ``grads="recompute"`` (None: 4096, fewer where a chunk's
             logits would pass 2**26, never under 1024; ``kernels.chunked_linear.default_chunk_cols``).
-        row_block: token rows per block of ``grads="forward"`` (None: an eighth of the tokens, a power
-            of two in [1024, 4096]: :func:`default_row_block`).
+        row_block: token rows per block of ``grads="forward"`` (None: an eighth of the tokens or 2**26
+            logits, whichever is more, a power of two in [1024, 4096]: :func:`default_row_block`).
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``CE + c*lse**2`` per token and the detached

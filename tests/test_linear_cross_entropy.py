@@ -185,10 +185,13 @@ def test_grad_scale_needs_that_upstream_gradient():
 
 
 def test_default_row_block():
-    """An eighth of the tokens, a power of two in [1024, 4096], never more than the tokens."""
+    """An eighth of the tokens, or 2**26 logits where that is more, a power of two in [1024, 4096],
+    never more than the tokens."""
     from mindspeed_cez.linear_cross_entropy import default_row_block
     assert [default_row_block(n, 151936) for n in (100, 3000, 8192, 16384, 20000, 32768, 131072)] == \
         [100, 1024, 1024, 2048, 2048, 4096, 4096]
+    assert [default_row_block(n, v) for n, v in ((8192, 37984), (8192, 16160), (2048, 16160), (16384, 75968))] == \
+        [1024, 4096, 2048, 2048]
 
 
 def test_token_weights_need_an_upstream_gradient_proportional_to_them():
