@@ -98,6 +98,8 @@ def _weight_grad(w):
 
 def run(args):
     impls = implementations(args.main_grad_rows)
+    if args.impls:
+        impls = {name: fn for name, fn in impls.items() if any(part in name for part in args.impls)}
     device = torch.cuda.get_device_name()
     lines = [f"Output projection + CE (+ z-loss), fwd+bwd, bf16, {device}, torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; median of {args.iters} (CUDA events)", ""]
@@ -142,7 +144,8 @@ def run(args):
             del h, w, hidden, weight, target
             torch.cuda.empty_cache()
     if args.profile:
-        lines += profile_breakdown(impls, args.shapes[0])
+        for shape in args.shapes:
+            lines += profile_breakdown(impls, shape)
     return lines
 
 
@@ -264,7 +267,8 @@ def main(argv=None):
                         help="sweep the gradients-in-forward path over token rows per block instead")
     parser.add_argument("--main-grad-rows", nargs="*", type=int, default=[],
                         help="also the gradients-in-forward path into main_grad at these token rows per block")
-    parser.add_argument("--profile", action="store_true", help="also the device-time breakdown at the first shape")
+    parser.add_argument("--profile", action="store_true", help="also the device time (profiler) at every shape")
+    parser.add_argument("--impls", nargs="*", default=[], help="only the implementations whose names hold one of these")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default=None)
