@@ -11,7 +11,9 @@ backends, per tile or chunk). Two paths:
   their gradient (a ``[tokens, chunk]`` buffer), then one GEMM adds that chunk's share into an
   fp32 ``dhidden`` and one writes its rows of ``dweight``: four GEMMs in all.
 - gradients in forward (``LinearCrossEntropyZLossForwardGrads``, ``grads="forward"``): blocks
-  of token rows with the whole vocab slice, three GEMMs, fp32 ``dweight`` kept until backward.
+  of token rows with the whole vocab slice, three GEMMs; with ``grad_scale`` (the upstream
+  gradient known in forward, Megatron's) ``dweight`` goes into ``main_grad`` during the forward,
+  else an fp32 ``dweight`` is kept until backward.
 
 docs/fused_linear_cross_entropy.md compares them with measurements.
 

@@ -140,6 +140,15 @@ def recompute_from_dump(dump_dir, name=f"iter{DUMP_ITERATION}"):
     return micro_batches
 
 
+def grad_scale_known(dump_dir, name=f"iter{DUMP_ITERATION}"):
+    """Per dumped micro-batch and rank, whether the adaptor knew Megatron's upstream gradient in
+    forward (the fused output layer's default path: the weight gradient into main_grad then)."""
+    flags = [torch.load(path).get("grad_scale_known", False)
+             for path in sorted(Path(dump_dir).glob(f"logits_{name}_*.pt"))]
+    assert flags, f"nothing dumped for {name} in {dump_dir}"
+    return flags
+
+
 def deferred_output_layer(dump_dir, name=f"iter{DUMP_ITERATION}"):
     """Per dumped micro-batch and rank, whether the output layer deferred its call
     (``--lm-fused-output-layer``: no logits made on the training path)."""

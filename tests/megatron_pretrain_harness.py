@@ -10,6 +10,10 @@ wraps three of its functions:
 * ``get_batch``: with ``CEZ_TEST_MASK_TAIL`` set, each micro-batch's loss mask drops a
   data-dependent tail, so that micro-batches (and data-parallel ranks) count different numbers of
   tokens, as packed sequences do.
+
+The dump also records whether the adaptor knew Megatron's upstream gradient in that forward
+(``patches.output_layer.megatron_grad_scale`` returned one: the fused output layer's default path
+then adds the weight gradient into ``main_grad`` during the forward).
 """
 
 import functools
@@ -27,6 +31,20 @@ from megatron.training import get_args  # noqa: E402
 
 # ---------------------------------------------------------------------------------- dump logits
 _CURRENT_BATCH = {}
+
+
+def _recording(grad_scale_fn):
+    @functools.wraps(grad_scale_fn)
+    def megatron_grad_scale(config, loss_mask):
+        scale = grad_scale_fn(config, loss_mask)
+        _CURRENT_BATCH["grad_scale_known"] = scale is not None
+        return scale
+    return megatron_grad_scale
+
+
+from mindspeed_cez.patches import output_layer as _cez_output_layer  # noqa: E402
+
+_cez_output_layer.megatron_grad_scale = _recording(_cez_output_layer.megatron_grad_scale)
 _DUMPED = {"train": 0, "eval": 0}
 
 
@@ -77,6 +95,7 @@ def _dump_logits(name, logits):
             "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
             "lm_z_loss_coeff": getattr(get_args(), "lm_z_loss_coeff", None),
             "deferred": _CURRENT_BATCH.get("deferred", False),  # the output layer made no logits
+            "grad_scale_known": _CURRENT_BATCH.pop("grad_scale_known", False),
         },
         os.path.join(out_dir, f"logits_{name}_dp{dp_rank}_mb{_DUMPED[kind]}_tp{tp_rank}.pt"),
     )

@@ -34,7 +34,7 @@ pytest.importorskip("megatron.training")
 
 from megatron_launch import (  # noqa: E402
     DUMP_ITERATION, ITERS, MOE, TINY_GPT, Z_COEFF, ce_mean, launch, per_micro_batch_z_mean,
-    deferred_output_layer, recompute_from_dump, with_args, z_loss_mean,
+    deferred_output_layer, grad_scale_known, recompute_from_dump, with_args, z_loss_mean,
 )
 
 pytestmark = pytest.mark.slow
@@ -84,6 +84,8 @@ def test_fused_output_layer(runs):
     assert first["grad norm"] == pytest.approx(reference["grad norm"], abs=1.01e-3), (name, first, reference)
     assert "grad norm" in first and "lm_z_loss" in first, first
     assert all(deferred_output_layer(fused_run["dump"])), f"{name}: the flag must keep the logits from being made"
+    # the default path knew Megatron's upstream gradient in forward (checked against it in backward)
+    assert all(grad_scale_known(fused_run["dump"])), f"{name}: the adaptor did not know the upstream gradient"
     micro_batches = recompute_from_dump(fused_run["dump"])
     row = fused_run["rows"][DUMP_ITERATION]
     assert row["lm_z_loss"] == pytest.approx(z_loss_mean(micro_batches), rel=1e-5), (name, row)
