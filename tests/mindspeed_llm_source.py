@@ -86,8 +86,9 @@ def pretrain_gpt(mindspeed_llm_src):
 
 
 class CudaTensorsOnCpu(types.ModuleType):
-    """``torch`` for a module that makes its logging tensors with ``device='cuda'`` (MindSpeed-LLM's
-    ``training_log``; ``torch_npu.contrib.transfer_to_npu`` maps that to the NPU): here, the CPU."""
+    """``torch`` for a module that makes small tensors with ``device='cuda'`` (MindSpeed-LLM's
+    ``training_log``, Megatron's schedules; ``torch_npu.contrib.transfer_to_npu`` maps that to the
+    NPU): here, the CPU."""
 
     def __init__(self):
         super().__init__("torch")
@@ -102,3 +103,9 @@ class CudaTensorsOnCpu(types.ModuleType):
         import torch
 
         return torch.tensor(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        import torch
+
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)

@@ -6,8 +6,10 @@ with ``import mindspeed_cez.megatron_adaptor`` before or after MindSpeed-LLM's a
 its real feature list), through Megatron's parser as MindSpeed-LLM wraps it, a model from
 MindSpeed-LLM's ``pretrain_gpt.model_provider`` and its ``loss_func``:
 
-* the model is MindSpeed-LLM's ``GPTModel``; per-token loss = CE of its logits, their gradient that of
-  CE + c*lse^2, at TP=1 x DP=2 and TP=2 with sequence parallelism (float64 references);
+* the model is MindSpeed-LLM's ``GPTModel``, run by Megatron's schedule (``get_forward_backward_func``)
+  with its ``loss_func`` and a loss scale; per-token loss = CE of its logits, their gradient that of
+  CE + c*lse^2 for the gradient the schedule sends, at TP=1 x DP=2 and TP=2 with sequence
+  parallelism (float64 references);
 * its MTP head (``--mtp-num-layers 1``) gets plain CE and its gradient;
 * with ``--output-multiplier-scale`` / ``--output-logit-softcapping`` its forward's torch ops on the
   logits are recorded, not run, and the kernels compute them: CE and gradient (with respect to the
@@ -40,6 +42,7 @@ pytestmark = [
 ]
 
 COEFF, VOCAB, SEQ, BATCH = 3e-2, 256, 16, 2
+LOSS_SCALE = 4.0  # config.grad_scale_func: the gradient the schedule sends is scaled by it
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", str(BATCH),
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
@@ -111,7 +114,6 @@ def _worker(rank, world_size, tp, order, extra):
     tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     dp_group = ps.get_data_parallel_group()
     batches = gpt._micro_batches(ps.get_data_parallel_rank())
-    tokens_total = sum(float(m.sum()) for _, _, m in batches)
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
     mask = gpt.shims.causal_attention_mask(SEQ)
 
@@ -138,17 +140,45 @@ def _worker(rank, world_size, tp, order, extra):
     identity = lambda x: x  # noqa: E731
     transform = stand_in._transform(args)  # MindSpeed-LLM's scale and soft cap, in float64
     transforms = bool(args.output_multiplier_scale or args.output_logit_softcapping)
-    mtp_calls = []
-    for tokens, labels, loss_mask in batches:
+    # Megatron's schedule, as MindSpeed-LLM's train_step runs it: its loss_func's sum over the
+    # micro-batch's token count and the number of micro-batches, times the loss scale (what the
+    # fused output layer's default path is told in forward and checks in backward)
+    import functools
+    import inspect
+
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mindspeed_cez.patches import output_layer
+
+    assert get_num_microbatches() == len(batches)
+    scales_known = []  # the fused output layer's default path: the schedule's gradient known in forward
+    grad_scale = output_layer.megatron_grad_scale
+    output_layer.megatron_grad_scale = lambda *a: scales_known.append(grad_scale(*a)) or scales_known[-1]
+    forward_backward = get_forward_backward_func()
+    sys.modules[inspect.unwrap(forward_backward).__module__].torch = source.CudaTensorsOnCpu()
+    model.config.grad_scale_func = lambda loss: loss * LOSS_SCALE  # as Megatron's optimizer sets it
+    forwards = []
+
+    def forward_step(data_iterator, model):
+        tokens, labels, loss_mask = next(data_iterator)
         calls.clear()
         out = model(tokens, position_ids, mask, labels=labels, loss_mask=loss_mask)
-        main, mtp_calls = calls[-1], calls[:-1]
-        assert main["labels"] is labels and torch.equal(main["loss"], out)
+        forwards.append((calls[-1], calls[:-1], out.detach().clone(), labels, loss_mask))
+        return out, functools.partial(pretrain_gpt.loss_func, loss_mask)  # MindSpeed-LLM's own
+
+    reports = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+                               num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=BATCH,
+                               forward_only=False)
+    assert len(forwards) == len(reports) == len(batches)
+    output_layer.megatron_grad_scale = grad_scale
+    if "--lm-fused-output-layer" in extra:
+        assert len(scales_known) == len(batches) and all(s is not None for s in scales_known), scales_known
+    for (main, mtp_calls, out, labels, loss_mask), reported in zip(forwards, reports):
+        assert main["labels"] is labels and torch.equal(main["loss"].detach(), out)
         assert main["transformed"] == transforms  # its torch ops did not run: the kernels computed them
         assert len(mtp_calls) == (args.mtp_num_layers or 0)
-        loss, count, reported = pretrain_gpt.loss_func(loss_mask, out)  # MindSpeed-LLM's own
-        (loss / tokens_total).backward()
-        weight = loss_mask.t().double() / tokens_total
+        weight = loss_mask.t().double() * LOSS_SCALE / (loss_mask.sum() * len(batches))
         ce, lse, grad = stand_in._reference(main["values"], labels, tp_group, tp_rank, transform, COEFF, weight)
         torch.testing.assert_close(out.detach().double(), ce, rtol=1e-5, atol=1e-5)  # the value is CE
         if "weight" in main:  # the fused output layer: d(hidden) = d(logits) @ weight
@@ -166,8 +196,6 @@ def _worker(rank, world_size, tp, order, extra):
 
     # MindSpeed-LLM's own training_log, as its train() calls it after a step
     from mindspeed_llm.training import training as llm_training
-
-    import inspect
 
     # the module whose training_log runs (MindSpeed-LLM's own from 2.3.0; 2.2.0 re-exports Megatron's)
     sys.modules[inspect.unwrap(llm_training.training_log).__module__].torch = source.CudaTensorsOnCpu()
