@@ -123,12 +123,11 @@ def _train_worker(rank, world_size, tp, order, coeff, extra):
 
     per_mb = 2 if args.mtp_num_layers else 1
     transform = _transform(args)
-    tokens_total = sum(float(m.sum()) for _, _, m in batches)
     sums = torch.zeros(4, dtype=torch.float64)  # sum(c*lse^2*m), sum(ce*m), sum(m), MTP-counted
     for i, (_, labels, loss_mask) in enumerate(batches):
         main = heads[per_mb * i + per_mb - 1]
         assert main["transformed"] == bool(coeff and (args.output_multiplier_scale or args.output_logit_softcapping))
-        weight = loss_mask.t().double() / tokens_total
+        weight = loss_mask.t().double() / (loss_mask.sum() * len(batches))  # Megatron's schedule
         ce, lse, grad = _reference(main["logits"], labels, tp_group, tp_rank, transform, coeff, weight)
         torch.testing.assert_close(outputs[i].double(), ce, rtol=1e-5, atol=1e-5)  # the value is CE
         torch.testing.assert_close(main["grad"].double(), grad, rtol=1e-4, atol=1e-7)  # the gradient has z
@@ -187,7 +186,8 @@ def _fused_output_layer_worker(rank, world_size, tp, transform):
     """MindSpeed-LLM's forward and loop with ``--lm-fused-output-layer``: no logits made, and the
     same outputs, parameter gradients and ``lm_z_loss`` as the unfused op's run of the same model.
     With ``transform`` (its scaling and soft cap of the logits), both runs compute them in the kernels
-    and equal a third: MindSpeed-LLM's own torch ops on the logits, then the unfused op."""
+    and equal a third: MindSpeed-LLM's own torch ops on the logits, then the unfused op. Under a loss
+    scale, the fused layer's default path is told the schedule's gradient in forward."""
     import dataclasses
 
     from megatron.core import parallel_state as ps
@@ -195,10 +195,14 @@ def _fused_output_layer_worker(rank, world_size, tp, transform):
     _import_adaptors("cez first")
     from mindspeed_llm.training import arguments, training
 
+    from mindspeed_cez.patches import output_layer
     from mindspeed_cez.patches import settings as cez_settings
 
     model = gpt._setup(tp)
     model.train()
+    model.config.grad_scale_func = lambda loss: loss * 4.0  # a loss scale, as Megatron's optimizer sets it
+    scales_known, grad_scale = [], output_layer.megatron_grad_scale
+    output_layer.megatron_grad_scale = lambda *a: scales_known.append(grad_scale(*a)) or scales_known[-1]
     batches = gpt._micro_batches(ps.get_data_parallel_rank())
     position_ids = torch.arange(gpt.SEQ).unsqueeze(0).expand(gpt.BATCH, gpt.SEQ)
     mask = gpt.shims.causal_attention_mask(gpt.SEQ)
@@ -222,7 +226,11 @@ def _fused_output_layer_worker(rank, world_size, tp, transform):
         logged = dict(re.findall(r" ([\w ]+): ([0-9.E+-]+) \|", training.LOG_LINES[-1]))
         return kinds, outputs, grads, {k: float(v) for k, v in logged.items()}
 
-    runs = {"unfused": run([]), "fused": run(["--lm-fused-output-layer"])}
+    runs = {"unfused": run([])}
+    scales_known.clear()
+    runs["fused"] = run(["--lm-fused-output-layer"])
+    expected = [4.0 / float(m.sum()) / len(batches) for _, _, m in batches]
+    assert [float(s) for s in scales_known] == pytest.approx(expected, rel=1e-6), (scales_known, expected)
     wrap = ("TransformedLogits",) if transform else ()
     assert runs["fused"][0] == [(*wrap, "DeferredLogits")] * len(batches), runs["fused"][0]
     assert runs["unfused"][0] == [(*wrap, "Tensor")] * len(batches), runs["unfused"][0]

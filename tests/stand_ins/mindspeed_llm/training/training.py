@@ -4,6 +4,7 @@ calls ``track_moe_metrics`` (bound by name at import) and prints the log line.""
 
 import torch
 import torch.distributed as dist
+from megatron.core import num_microbatches_calculator as nmc
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
@@ -43,16 +44,23 @@ def training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_r
 
 def train(model, iterations):
     """``iterations``: a list, per iteration, of micro-batches ``(tokens, labels, loss_mask,
-    position_ids, attention_mask)``. pretrain_gpt's loss: sum(loss * mask) and the token count."""
+    position_ids, attention_mask)``. pretrain_gpt's loss_func: sum(loss * mask) and the token count;
+    each micro-batch's backward as Megatron's schedule runs it for MindSpeed-LLM's train_step: that
+    sum over the token count and the number of micro-batches (Megatron's micro-batch calculator, set
+    up here as its initialize does), scaled by ``config.grad_scale_func`` where the model has one."""
+    dp = parallel_state.get_data_parallel_world_size()
+    nmc.unset_num_microbatches_calculator()
+    nmc.init_num_microbatches_calculator(0, None, len(iterations[0]) * dp, 1, dp)
+    grad_scale = model.config.grad_scale_func
     total_loss_dict = {}
     for iteration, micro_batches in enumerate(iterations, start=1):
-        tokens_total = sum(float(mb[2].sum()) for mb in micro_batches)
         reported = torch.zeros(2)
         for tokens, labels, loss_mask, position_ids, attention_mask in micro_batches:
             losses = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
             mask = loss_mask.view(-1).float()
             loss = torch.sum(losses.float().view(-1) * mask)
-            (loss / tokens_total).backward()
+            output = loss / mask.sum() / nmc.get_num_microbatches()
+            (grad_scale(output) if grad_scale is not None else output).backward()
             reported += torch.stack([loss.detach(), mask.sum()])
         dist.all_reduce(reported, group=parallel_state.get_data_parallel_group())
         loss_dict = {"lm loss": reported[0] / reported[1]}
