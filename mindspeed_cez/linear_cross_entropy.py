@@ -105,8 +105,12 @@ def accumulate_mm_fp32_copies(out, a, b):
 
 def _accumulate_mm(out, a, b):
     """``out += a @ b`` into fp32 ``out`` from bf16 / fp16 ``a``, ``b``: one GEMM with an fp32
-    output on CUDA where torch has it, fp32 copies of the (chunk-sized) operands elsewhere."""
-    if out.is_cuda and a.dtype != torch.float32 and ADDMM_OUT_DTYPE:
+    output on CUDA where torch has it, fp32 copies of the (chunk-sized) operands elsewhere. A 16-bit
+    ``out`` (Megatron's ``main_grad`` without fp32 gradient accumulation) takes one GEMM in its
+    dtype, as Megatron's own weight-gradient accumulation does there."""
+    if out.dtype != torch.float32:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+    elif out.is_cuda and a.dtype != torch.float32 and ADDMM_OUT_DTYPE:
         accumulate_mm_fp32_out(out, a, b)
     else:
         accumulate_mm_fp32_copies(out, a, b)
@@ -358,7 +362,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         sequence_parallel: hidden is sequence-sharded over ``tp_group`` (all-gathered here).
         gradient_accumulation_fusion: add ``dweight`` (fp32) into ``weight.main_grad`` as Megatron's
             linear layers do; the gradient returned for ``weight`` is then Megatron's placeholder
-            (a dummy where ``weight.grad_added_to_main_grad`` exists, else None).
+            (a dummy where ``weight.grad_added_to_main_grad`` exists, else None). A 16-bit
+            ``main_grad`` takes the GEMMs in its dtype, as Megatron's own accumulation does.
         token_weights: with ``grads="forward"`` only (required there): a tensor of ``target``'s shape
             (Megatron: the loss mask) weighting the tokens' ``dweight``; the upstream gradient must be
             ``k * token_weights`` with one scalar ``k`` (checked on the device in backward, without a

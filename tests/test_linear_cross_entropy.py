@@ -274,6 +274,28 @@ def test_gradient_accumulation_fusion_adds_into_main_grad(flag):
         assert not weight.grad.any()
 
 
+@pytest.mark.parametrize("grads", ["recompute", "forward", "forward, grad_scale"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_16_bit_main_grad(dtype, grads):
+    """Megatron without fp32 gradient accumulation (fp16 by default, ``--grad-reduce-in-bf16``): a
+    ``main_grad`` in the weight's dtype takes the weight gradient too, within that dtype's rounding."""
+    gen = torch.Generator().manual_seed(9)
+    hidden, weight, target, _ = _problem(dtype, 1, gen)
+    mask, upstream = _token_weights(target, gen)
+    weight = weight.requires_grad_()
+    weight.main_grad = torch.full(weight.shape, 0.25, dtype=dtype)
+    weight.grad_added_to_main_grad = False
+    kwargs = {} if grads == "recompute" else {"grads": "forward", "token_weights": mask}
+    if grads == "forward, grad_scale":
+        kwargs["grad_scale"] = K
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3, gradient_accumulation_fusion=True,
+                                         **kwargs)
+    (loss * upstream).sum().backward()
+    _, _, _, exp_dw = _float64(hidden, weight.detach(), target, upstream, 1e-3, 0.0)
+    assert weight.main_grad.dtype == dtype and weight.grad_added_to_main_grad
+    assert relative_error(weight.main_grad.double() - 0.25, exp_dw) < TOLERANCE[dtype]
+
+
 def test_tied_embedding_and_output_weight():
     """The same weight as input embedding and output projection: both gradients add up."""
     gen = torch.Generator().manual_seed(9)
