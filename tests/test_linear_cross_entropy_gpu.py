@@ -17,7 +17,7 @@ N, H, V, Z = 4096, 2048, 32768, 1e-3
 
 
 PATHS = [("triton", torch.bfloat16), ("triton", torch.float16), ("triton", torch.float32), ("gemm", torch.bfloat16),
-         ("forward", torch.bfloat16), ("main_grad", torch.bfloat16)]
+         ("forward", torch.bfloat16), ("main_grad", torch.bfloat16), ("main_grad16", torch.bfloat16)]
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
@@ -37,7 +37,10 @@ def test_scaled_and_soft_capped_at_a_real_size(path, dtype):
 
 
 def _compare_at_a_real_size(path, dtype, label_smoothing, **transform):
-    forward_grads = path in ("forward", "main_grad")  # main_grad: the upstream gradient known in forward
+    # main_grad: the upstream gradient known in forward; main_grad16: into a main_grad in the weight's
+    # dtype (Megatron without fp32 gradient accumulation), one rounding per token block
+    forward_grads = path in ("forward", "main_grad", "main_grad16")
+    into_main_grad = path in ("main_grad", "main_grad16")
     g = torch.Generator(device="cuda").manual_seed(5)
     hidden = torch.randn(N, H, device="cuda", generator=g).to(dtype)
     weight = (torch.randn(V, H, device="cuda", generator=g) * 4 / H**0.5).to(dtype)
@@ -49,22 +52,23 @@ def _compare_at_a_real_size(path, dtype, label_smoothing, **transform):
                                                               label_smoothing=label_smoothing, **transform)
 
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    if path == "main_grad":
-        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
+    if into_main_grad:
+        w.main_grad = torch.zeros(w.shape, dtype=dtype if path == "main_grad16" else torch.float32, device="cuda")
     loss, _ = linear_cross_entropy_zloss(h, w, target, Z, label_smoothing, token_weights=mask if forward_grads else None,
-                                         grad_scale=1 / mask.sum() if path == "main_grad" else None,
-                                         gradient_accumulation_fusion=path == "main_grad",
+                                         grad_scale=1 / mask.sum() if into_main_grad else None,
+                                         gradient_accumulation_fusion=into_main_grad,
                                          grads="forward" if forward_grads else "recompute",
                                          linear_backend=None if forward_grads else path, **transform)
     (loss * upstream).sum().backward()
-    dweight = w.main_grad if path == "main_grad" else w.grad
+    dweight = w.main_grad if into_main_grad else w.grad
     hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, Z, label_smoothing, **transform)
     (lu * upstream).sum().backward()
 
     # logits in the inputs' dtype bound the unfused path's error (the float64 reference takes exact products)
     for ours, unfused, exp in ((loss, lu, exp_loss), (h.grad, hu.grad, exp_dh), (dweight, wu.grad, exp_dw)):
-        assert relative_error(ours, exp) <= 1.5 * relative_error(unfused, exp) + 1e-4, (
+        slack = 4e-3 if path == "main_grad16" and ours is dweight else 1e-4  # a bf16 sum over 4 blocks
+        assert relative_error(ours, exp) <= 1.5 * relative_error(unfused, exp) + slack, (
             relative_error(ours, exp), relative_error(unfused, exp))
 
 
