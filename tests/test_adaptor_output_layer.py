@@ -24,7 +24,8 @@ pytestmark = [
 
 def _run(model, batches, track_output=None, loss_scale=None):
     """Forward + backward of every micro-batch (objective ``sum(loss*mask) / sum(mask)``; with
-    ``loss_scale`` Megatron's schedule's: ``loss_scale * sum(loss*mask) / mask.sum() / micro-batches``);
+    ``loss_scale`` Megatron's schedule's: ``loss_scale * sum(loss*mask) / mask.sum() / micro-batches``,
+    or ``loss_scale * sum(loss*mask)`` with ``config.calculate_per_token_loss``);
     per-token losses, parameter gradients and the reported metrics."""
     from mindspeed_cez import metrics
 
@@ -42,6 +43,8 @@ def _run(model, batches, track_output=None, loss_scale=None):
             losses.append(loss.detach().clone())
             if loss_scale is None:
                 ((loss * loss_mask).sum() / total).backward()
+            elif model.config.calculate_per_token_loss:
+                ((loss * loss_mask).sum() * loss_scale).backward()
             else:
                 ((loss * loss_mask).sum() / loss_mask.sum() / len(batches) * loss_scale).backward()
     finally:
@@ -134,18 +137,24 @@ def _check_megatron_grad_scale(model, batches, tp, tied):
     model.config.grad_scale_func = lambda loss: loss * loss_scale
     scales, original = [], output_layer.megatron_grad_scale
     output_layer.megatron_grad_scale = lambda *a: scales.append(original(*a)) or scales[-1]
+    runs = {}
     try:
-        patches.apply(z_loss_coeff=COEFF, log_lse=True)
-        unfused = _run(model, batches, loss_scale=loss_scale)
-        patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True, output_layer_grads="forward")
-        fused = _run(model, batches, loss_scale=loss_scale)
+        for per_token in (False, True):  # --calculate-per-token-loss: the schedule divides by nothing
+            model.config.calculate_per_token_loss = per_token
+            patches.apply(z_loss_coeff=COEFF, log_lse=True)
+            unfused = _run(model, batches, loss_scale=loss_scale)
+            patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True, output_layer_grads="forward")
+            scales.clear()
+            runs[per_token] = unfused, _run(model, batches, loss_scale=loss_scale), [float(s) for s in scales]
     finally:
         output_layer.megatron_grad_scale = original
         model.config.grad_scale_func = None
+        model.config.calculate_per_token_loss = False
         nmc.unset_num_microbatches_calculator()
-    expected = [loss_scale / float(m.sum()) / len(batches) for _, _, m in batches]
-    assert [float(s) for s in scales] == pytest.approx(expected, rel=1e-6), (scales, expected)
-    _compare(fused, unfused, f"forward grads, Megatron's grad scale, tp={tp} tied={tied}")
+    for per_token, (unfused, fused, got) in runs.items():
+        expected = [loss_scale if per_token else loss_scale / float(m.sum()) / len(batches) for _, _, m in batches]
+        assert got == pytest.approx(expected, rel=1e-6), (per_token, got, expected)
+        _compare(fused, unfused, f"forward grads, Megatron's grad scale, per-token loss {per_token}, tp={tp} tied={tied}")
 
 
 def _setup_tied(tp):
