@@ -1,10 +1,11 @@
 """What the tests (and bench/, through ``sys.path``) share: a free port, real ranks, float64
-references, error measures and CUDA-graph capture.
+references, error measures, CUDA-graph capture and the adaptor's grad-scale record.
 
 The references are written independently of the package: plain log-softmax in float64, no
 online softmax, no sharding.
 """
 
+import contextlib
 import os
 import socket
 import sys
@@ -172,3 +173,22 @@ def capture_cuda_graph(step, warmup=2):
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+@contextlib.contextmanager
+def recorded_grad_scales():
+    """While open, every result of ``patches.output_layer.megatron_grad_scale``, in a list: the
+    upstream gradient the adaptor knew in forward for each micro-batch (None where it did not)."""
+    from mindspeed_cez.patches import output_layer
+
+    original, scales = output_layer.megatron_grad_scale, []
+
+    def recording(*args):
+        scales.append(original(*args))
+        return scales[-1]
+
+    output_layer.megatron_grad_scale = recording
+    try:
+        yield scales
+    finally:
+        output_layer.megatron_grad_scale = original

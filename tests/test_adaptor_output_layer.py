@@ -129,14 +129,12 @@ def _check_megatron_grad_scale(model, batches, tp, tied):
     from megatron.core import parallel_state as ps
 
     import mindspeed_cez.patches as patches
-    from mindspeed_cez.patches import output_layer
+    from support import recorded_grad_scales
 
     loss_scale = 8.0
     dp = ps.get_data_parallel_world_size()
     nmc.init_num_microbatches_calculator(0, None, BATCH * len(batches) * dp, BATCH, dp)
     model.config.grad_scale_func = lambda loss: loss * loss_scale
-    scales, original = [], output_layer.megatron_grad_scale
-    output_layer.megatron_grad_scale = lambda *a: scales.append(original(*a)) or scales[-1]
     runs = {}
     try:
         for per_token in (False, True):  # --calculate-per-token-loss: the schedule divides by nothing
@@ -144,10 +142,10 @@ def _check_megatron_grad_scale(model, batches, tp, tied):
             patches.apply(z_loss_coeff=COEFF, log_lse=True)
             unfused = _run(model, batches, loss_scale=loss_scale)
             patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True, output_layer_grads="forward")
-            scales.clear()
-            runs[per_token] = unfused, _run(model, batches, loss_scale=loss_scale), [float(s) for s in scales]
+            with recorded_grad_scales() as scales:
+                fused = _run(model, batches, loss_scale=loss_scale)
+            runs[per_token] = unfused, fused, [float(s) for s in scales]
     finally:
-        output_layer.megatron_grad_scale = original
         model.config.grad_scale_func = None
         model.config.calculate_per_token_loss = False
         nmc.unset_num_microbatches_calculator()

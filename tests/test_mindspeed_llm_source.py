@@ -149,12 +149,9 @@ def _worker(rank, world_size, tp, order, extra):
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from mindspeed_cez.patches import output_layer
+    from support import recorded_grad_scales
 
     assert get_num_microbatches() == len(batches)
-    scales_known = []  # the fused output layer's default path: the schedule's gradient known in forward
-    grad_scale = output_layer.megatron_grad_scale
-    output_layer.megatron_grad_scale = lambda *a: scales_known.append(grad_scale(*a)) or scales_known[-1]
     forward_backward = get_forward_backward_func()
     sys.modules[inspect.unwrap(forward_backward).__module__].torch = source.CudaTensorsOnCpu()
     model.config.grad_scale_func = lambda loss: loss * LOSS_SCALE  # as Megatron's optimizer sets it
@@ -167,13 +164,13 @@ def _worker(rank, world_size, tp, order, extra):
         forwards.append((calls[-1], calls[:-1], out.detach().clone(), labels, loss_mask))
         return out, functools.partial(pretrain_gpt.loss_func, loss_mask)  # MindSpeed-LLM's own
 
-    reports = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-                               num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=BATCH,
-                               forward_only=False)
+    with recorded_grad_scales() as scales:  # the fused output layer's default path: known in forward
+        reports = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+                                   num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=BATCH,
+                                   forward_only=False)
     assert len(forwards) == len(reports) == len(batches)
-    output_layer.megatron_grad_scale = grad_scale
     if "--lm-fused-output-layer" in extra:
-        assert len(scales_known) == len(batches) and all(s is not None for s in scales_known), scales_known
+        assert len(scales) == len(batches) and all(s is not None for s in scales), scales
     for (main, mtp_calls, out, labels, loss_mask), reported in zip(forwards, reports):
         assert main["labels"] is labels and torch.equal(main["loss"].detach(), out)
         assert main["transformed"] == transforms  # its torch ops did not run: the kernels computed them

@@ -195,14 +195,12 @@ def _fused_output_layer_worker(rank, world_size, tp, transform):
     _import_adaptors("cez first")
     from mindspeed_llm.training import arguments, training
 
-    from mindspeed_cez.patches import output_layer
     from mindspeed_cez.patches import settings as cez_settings
+    from support import recorded_grad_scales
 
     model = gpt._setup(tp)
     model.train()
     model.config.grad_scale_func = lambda loss: loss * 4.0  # a loss scale, as Megatron's optimizer sets it
-    scales_known, grad_scale = [], output_layer.megatron_grad_scale
-    output_layer.megatron_grad_scale = lambda *a: scales_known.append(grad_scale(*a)) or scales_known[-1]
     batches = gpt._micro_batches(ps.get_data_parallel_rank())
     position_ids = torch.arange(gpt.SEQ).unsqueeze(0).expand(gpt.BATCH, gpt.SEQ)
     mask = gpt.shims.causal_attention_mask(gpt.SEQ)
@@ -227,10 +225,10 @@ def _fused_output_layer_worker(rank, world_size, tp, transform):
         return kinds, outputs, grads, {k: float(v) for k, v in logged.items()}
 
     runs = {"unfused": run([])}
-    scales_known.clear()
-    runs["fused"] = run(["--lm-fused-output-layer"])
+    with recorded_grad_scales() as scales:
+        runs["fused"] = run(["--lm-fused-output-layer"])
     expected = [4.0 / float(m.sum()) / len(batches) for _, _, m in batches]
-    assert [float(s) for s in scales_known] == pytest.approx(expected, rel=1e-6), (scales_known, expected)
+    assert [float(s) for s in scales] == pytest.approx(expected, rel=1e-6), (scales, expected)
     wrap = ("TransformedLogits",) if transform else ()
     assert runs["fused"][0] == [(*wrap, "DeferredLogits")] * len(batches), runs["fused"][0]
     assert runs["unfused"][0] == [(*wrap, "Tensor")] * len(batches), runs["unfused"][0]
