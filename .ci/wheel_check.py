@@ -19,8 +19,8 @@ if where == "--checkout":
 import mindspeed_cez  # noqa: E402
 
 MODULES = [
-    "mindspeed_cez.arguments", "mindspeed_cez.cross_entropy_zloss", "mindspeed_cez.launch",
-    "mindspeed_cez.linear_cross_entropy", "mindspeed_cez.metrics", "mindspeed_cez.mindspeed_feature",
+    "mindspeed_cez.patches.arguments", "mindspeed_cez.cross_entropy_zloss", "mindspeed_cez.launch",
+    "mindspeed_cez.linear_cross_entropy", "mindspeed_cez.patches.metrics", "mindspeed_cez.patches.mindspeed_feature",
     "mindspeed_cez.kernels", "mindspeed_cez.kernels.torch_reference", "mindspeed_cez.kernels.triton_cross_entropy",
     "mindspeed_cez.kernels.triton_linear_cross_entropy", "mindspeed_cez.kernels.chunked_linear",
     "mindspeed_cez.patches", "mindspeed_cez.patches.megatron_core", "mindspeed_cez.patches.output_layer",

@@ -70,7 +70,10 @@ def _mindspeed_llm_logits(spec, in_kernel):
         layer.forward = forward
 
     GPTModel.__init__ = __init__
-    mindspeed_llm.transforms_logits = lambda args: in_kernel  # MindSpeed-LLM's flags, as the adaptor reads them
+    from mindspeed_cez.kernels.logit_transform import LogitTransform
+
+    transform = LogitTransform(scale=value) if kind == "scale" else LogitTransform(cap=value)
+    mindspeed_llm.logit_transform = lambda args: transform if in_kernel else None  # as MindSpeed-LLM's flags would set it
 
 
 def _report_peak_memory():

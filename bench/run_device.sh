@@ -34,7 +34,7 @@ step_env() {
 }
 step_tests() {
     (cd tests && timeout 240 $PY -m pytest -q -p no:cacheprovider test_op.py test_op_errors.py test_gpu.py test_linear_cross_entropy_gpu.py \
-        test_launch_configs.py test_launch.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -4
+        test_launch_configs.py test_triton_launcher.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -4
 }
 step_device-time() { timeout 150 $PY bench/device_time.py --out "$OUT/device_time.md" 2>&1 | tail -14; }
 step_host-time() { timeout 120 $PY bench/host_time.py --calls 1000 --repeats 5 --profile --out "$OUT/host_time.md" 2>&1 | head -12; }

@@ -2,16 +2,16 @@
 
 Each backend is a module with the same functions (logits ``[n, v_local]`` with a contiguous
 last dim, target ``[n]`` global ids, results fp32). ``fused_loss``, ``shard_partials`` and
-``write_grad`` also take the keywords ``logit_scale=1.0, logit_softcap=0.0``: everything below
-is then of ``z = cap * tanh(scale * x / cap)`` (``z = scale * x`` for cap 0), transformed per
-element in the backend's own working tiles / chunks, and ``write_grad`` writes ``dz * dz/dx``
-(``scale * (1 - (z/cap)**2)``, or ``scale``); the defaults compute on ``x`` itself:
+``write_grad`` also take the keyword ``transform=IDENTITY`` (a :class:`.logit_transform.LogitTransform`):
+everything below is then of ``z = transform.apply(x)``, transformed per element in the backend's
+own working tiles / chunks, and ``write_grad`` writes ``dz * dz/dx``; the default computes on ``x``:
 
 ``fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing)``
     one rank holds the whole vocab: ``[3, n]`` rows loss, z-loss, lse, in one pass.
 ``shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing)``
-    ``[4, n]``: this slice's row max, sum of exp(x - row max), target term
-    ``(1-a)*x[target] + (a/V)*sum(x)`` (NaN for an out-of-range target), row max again.
+    ``[4, n]`` partials, the layout of :mod:`.partials`: this slice's row max, sum of
+    exp(x - row max), target term ``(1-a)*x[target] + (a/V)*sum(x)`` (NaN for an out-of-range
+    target), row max again.
 ``rescale_sum_exp(partials)``
     after the MAX all-reduce of row 0: the sum-exp rescaled to the global max, in place.
 ``loss_from_partials(partials, target, ignore_index, z_loss_coeff)``
@@ -32,9 +32,9 @@ nothing in ``kernels/`` reads the environment (the adaptor's settings do).
 
 The fused output projection (``linear_cross_entropy_zloss``) has backends of its own, with
 ``linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing,
-*, ce_backend=None, chunk_cols=None, logit_scale=1.0, logit_softcap=0.0)`` (the ``[4, n]`` partials
+*, ce_backend=None, chunk_cols=None, transform=IDENTITY)`` (the ``[4, n]`` partials
 of ``rows @ weight.T``) and ``linear_grad(rows, weight, grad, ..., *, ce_backend=None,
-logit_scale=1.0, logit_softcap=0.0)`` (its gradient into ``grad``), the transform as above:
+transform=IDENTITY)`` (its gradient into ``grad``), the transform as above:
 ``"triton"`` (``triton_linear_cross_entropy``, ``tl.dot`` tiles; it makes no logits, so it needs
 neither keyword) and ``"gemm"`` (``chunked_linear``: GEMMs on ``chunk_cols`` vocab rows at a time,
 reduced by the cross-entropy backend ``ce_backend``, ``backend_for(device)`` when None);
@@ -44,6 +44,7 @@ reduced by the cross-entropy backend ``ce_backend``, ``backend_for(device)`` whe
 import importlib
 
 from . import torch_reference
+from .logit_transform import IDENTITY, LogitTransform  # noqa: F401  (the backends' transform= value)
 
 BACKENDS = ("torch", "triton")
 LINEAR_BACKENDS = {"gemm": ".chunked_linear", "triton": ".triton_linear_cross_entropy"}
@@ -90,10 +91,9 @@ def linear_backend_for(device, name=None, backend=None):
     """The fused output projection's backend, with ``linear_partials`` and ``linear_grad``:
     ``"triton"`` (``triton_linear_cross_entropy``: ``tl.dot`` tiles, no logits in memory) or
     ``"gemm"`` (``chunked_linear``: ``torch.matmul`` on vocab chunks and the cross-entropy
-    backend's kernels). ``name=None``: GEMMs on CUDA (cuBLAS; 1.54x the three-GEMM floor against the
-    Triton kernels' 1.65x on an H100, bench/results/2026-11-24_h100/linear_ce_triton.md) and where
-    the cross-entropy backend (``backend_for(device, backend)``) is the torch reference; Triton on
-    other accelerators (Ascend: the cube unit)."""
+    backend's kernels). ``name=None``: GEMMs on CUDA (cuBLAS is the faster of the two there, see
+    docs/performance.md) and where the cross-entropy backend (``backend_for(device, backend)``) is
+    the torch reference; Triton on other accelerators (Ascend: the cube unit)."""
     if name is None:
         triton_device = device.type != "cuda" and backend_for(device, backend) is not torch_reference
         name = "triton" if triton_device else "gemm"

@@ -10,7 +10,8 @@ the inputs: one chunk of logits.
 import torch
 
 from . import backend_for
-from .torch_reference import LOCAL_MAX, PARTIAL_ROWS, ROW_MAX, SUM_EXP, TARGET_TERM
+from .logit_transform import IDENTITY
+from .partials import LOCAL_MAX, PARTIAL_ROWS, ROW_MAX, SUM_EXP, TARGET_TERM
 
 CHUNK_LOGITS = 1 << 26  # logits per vocab chunk at most (128 MiB in bf16)
 
@@ -43,7 +44,7 @@ def merge_chunks(parts):
 
 
 def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
-                    ce_backend=None, chunk_cols=None, logit_scale=1.0, logit_softcap=0.0):
+                    ce_backend=None, chunk_cols=None, transform=IDENTITY):
     """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``, ``chunk_cols``
     vocab rows at a time (None: :func:`default_chunk_cols`), transformed by the CE backend. Memory
     beyond one chunk of logits: 16 bytes per token and chunk."""
@@ -51,15 +52,14 @@ def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_inde
     n_rows, n_cols = rows.shape[0], weight.shape[0]
     step = chunk_width(chunk_cols, n_rows, n_cols)
     parts = [backend.shard_partials(rows @ weight[c:c + step].t(), target, vocab_start + c, global_vocab,
-                                    ignore_index, label_smoothing, logit_scale=logit_scale, logit_softcap=logit_softcap)
+                                    ignore_index, label_smoothing, transform=transform)
              for c in range(0, n_cols, step)]
     return merge_chunks(torch.stack(parts))
 
 
 def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff,
-                label_smoothing, global_vocab, *, ce_backend=None, logit_scale=1.0, logit_softcap=0.0):
+                label_smoothing, global_vocab, *, ce_backend=None, transform=IDENTITY):
     """Writes the gradient of ``rows @ weight.T``'s loss into ``grad`` ``[n, weight rows]``."""
     torch.matmul(rows, weight.t(), out=grad)
     return (ce_backend or backend_for(rows.device)).write_grad(grad, grad, target, lse, grad_loss, ignore_index, vocab_start,
-                                               z_loss_coeff, label_smoothing, global_vocab, logit_scale=logit_scale,
-                                               logit_softcap=logit_softcap)
+                                               z_loss_coeff, label_smoothing, global_vocab, transform=transform)

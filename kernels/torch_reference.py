@@ -7,34 +7,16 @@ the interface. Rows are processed in chunks so the fp32 working copy stays small
 
 import torch
 
-_CHUNK_ELEMENTS = 1 << 22  # fp32 elements per working chunk (16 MiB)
+from .logit_transform import IDENTITY
+from .partials import LOCAL_MAX, PARTIAL_ROWS, ROW_MAX, SUM_EXP, TARGET_TERM
 
-# Rows of the partials tensor (the same layout as the Triton backend's).
-ROW_MAX, SUM_EXP, TARGET_TERM, LOCAL_MAX = 0, 1, 2, 3
-PARTIAL_ROWS = 4
+_CHUNK_ELEMENTS = 1 << 22  # fp32 elements per working chunk (16 MiB)
 
 
 def _row_chunks(n_rows: int, n_cols: int):
     rows = max(1, _CHUNK_ELEMENTS // max(n_cols, 1))
     for start in range(0, n_rows, rows):
         yield start, min(start + rows, n_rows)
-
-
-def transformed(x, logit_scale=1.0, logit_softcap=0.0):
-    """The logits the loss is of: ``cap * tanh(scale * x / cap)``, ``scale * x`` without a cap
-    (``logit_softcap`` 0), ``x`` itself for neither (MindSpeed-LLM's order: scale, then cap)."""
-    if logit_scale != 1.0:
-        x = x * logit_scale
-    if logit_softcap:
-        x = torch.tanh(x / logit_softcap) * logit_softcap
-    return x
-
-
-def _transform_slope(z, logit_scale, logit_softcap):
-    """dz/dx from z: ``scale * (1 - (z/cap)**2)``, ``scale`` without a cap."""
-    if logit_softcap:
-        return logit_scale * (1.0 - (z / logit_softcap).square())
-    return logit_scale
 
 
 def _local_target(target, vocab_start, n_cols):
@@ -50,16 +32,14 @@ def valid_targets(target, global_vocab, ignore_index):
     return (target == ignore_index) | ((target >= 0) & (target < global_vocab))
 
 
-def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *, logit_scale=1.0,
-                   logit_softcap=0.0):
-    """fp32 [PARTIAL_ROWS, n]: this slice's row max, sum of exp(x - row max), target term
-    ``(1-a)*x[target] + (a/V)*sum(x)`` (the x[target] part 0 when another rank owns the target,
-    NaN when the target is out of range), and the row max again; ``x`` the :func:`transformed` logits."""
+def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
+                   transform=IDENTITY):
+    """fp32 [PARTIAL_ROWS, n], the layout of :mod:`.partials`, of ``transform.apply(logits)``."""
     n_rows, n_cols = logits.shape
     partials = torch.empty(PARTIAL_ROWS, n_rows, dtype=torch.float32, device=logits.device)
     invalid = ~valid_targets(target, global_vocab, ignore_index)
     for start, end in _row_chunks(n_rows, n_cols):
-        x = transformed(logits[start:end].float(), logit_scale, logit_softcap)
+        x = transform.apply(logits[start:end].float())
         row_max = x.amax(dim=-1)
         partials[ROW_MAX, start:end] = row_max
         partials[LOCAL_MAX, start:end] = row_max
@@ -92,24 +72,22 @@ def loss_from_partials(partials, target, ignore_index, z_loss_coeff):
     return partials[:3]
 
 
-def fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing, *, logit_scale=1.0, logit_softcap=0.0):
+def fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing, *, transform=IDENTITY):
     """One rank holds the whole vocab: fp32 [3, n] rows (loss, z-loss, lse)."""
     n_cols = logits.shape[1]
-    partials = shard_partials(logits, target, 0, n_cols, ignore_index, label_smoothing, logit_scale=logit_scale,
-                              logit_softcap=logit_softcap)
+    partials = shard_partials(logits, target, 0, n_cols, ignore_index, label_smoothing, transform=transform)
     return loss_from_partials(partials, target, ignore_index, z_loss_coeff)
 
 
 def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff, label_smoothing,
-               global_vocab, *, logit_scale=1.0, logit_softcap=0.0):
+               global_vocab, *, transform=IDENTITY):
     """Write ``g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)`` into ``grad`` (may alias
     ``logits``), ``g`` the upstream gradient ``grad_loss`` (0 on ignored rows); with a transform,
-    that gradient of the :func:`transformed` logits times their slope ``dz/dx``."""
-    transform = logit_scale != 1.0 or logit_softcap
+    that gradient of the transformed logits times their slope ``dz/dx``."""
     n_rows, n_cols = logits.shape
     grad_scale = grad_loss.float().masked_fill(target == ignore_index, 0.0)
     for start, end in _row_chunks(n_rows, n_cols):
-        z = transformed(logits[start:end].float(), logit_scale, logit_softcap)
+        z = transform.apply(logits[start:end].float())
         g = grad_scale[start:end, None]
         row_lse = lse[start:end, None]
         dx = torch.exp(z - row_lse) * (g * (1.0 + 2.0 * z_loss_coeff * row_lse))
@@ -118,8 +96,8 @@ def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, 
         local, owned = _local_target(target[start:end], vocab_start, n_cols)
         onehot_grad = torch.where(owned[:, None], g * (1.0 - label_smoothing), torch.zeros_like(g))
         dx.scatter_add_(1, local[:, None], -onehot_grad)
-        if transform:
-            dx *= _transform_slope(z, logit_scale, logit_softcap)
+        if not transform.is_identity:
+            dx *= transform.slope(z)
         grad[start:end].copy_(dx)
     return grad
 

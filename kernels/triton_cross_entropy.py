@@ -4,9 +4,8 @@ One source for NVIDIA (``triton``) and Ascend (``triton-ascend``). The two strea
 launch a persistent grid (``device_cores.num_programs``): program ``p`` takes the contiguous
 rows ``[p*rows_per_program, (p+1)*rows_per_program)`` and walks each row's vocab slice in tiles
 of ``BLOCK_V`` columns, asking for the next tile (across row ends too) before working on the
-current one. (On CUDA, ptxas was seen scheduling the forward's loads partway into the
-current tile's math; the many programs sharing an SM hide the rest of the latency, see
-bench/NOTES.md.) Row offsets are int64 (N*V may pass 2**31). Nothing here reads tensor values
+current one (on CUDA the many programs sharing an SM hide the rest of the load latency).
+Row offsets are int64 (N*V may pass 2**31). Nothing here reads tensor values
 on the host, so forward + backward capture in a CUDA graph.
 
 Forward reads the logits once. A tile is viewed as ``[SLOTS, SLOT_WIDTH]``; each slot keeps
@@ -23,13 +22,13 @@ Backward reads the logits once more and writes the gradient, in place when the c
 the logits' own buffer as ``grad``; each row's lse, upstream gradient and target are loaded
 one row ahead.
 
-A logit scale or soft cap is a ``TRANSFORM`` constexpr (``NO_TRANSFORM`` compiles to the kernels
-without one): forward transforms each fp32 tile in registers before the online softmax, the
+A logit scale or soft cap is a ``TRANSFORM`` constexpr (``LogitTransform.kind``,
+:mod:`.logit_transform`; ``NO_TRANSFORM`` compiles to the kernels without one): forward transforms each fp32 tile in registers before the online softmax, the
 smoothing sum and the target logit (the soft cap's padding columns put back to -inf); backward
 recomputes z from x per element and multiplies by its slope. tanh is ``_tanh_and_slope``, from
 exp2 (``tl.math.tanh`` does not lower on triton-ascend).
 
-Launches go through ``launch.Launcher`` (the compiled kernel reused without Triton's per-call
+Launches go through ``triton_launcher.Launcher`` (the compiled kernel reused without Triton's per-call
 specialization) with each shape's grid and settings computed once.
 """
 
@@ -39,8 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import logit_transform, partials
 from .device_cores import num_programs
-from .launch import Launcher
+from .logit_transform import IDENTITY
+from .triton_launcher import Launcher
 
 # Launch settings per device type, as (narrowest vocab slice they apply to, settings), widest
 # first. Settings of the forward (fwd_*) and the backward (bwd_*) kernel: columns per tile,
@@ -75,24 +76,16 @@ VECTOR_BLOCK = 1024
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
-# Partials of one rank, rows of a fp32 [PARTIAL_ROWS, n] tensor. ROW_MAX becomes the global max
-# after the MAX all-reduce; SUM_EXP (relative to ROW_MAX) and TARGET_TERM are then all-reduced
-# together; LOCAL_MAX keeps this rank's max for the rescale in between.
-ROW_MAX = tl.constexpr(0)
-SUM_EXP = tl.constexpr(1)
-TARGET_TERM = tl.constexpr(2)
-LOCAL_MAX = tl.constexpr(3)
-PARTIAL_ROWS = 4
-
-# The kernels' TRANSFORM constexpr: the loss of x itself, of z = scale * x, or of
-# z = cap * tanh(scale * x / cap). The first compiles to the kernels without a transform.
-NO_TRANSFORM, SCALE, SOFTCAP = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-
-
-def transform_args(logit_scale, logit_softcap):
-    """The kernels' (logit_scale, logit_softcap) arguments and TRANSFORM constexpr (an int)."""
-    kind = SOFTCAP if logit_softcap else (SCALE if logit_scale != 1.0 else NO_TRANSFORM)
-    return float(logit_scale), float(logit_softcap), kind.value
+# The partials layout (:mod:`.partials`) and the TRANSFORM constexpr (:mod:`.logit_transform`),
+# as constexprs the kernels can use.
+ROW_MAX = tl.constexpr(partials.ROW_MAX)
+SUM_EXP = tl.constexpr(partials.SUM_EXP)
+TARGET_TERM = tl.constexpr(partials.TARGET_TERM)
+LOCAL_MAX = tl.constexpr(partials.LOCAL_MAX)
+PARTIAL_ROWS = partials.PARTIAL_ROWS
+NO_TRANSFORM = tl.constexpr(logit_transform.NO_TRANSFORM)
+SCALE = tl.constexpr(logit_transform.SCALE)
+SOFTCAP = tl.constexpr(logit_transform.SOFTCAP)
 
 
 @triton.jit
@@ -407,36 +400,35 @@ def _loss_constants(z_loss_coeff, label_smoothing, global_vocab):
 
 
 def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_loss_coeff, label_smoothing, finish,
-             logit_scale, logit_softcap):
+             transform):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return out
     plan = _plan(logits.device, n_rows, n_cols, "fwd")
     grid, rows_per_program, (slots, slot_width, check), evict, options = plan
-    scale, cap, transform = transform_args(logit_scale, logit_softcap)
+    scale, cap, kind = transform.kernel_args()
     args = (
         logits, logits.stride(0), target, out, n_rows, n_cols, rows_per_program, vocab_start, global_vocab,
         ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab), scale, cap,
-        slots, slot_width, finish, label_smoothing > 0, check, evict, transform,
+        slots, slot_width, finish, label_smoothing > 0, check, evict, kind,
     )
     _launch_forward(grid, args, options)
     return out
 
 
-def fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing, *, logit_scale=1.0, logit_softcap=0.0):
+def fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing, *, transform=IDENTITY):
     """One rank holds the whole vocab: fp32 [3, n] rows (loss, z-loss, lse) in one pass."""
     out = torch.empty(3, logits.shape[0], dtype=torch.float32, device=logits.device)
     n_cols = logits.shape[1]
-    return _forward(logits, target, out, 0, n_cols, ignore_index, z_loss_coeff, label_smoothing, True, logit_scale,
-                    logit_softcap)
+    return _forward(logits, target, out, 0, n_cols, ignore_index, z_loss_coeff, label_smoothing, True, transform)
 
 
-def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *, logit_scale=1.0,
-                   logit_softcap=0.0):
-    """fp32 [PARTIAL_ROWS, n]: row max, sum-exp, target term, row max again (see the constants)."""
+def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
+                   transform=IDENTITY):
+    """fp32 [PARTIAL_ROWS, n], the layout of :mod:`.partials`."""
     out = torch.empty(PARTIAL_ROWS, logits.shape[0], dtype=torch.float32, device=logits.device)
     return _forward(logits, target, out, vocab_start, global_vocab, ignore_index, 0.0, label_smoothing, False,
-                    logit_scale, logit_softcap)
+                    transform)
 
 
 def _vector_grid(n_rows):
@@ -459,16 +451,16 @@ def loss_from_partials(partials, target, ignore_index, z_loss_coeff):
 
 
 def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff, label_smoothing,
-               global_vocab, *, logit_scale=1.0, logit_softcap=0.0):
+               global_vocab, *, transform=IDENTITY):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return grad
     grid, rows_per_program, (block_v,), evict, options = _plan(logits.device, n_rows, n_cols, "bwd")
-    scale, cap, transform = transform_args(logit_scale, logit_softcap)
+    scale, cap, kind = transform.kernel_args()
     args = (
         logits, logits.stride(0), grad, grad.stride(0), target, lse, grad_loss, grad_loss.stride(0), n_rows, n_cols,
         rows_per_program, vocab_start, ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),
-        scale, cap, block_v, evict, transform,
+        scale, cap, block_v, evict, kind,
     )
     _launch_grad(grid, args, options)
     return grad

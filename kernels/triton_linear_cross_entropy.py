@@ -31,9 +31,10 @@ import triton
 import triton.language as tl
 
 from .device_cores import num_programs
-from .launch import Launcher
-from .triton_cross_entropy import (LOG2E, NO_TRANSFORM, PARTIAL_ROWS, _loss_constants, _transform,
-                                   _transform_with_slope, transform_args)
+from .logit_transform import IDENTITY
+from .triton_cross_entropy import (LOCAL_MAX, LOG2E, NO_TRANSFORM, PARTIAL_ROWS, ROW_MAX, SUM_EXP, TARGET_TERM,
+                                   _loss_constants, _transform, _transform_with_slope)
+from .triton_launcher import Launcher
 
 PARTIALS = tl.constexpr(PARTIAL_ROWS)  # rows of one group's partials, inside the kernels
 
@@ -136,10 +137,10 @@ def _partials_kernel(
         invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
         term = tl.where(invalid, float("nan"), term)
         out = out_ptr + group.to(tl.int64) * (PARTIALS * n_rows) + rows
-        tl.store(out, row_max, mask=row_ok)
-        tl.store(out + n_rows, sum_exp, mask=row_ok)
-        tl.store(out + 2 * n_rows, term, mask=row_ok)
-        tl.store(out + 3 * n_rows, row_max, mask=row_ok)
+        tl.store(out + ROW_MAX * n_rows, row_max, mask=row_ok)
+        tl.store(out + SUM_EXP * n_rows, sum_exp, mask=row_ok)
+        tl.store(out + TARGET_TERM * n_rows, term, mask=row_ok)
+        tl.store(out + LOCAL_MAX * n_rows, row_max, mask=row_ok)
 
 
 @triton.jit
@@ -152,18 +153,18 @@ def _merge_kernel(groups_ptr, out_ptr, n_rows, n_groups, BLOCK: tl.constexpr):
     term = tl.zeros([BLOCK], tl.float32)
     part = groups_ptr + rows  # int64 rows: the pointer walks the groups in 64 bits
     for _ in range(0, n_groups):
-        g_max = tl.load(part, mask=mask, other=-float("inf"))
-        g_sum = tl.load(part + n_rows, mask=mask, other=0.0)
+        g_max = tl.load(part + ROW_MAX * n_rows, mask=mask, other=-float("inf"))
+        g_sum = tl.load(part + SUM_EXP * n_rows, mask=mask, other=0.0)
         new_max = tl.maximum(row_max, g_max)
         ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E
         sum_exp = sum_exp * tl.exp2(row_max * LOG2E - ref) + g_sum * tl.exp2(g_max * LOG2E - ref)
         row_max = new_max
-        term += tl.load(part + 2 * n_rows, mask=mask, other=0.0)
+        term += tl.load(part + TARGET_TERM * n_rows, mask=mask, other=0.0)
         part += PARTIALS * n_rows
-    tl.store(out_ptr + rows, row_max, mask=mask)
-    tl.store(out_ptr + n_rows + rows, sum_exp, mask=mask)
-    tl.store(out_ptr + 2 * n_rows + rows, term, mask=mask)
-    tl.store(out_ptr + 3 * n_rows + rows, row_max, mask=mask)
+    tl.store(out_ptr + ROW_MAX * n_rows + rows, row_max, mask=mask)
+    tl.store(out_ptr + SUM_EXP * n_rows + rows, sum_exp, mask=mask)
+    tl.store(out_ptr + TARGET_TERM * n_rows + rows, term, mask=mask)
+    tl.store(out_ptr + LOCAL_MAX * n_rows + rows, row_max, mask=mask)
 
 
 @triton.jit
@@ -241,7 +242,7 @@ def _unit_stride(t):
 
 
 def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
-                    ce_backend=None, chunk_cols=None, logit_scale=1.0, logit_softcap=0.0):
+                    ce_backend=None, chunk_cols=None, transform=IDENTITY):
     """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``, no logits (so
     neither a cross-entropy backend nor a chunk width: ``ce_backend`` and ``chunk_cols`` are unused)."""
     rows, weight = _unit_stride(rows), _unit_stride(weight)
@@ -254,17 +255,17 @@ def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_inde
     n_groups = groups(n_cols, rows.device.type)
     per_group = torch.empty(n_groups, PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
     _, target_weight, smoothing_per_col = _loss_constants(0.0, label_smoothing, global_vocab)
-    scale, cap, transform = transform_args(logit_scale, logit_softcap)
+    scale, cap, kind = transform.kernel_args()
     args = (rows, rows.stride(0), weight, weight.stride(0), target, per_group, n_rows, n_cols, h, vocab_start,
             global_vocab, ignore_index, target_weight, smoothing_per_col, scale, cap, *constexprs, label_smoothing > 0,
-            precision, transform)
+            precision, kind)
     _launch_partials(grid, args, options)
     _launch_merge((triton.cdiv(n_rows, MERGE_BLOCK),), (per_group, out, n_rows, n_groups, MERGE_BLOCK), ())
     return out
 
 
 def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff,
-                label_smoothing, global_vocab, *, ce_backend=None, logit_scale=1.0, logit_softcap=0.0):
+                label_smoothing, global_vocab, *, ce_backend=None, transform=IDENTITY):
     """Writes the gradient of ``rows @ weight.T``'s loss into ``grad`` ``[n, weight rows]`` (in the
     kernel: ``ce_backend`` is unused)."""
     rows, weight = _unit_stride(rows), _unit_stride(weight)
@@ -273,9 +274,9 @@ def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_
     if n_rows == 0:
         return grad
     grid, constexprs, options, precision = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad")
-    scale, cap, transform = transform_args(logit_scale, logit_softcap)
+    scale, cap, kind = transform.kernel_args()
     args = (rows, rows.stride(0), weight, weight.stride(0), grad, grad.stride(0), target, lse, grad_loss,
             grad_loss.stride(0), n_rows, n_cols, h, vocab_start, ignore_index,
-            *_loss_constants(z_loss_coeff, label_smoothing, global_vocab), scale, cap, *constexprs, precision, transform)
+            *_loss_constants(z_loss_coeff, label_smoothing, global_vocab), scale, cap, *constexprs, precision, kind)
     _launch_grad(grid, args, options)
     return grad

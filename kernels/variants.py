@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 
 import triton
 
+from . import logit_transform
 from . import triton_cross_entropy as tce
 from . import triton_linear_cross_entropy as tlce
 
-# The logit transforms compiled besides none: "scale" (z = s*x) and "softcap" (z = C*tanh(s*x/C)).
-TRANSFORMS = {"scale": tce.SCALE.value, "softcap": tce.SOFTCAP.value}
+# The logit transforms compiled besides none, by name: the kernels' TRANSFORM constexpr.
+TRANSFORMS = {logit_transform.KIND_NAMES[k]: k for k in (logit_transform.SCALE, logit_transform.SOFTCAP)}
 
 # Arguments that Triton's launcher finds divisible by 16 in real use (it specializes on that at
 # run time): every pointer, the row strides, and the vocab width (a multiple of 128 in Megatron).

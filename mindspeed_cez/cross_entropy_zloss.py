@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_cez import kernels
+from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.tensor_parallel import group_rank_and_size, merged_loss, resolve_tp_group
 
 _checked_shard_widths = {}
 
 
-def _check_arguments(logits, target, z_loss_coeff, label_smoothing, logit_scale, logit_softcap):
+def _check_arguments(logits, target, z_loss_coeff, label_smoothing):
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor (bf16/fp16/fp32), got {getattr(logits, 'dtype', type(logits))}")
     if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
@@ -42,22 +43,27 @@ def _check_arguments(logits, target, z_loss_coeff, label_smoothing, logit_scale,
         raise ValueError("logits has an empty vocab dimension")
     if logits.device != target.device:
         raise ValueError(f"logits ({logits.device}) and target ({target.device}) are on different devices")
-    check_coefficients(z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
+    check_coefficients(z_loss_coeff, label_smoothing)
 
 
-def _finite_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_coefficients(z_loss_coeff, label_smoothing, logit_scale=1.0, logit_softcap=0.0):
-    if not (isinstance(z_loss_coeff, (int, float)) and math.isfinite(z_loss_coeff) and z_loss_coeff >= 0):
-        raise ValueError(f"z_loss_coeff must be a finite number >= 0, got {z_loss_coeff!r}")
-    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0):
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
-    if not (_finite_number(logit_scale) and logit_scale > 0):
-        raise ValueError(f"logit_scale must be a finite number > 0, got {logit_scale!r}")
-    if not (_finite_number(logit_softcap) and logit_softcap >= 0):
-        raise ValueError(f"logit_softcap must be a finite number >= 0 (0: no cap), got {logit_softcap!r}")
+def check_z_loss_coeff(value, name="z_loss_coeff"):
+    """The one check of the z-loss coefficient (the ops, the adaptor's settings, the flag: ``name``)."""
+    if not (_number(value) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def check_label_smoothing(value, name="label_smoothing"):
+    if not (_number(value) and 0.0 <= value < 1.0):
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+
+
+def check_coefficients(z_loss_coeff, label_smoothing):
+    check_z_loss_coeff(z_loss_coeff)
+    check_label_smoothing(label_smoothing)
 
 
 def _check_target_range(target, global_vocab, ignore_index, backend):
@@ -103,8 +109,7 @@ def _as_rows(logits):
 
 class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, backend, logit_scale,
-                logit_softcap):
+    def forward(ctx, logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, backend, transform):
         rank, world_size = group_rank_and_size(tp_group)
         v_local = logits.shape[-1]
         global_vocab = v_local * world_size
@@ -114,12 +119,11 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         flat_target = target.reshape(-1)
         vocab_start = rank * v_local
         _check_target_range(flat_target, global_vocab, ignore_index, backend)
-        transform = {"logit_scale": float(logit_scale), "logit_softcap": float(logit_softcap)}
         if world_size == 1:
-            out = backend.fused_loss(rows, flat_target, ignore_index, z_loss_coeff, label_smoothing, **transform)
+            out = backend.fused_loss(rows, flat_target, ignore_index, z_loss_coeff, label_smoothing, transform=transform)
         else:
             partials = backend.shard_partials(rows, flat_target, vocab_start, global_vocab, ignore_index,
-                                              label_smoothing, **transform)
+                                              label_smoothing, transform=transform)
             out = merged_loss(backend, partials, flat_target, ignore_index, z_loss_coeff, tp_group, world_size)
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)  # one view op for the three
 
@@ -158,12 +162,12 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
             ctx.z_loss_coeff,
             ctx.label_smoothing,
             ctx.global_vocab,
-            **ctx.transform,
+            transform=ctx.transform,
         )
         if ctx.in_place:
             # The logits now hold their gradient: any later use of them in backward must fail loudly.
             torch.autograd.graph.increment_version(rows)
-        return grad.view(ctx.logits_shape), *(None,) * 8
+        return grad.view(ctx.logits_shape), *(None,) * 7
 
 
 def vocab_parallel_cross_entropy_zloss(
@@ -219,9 +223,10 @@ def cross_entropy_zloss_with_lse(
     """The op, also returning the detached per-token log-sum-exp (fp32, shape of target) it
     computed anyway (of the transformed logits): the adaptor logs its mean as ``lm_lse`` without
     another pass."""
-    _check_arguments(logits, target, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
+    _check_arguments(logits, target, z_loss_coeff, label_smoothing)
+    transform = LogitTransform(logit_scale, logit_softcap)
     tp_group = resolve_tp_group(tp_group)
     return VocabParallelCrossEntropyZLoss.apply(
         logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
-        kernels.backend_for(logits.device, backend), logit_scale, logit_softcap,
+        kernels.backend_for(logits.device, backend), transform,
     )

@@ -30,6 +30,7 @@ import torch
 from mindspeed_cez import kernels
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.cross_entropy_zloss import _check_target_range, check_coefficients
+from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
                                            resolve_tp_group)
 
@@ -57,7 +58,8 @@ def _check(hidden, weight, target, z_loss_coeff, label_smoothing, logit_scale, l
         raise ValueError(f"target {tuple(target.shape)} must be hidden's shape without h, {expected}{sp}")
     if target.device != hidden.device:
         raise ValueError(f"target ({target.device}) and hidden ({hidden.device}) are on different devices")
-    check_coefficients(z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
+    check_coefficients(z_loss_coeff, label_smoothing)
+    LogitTransform(logit_scale, logit_softcap)
 
 
 def _check_targets(target, global_vocab, ignore_index):
@@ -128,7 +130,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
         _check_targets(flat_target, global_vocab, ignore_index)
         stats = linear.linear_partials(rows, weight, flat_target, vocab_start, global_vocab, ignore_index,
-                                       label_smoothing, ce_backend=backend, chunk_cols=chunk_cols, **transform)
+                                       label_smoothing, ce_backend=backend, chunk_cols=chunk_cols, transform=transform)
         out = merged_loss(backend, stats, flat_target, ignore_index, z_loss_coeff, tp_group, tp_size)
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
 
@@ -159,7 +161,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
             w = weight[c:c + step]
             dlogits = linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss, ignore_index,
                                          vocab_start + c, z_loss_coeff, label_smoothing, global_vocab, ce_backend=backend,
-                                         **transform)
+                                         transform=transform)
             _accumulate_mm(drows, dlogits, w)  # fp32 sum over vocab chunks
             if into_main_grad:
                 _accumulate_mm(weight.main_grad[c:c + step], dlogits.t(), rows)
@@ -228,10 +230,10 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             logits = block[:x.shape[0]]
             torch.matmul(x, weight.t(), out=logits)
             stats = backend.shard_partials(logits, t, vocab_start, global_vocab, ignore_index, label_smoothing,
-                                           **transform)
+                                           transform=transform)
             out[:, r:r + step] = merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size)
             backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], ignore_index, vocab_start,
-                               z_loss_coeff, label_smoothing, global_vocab, **transform)
+                               z_loss_coeff, label_smoothing, global_vocab, transform=transform)
             if known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
                 torch.matmul(logits, weight, out=drows[r:r + step])
                 _accumulate_mm(dweight, logits.t(), x)
@@ -328,7 +330,7 @@ def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0
            group_rank_and_size(tp_group)[1], sequence_parallel)
     _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block)
     ce_backend = kernels.backend_for(hidden.device, backend)
-    transform = {"logit_scale": float(logit_scale), "logit_softcap": float(logit_softcap)}
+    transform = LogitTransform(logit_scale, logit_softcap)
     if grads == "recompute":
         linear = kernels.linear_backend_for(hidden.device, linear_backend, backend)
         return LinearCrossEntropyZLoss.apply(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index,

@@ -3,19 +3,20 @@
 What the import does:
 
 * **With MindSpeed** (``mindspeed`` importable): registers the feature of
-  :mod:`mindspeed_cez.mindspeed_feature` with MindSpeed's feature list and patch manager.
+  :mod:`mindspeed_cez.patches.mindspeed_feature` with MindSpeed's feature list and patch manager.
   MindSpeed then adds our flags to Megatron's parser and calls our validation; the wrappers
   are applied by ``MindSpeedPatchesManager``.
 * **Without MindSpeed**: installs the megatron-core wrappers (``mindspeed_cez.patches``; they
   pass through until configured) and, when ``megatron.training`` exists, wraps its
-  ``parse_args`` (adds :func:`mindspeed_cez.arguments.add_lm_z_loss_args` to whatever
+  ``parse_args`` (adds :func:`mindspeed_cez.patches.arguments.add_lm_z_loss_args` to whatever
   ``extra_args_provider`` the script passes) and ``validate_args`` (runs
-  :func:`mindspeed_cez.arguments.validate_lm_z_loss_args`, then activates the fused loss with
+  :func:`mindspeed_cez.patches.arguments.validate_lm_z_loss_args`, then activates the fused loss with
   the parsed flags). If Megatron's arguments are already parsed, they are read right away.
 * megatron-core only (no ``megatron.training``): the flags are read from ``sys.argv``.
 
 The flags (``--lm-z-loss-coeff``, ``--lm-fused-ce``, ``--no-lm-fused-ce``,
-``--lm-z-loss-log-lse``) are described in :mod:`mindspeed_cez.arguments`.
+``--lm-z-loss-log-lse``, ``--lm-fused-output-layer``) are described in
+:mod:`mindspeed_cez.patches.arguments`.
 """
 
 import functools
@@ -23,7 +24,8 @@ import importlib.util
 import logging
 import sys
 
-from mindspeed_cez import arguments, mindspeed_feature, patches
+from mindspeed_cez import patches
+from mindspeed_cez.patches import arguments, mindspeed_feature
 from mindspeed_cez.patches import settings as _settings
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,7 @@ def validate_args_wrapper(fn):
 
     @functools.wraps(fn)
     def validate_args(args, *rest, **kwargs):
-        arguments.validate_lm_z_loss_args(args)
+        arguments.validate_flags(args)
         result = fn(args, *rest, **kwargs)
         configure_from_args(args)
         return result

@@ -17,7 +17,7 @@ import sys
 
 import torch.distributed as dist
 
-from mindspeed_cez.kernels.torch_reference import ROW_MAX, SUM_EXP, TARGET_TERM
+from mindspeed_cez.kernels.partials import ROW_MAX, SUM_EXP, TARGET_TERM
 
 
 def resolve_tp_group(tp_group=None):

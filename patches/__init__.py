@@ -9,124 +9,25 @@ For scripts built on megatron-core alone::
 
 Both are idempotent; calling ``apply`` again only changes the settings. With MindSpeed installed,
 ``import mindspeed_cez.megatron_adaptor`` registers the same wrappers through MindSpeed's patch
-manager instead (see :mod:`mindspeed_cez.mindspeed_feature`).
+manager instead (see :mod:`.mindspeed_feature`).
 
-What is patched is listed in :data:`PATCH_TARGETS`; :mod:`mindspeed_cez.patches.megatron_core`
-describes each wrapper. Functions are replaced in their defining module *and* in every loaded
-module that bound a copy (``from x import f``); modules imported later pick up the patched
-attribute. Targets that this megatron-core does not have are skipped. Once MindSpeed-LLM is
-imported, its own model forward and training log join the targets (:mod:`.mindspeed_llm`).
+What is patched is listed by :func:`patch_targets` (:mod:`.targets`, which also installs them);
+:mod:`.megatron_core` describes each wrapper.
+
+This folder holds everything about Megatron / MindSpeed / MindSpeed-LLM: the flags
+(:mod:`.arguments`), the run-time settings, the patch points, the metrics and their logging, the
+MindSpeed feature. It builds on the ops of :mod:`mindspeed_cez`, never the other way round.
 """
 
-import importlib
 import sys
 import warnings
 
-from mindspeed_cez import moe_tracker
-from mindspeed_cez.patches import megatron_core as mc
-from mindspeed_cez.patches import mindspeed_llm, output_layer, training_log
+from mindspeed_cez.patches import mindspeed_feature, mindspeed_llm
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.settings import Settings
+from mindspeed_cez.patches.targets import install_patches, install_target, installed_targets, patch_targets, uninstall_all
 
-__all__ = ["apply", "activate", "remove", "is_applied", "active_settings", "Settings", "PATCH_TARGETS"]
-
-
-def _targets():
-    lm = "megatron.core.models.common.language_module.language_module"
-    targets = [
-        (f"{lm}.LanguageModule.compute_language_model_loss", mc.compute_language_model_loss_wrapper),
-        ("megatron.core.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy", mc.vocab_parallel_cross_entropy_wrapper),
-        ("megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy", mc.fused_vocab_parallel_cross_entropy_wrapper),
-        (f"{lm}.te_parallel_cross_entropy", mc.te_parallel_cross_entropy_wrapper),
-        ("megatron.core.tensor_parallel.layers.ColumnParallelLinear.forward", output_layer.column_parallel_forward_wrapper),
-    ]
-    targets += [(path, mc.loss_context_wrapper) for path in mc.loss_context_paths()]
-    report = moe_tracker.report_path()
-    if report is not None:
-        targets.append((report, training_log.moe_metrics_report_wrapper))
-    if importlib.util.find_spec("megatron.training") is not None:
-        targets.append(("megatron.training.training.training_log", training_log.training_log_wrapper))
-    return targets + mindspeed_llm.patch_targets()
-
-
-def __getattr__(name):
-    if name == "PATCH_TARGETS":
-        return _targets()
-    raise AttributeError(name)
-
-
-def _resolve(path):
-    """``a.b.mod.Cls.attr`` -> (owner object, attribute name, owner-is-a-class)."""
-    parts = path.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        modname = ".".join(parts[:split])
-        try:
-            owner = importlib.import_module(modname)
-        except ImportError:
-            continue
-        for attr in parts[split:-1]:
-            owner = getattr(owner, attr)
-        return owner, parts[-1], isinstance(owner, type)
-    raise ImportError(path)
-
-
-# path -> (owner, attr, original, replacement, [(module, attr) copies replaced])
-_APPLIED = {}
-
-
-def _install(path, wrapper):
-    try:
-        owner, attr, is_class = _resolve(path)
-    except (ImportError, AttributeError):
-        return False  # this megatron-core version has no such target (e.g. megatron.training absent)
-    if not is_class and not hasattr(owner, attr):
-        return False
-    original = owner.__dict__.get(attr) if is_class else getattr(owner, attr)
-    if is_class and original is None:
-        return False
-    replacement = wrapper(original)
-    setattr(owner, attr, replacement)
-    copies = []
-    if not is_class and original is not None:
-        for modname, module in list(sys.modules.items()):
-            if module is None or module is owner or modname.startswith("mindspeed_cez"):
-                continue
-            for name, value in list(getattr(module, "__dict__", {}).items()):
-                if value is original:
-                    setattr(module, name, replacement)
-                    copies.append((module, name))
-    _APPLIED[path] = (owner, attr, original, replacement, copies)
-    return True
-
-
-def _uninstall(path):
-    owner, attr, original, replacement, copies = _APPLIED.pop(path)
-    if (owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)) is replacement:
-        setattr(owner, attr, original)
-    for module, name in copies:
-        if getattr(module, name, None) is replacement:
-            setattr(module, name, original)
-    # modules imported while patched bound the replacement: restore those too
-    if not isinstance(owner, type):
-        for modname, module in list(sys.modules.items()):
-            if module is None or modname.startswith("mindspeed_cez"):
-                continue
-            for name, value in list(getattr(module, "__dict__", {}).items()):
-                if value is replacement:
-                    setattr(module, name, original)
-
-
-def install_target(path, wrapper):
-    """Install one extra wrapper (e.g. the argument hooks of ``mindspeed_cez.megatron_adaptor``)."""
-    return path in _APPLIED or _install(path, wrapper)
-
-
-def install_patches():
-    """Install every wrapper (idempotent); they stay pass-through until settings are active."""
-    for path, wrapper in _targets():
-        if path not in _APPLIED:
-            _install(path, wrapper)
-    return sorted(_APPLIED)
+__all__ = ["apply", "activate", "remove", "active_settings", "Settings", "patch_targets"]
 
 
 def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
@@ -144,8 +45,9 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
             :func:`mindspeed_cez.linear_cross_entropy_zloss` (no logits tensor), see :mod:`.output_layer`.
         output_layer_grads: the op's ``grads``: ``"forward"`` (default; gradients during the forward,
             with the loss mask as the op's ``token_weights``, where there is one) or ``"recompute"``.
-        logit_transform: compute MindSpeed-LLM's scaling / soft cap of the logits in the kernels
-            (:mod:`.logit_transform`); None: where Megatron's parsed arguments have those flags set.
+        logit_transform: the ``LogitTransform`` MindSpeed-LLM's model applies to the logits, computed in
+            the kernels instead (:mod:`.logit_transform`); None: read from Megatron's parsed arguments
+            (its ``--output-multiplier-scale`` / ``--output-logit-softcapping``); False: none.
         backend, linear_backend: the ops' ``backend`` / ``linear_backend`` (None: automatic per device).
 
     Runs the startup checks of the flag path (MindSpeed-LLM's modes that bypass the fused kernel,
@@ -156,10 +58,12 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
     """
     if logit_transform is None:
         args = megatron_args()
-        logit_transform = args is not None and mindspeed_llm.transforms_logits(args)
+        logit_transform = None if args is None else mindspeed_llm.logit_transform(args)
+    elif logit_transform is False:
+        logit_transform = None
     settings = Settings(z_loss_coeff=float(z_loss_coeff), label_smoothing=label_smoothing,
                         log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer),
-                        output_layer_grads=output_layer_grads, logit_transform=bool(logit_transform),
+                        output_layer_grads=output_layer_grads, logit_transform=logit_transform,
                         backend=backend, linear_backend=linear_backend)
     _check_megatron_args(settings)
     return activate(settings)
@@ -194,9 +98,8 @@ def megatron_args():
 def activate(settings):
     """Install the wrappers (idempotent) and make ``settings`` the active ones; no checks (the
     flag path validated its arguments already). Returns ``settings``."""
-    feature = sys.modules.get("mindspeed_cez.mindspeed_feature")
-    if feature is not None and feature.registered_with_mindspeed():
-        feature.register_patches_now()  # MindSpeed's patch manager owns the patching
+    if mindspeed_feature.registered_with_mindspeed():
+        mindspeed_feature.register_patches_now()  # MindSpeed's patch manager owns the patching
     else:
         install_patches()
     _settings.set_active(settings)
@@ -209,19 +112,9 @@ def remove():
     Patches installed through MindSpeed's patch manager stay in place but pass through to the
     functions they wrap (MindSpeed owns them); only the settings are cleared."""
     _settings.set_active(None)
-    for path in list(_APPLIED):
-        _uninstall(path)
-
-
-def is_applied():
-    return _settings.get_active() is not None
+    uninstall_all()
 
 
 def active_settings():
     return _settings.get_active()
-
-
-def installed_targets():
-    """The patch targets currently installed directly (not through MindSpeed)."""
-    return sorted(_APPLIED)
 

@@ -14,6 +14,8 @@ import numbers
 
 import torch
 
+from mindspeed_cez.kernels.logit_transform import LogitTransform
+
 FLAGS = "--output-multiplier-scale / --output-logit-softcapping"
 
 
@@ -76,7 +78,7 @@ class TransformedLogits:
         self._refuse(f"'.{name}'")
 
     def transform(self):
-        """``(logit_scale, logit_softcap)`` for the op, once the model's forward is done with them."""
+        """The recorded :class:`LogitTransform`, once the model's forward is done with the logits."""
         if self._divisor is not None or self._tanh:
             self._refuse("an unfinished soft cap")
-        return self.scale, self.cap
+        return LogitTransform(self.scale, self.cap)

@@ -20,7 +20,7 @@ Patched (see ``PATCH_TARGETS`` in ``mindspeed_cez.patches``):
   module that bound a copy (``from x import f``) is patched too.
 * ``GPTModel._postprocess`` (``forward`` on 0.12), ``HybridModel.forward`` / ``MambaModel.forward``
   -- to see the ``loss_mask`` the training script passes, so that ``lm_z_loss`` is the
-  loss-mask-weighted mean (see :mod:`mindspeed_cez.metrics`), and, with
+  loss-mask-weighted mean (see :mod:`mindspeed_cez.patches.metrics`), and, with
   ``--lm-fused-output-layer``, to defer the output layer's call (:mod:`.output_layer`). Other
   models (BERT, T5) pass no mask: their metric averages every token, with a one-time warning.
 * ``ColumnParallelLinear.forward`` -- only for that deferral; every other call runs unchanged.
@@ -34,10 +34,11 @@ import warnings
 
 import torch
 
-from mindspeed_cez import metrics
+from mindspeed_cez.patches import metrics
 from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
 from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 from mindspeed_cez.patches import output_layer as _output_layer
+from mindspeed_cez.kernels.logit_transform import IDENTITY
 from mindspeed_cez.patches.logit_transform import LogitTransformError, TransformedLogits
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
@@ -73,8 +74,8 @@ def ce_value_with_z_loss_gradient(loss, z_loss, z_loss_coeff):
     return loss - z_loss if z_loss_coeff > 0 else loss
 
 
-def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff, backend=None, logit_scale=1.0,
-               logit_softcap=0.0):
+def loss_in_megatron_convention(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff, backend=None,
+                                transform=IDENTITY):
     """The op on ``[s, b, v_local]`` logits, in Megatron's convention for auxiliary losses.
 
     Returns ``(loss, z_loss, lse)`` shaped like ``target``: ``loss`` has the value of the plain
@@ -91,8 +92,8 @@ def fused_loss(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff,
         label_smoothing=smoothing,
         tp_group=tp_group,
         backend=backend,
-        logit_scale=logit_scale,
-        logit_softcap=logit_softcap,
+        logit_scale=transform.scale,
+        logit_softcap=transform.cap,
     )
     return ce_value_with_z_loss_gradient(loss, z_loss, z_loss_coeff), z_loss, lse
 
@@ -190,6 +191,16 @@ def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context):
     )
 
 
+def _checked_transform(logits, settings):
+    """The transform the model applied to ``logits`` (recorded), which must be the one its flags set."""
+    recorded = logits.transform()
+    if recorded != settings.logit_transform:
+        raise LogitTransformError(
+            f"mindspeed_cez: the model applied {recorded} to the logits, but its flags set {settings.logit_transform} "
+            "(--output-multiplier-scale / --output-logit-softcapping); the fused loss computes only the latter")
+    return recorded
+
+
 # ----------------------------------------------------------------------------------------------
 # LanguageModule.compute_language_model_loss
 # ----------------------------------------------------------------------------------------------
@@ -211,12 +222,12 @@ def compute_language_model_loss_wrapper(fn):
         # [b s] => [s b], as Megatron does
         target = labels.transpose(0, 1).contiguous()
         tp_group = _module_tp_group(self)
-        scale, cap = 1.0, 0.0
+        transform = IDENTITY
         handed_out = isinstance(logits, (TransformedLogits, _output_layer.DeferredLogits))  # by the output layer's patch
         if isinstance(logits, TransformedLogits):  # MindSpeed-LLM's scaling / soft cap, in the kernels
             if not is_main:
                 raise LogitTransformError("mindspeed_cez: an MTP head's loss got the main head's transformed logits")
-            (scale, cap), logits = logits.transform(), logits.logits
+            transform, logits = _checked_transform(logits, settings), logits.logits
         if isinstance(logits, _output_layer.DeferredLogits):
             if not is_main:
                 raise _output_layer.FusedOutputLayerError(
@@ -228,7 +239,7 @@ def compute_language_model_loss_wrapper(fn):
                 grad_scale = _output_layer.megatron_grad_scale(self.config, loss_mask)
             loss, z_loss, lse = _output_layer.linear_loss(
                 logits, target, tp_group, megatron_to_torch_smoothing(smoothing, global_vocab), coeff, settings, weights,
-                grad_scale, logit_scale=scale, logit_softcap=cap)
+                grad_scale, logit_scale=transform.scale, logit_softcap=transform.cap)
             loss = ce_value_with_z_loss_gradient(loss, z_loss, coeff)
         else:
             if is_main and not handed_out and _output_layer.expects_deferred():
@@ -236,7 +247,8 @@ def compute_language_model_loss_wrapper(fn):
                     f"mindspeed_cez ({_output_layer.FLAG} or the logit transform): the LM loss got a tensor, not the "
                     f"output layer call the adaptor handed out (output layer {type(getattr(self, 'output_layer', None)).__name__}); "
                     "this model's forward is not served")
-            loss, z_loss, lse = fused_loss(logits, target, tp_group, smoothing, coeff, settings.backend, scale, cap)
+            loss, z_loss, lse = loss_in_megatron_convention(logits, target, tp_group, smoothing, coeff, settings.backend,
+                                                            transform)
         if is_main:
             _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, bool(_MASK_CONTEXT))
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged
@@ -261,7 +273,7 @@ def vocab_parallel_cross_entropy_wrapper(fn):
             if tp_group is None:
                 return fn(vocab_parallel_logits, target, label_smoothing)
             return fn(vocab_parallel_logits, target, label_smoothing, tp_group=tp_group)
-        return fused_loss(vocab_parallel_logits, target, tp_group, label_smoothing, settings.z_loss_coeff,
+        return loss_in_megatron_convention(vocab_parallel_logits, target, tp_group, label_smoothing, settings.z_loss_coeff,
                           settings.backend)[0]
 
     vocab_parallel_cross_entropy.__cez_wraps__ = fn
@@ -276,7 +288,7 @@ def fused_vocab_parallel_cross_entropy_wrapper(fn):
         settings = _settings.ACTIVE
         if settings is None:
             return fn(vocab_parallel_logits, target, tp_group)
-        return fused_loss(vocab_parallel_logits, target, tp_group, 0.0, settings.z_loss_coeff, settings.backend)[0]
+        return loss_in_megatron_convention(vocab_parallel_logits, target, tp_group, 0.0, settings.z_loss_coeff, settings.backend)[0]
 
     fused_vocab_parallel_cross_entropy.__cez_wraps__ = fn
     return fused_vocab_parallel_cross_entropy
@@ -295,7 +307,7 @@ def te_parallel_cross_entropy_wrapper(fn):
             if fn is None:
                 raise RuntimeError("Trying to use a TE block when it's not present.")
             return fn(logits, labels, tp_group, is_cg_capturable)
-        return fused_loss(logits, labels, tp_group, 0.0, settings.z_loss_coeff, settings.backend)[0]
+        return loss_in_megatron_convention(logits, labels, tp_group, 0.0, settings.z_loss_coeff, settings.backend)[0]
 
     if fn is not None:
         te_parallel_cross_entropy = functools.wraps(fn)(te_parallel_cross_entropy)

@@ -8,7 +8,8 @@ Megatron core 0.12.1. MindSpeed-LLM replaces the Megatron code the other patches
   the logits (``--output-multiplier-scale``, ``--output-logit-softcapping``) and calls
   ``self.compute_language_model_loss(labels, logits)``, still Megatron's method, which the
   adaptor patches. With either flag the scaling and soft cap are recorded and computed in the
-  loss kernels (:mod:`.logit_transform`, ``Settings.logit_transform``), not by its torch ops. The loss mask reaches only that forward, so it is a loss-context target here
+  loss kernels (:mod:`.logit_transform`, ``Settings.logit_transform``), not by its torch ops.
+  The loss mask reaches only that forward, so it is a loss-context target here
   (master's ``DeepSeek4Model`` likewise). dualpipev runs the same forward.
 * ``pretrain_gpt.py`` trains with ``mindspeed_llm.training.training.train``, whose own
   ``training_log`` (same leading parameters as Megatron's) logs the iteration: wrapped like
@@ -21,10 +22,8 @@ Megatron core 0.12.1. MindSpeed-LLM replaces the Megatron code the other patches
   trained without z-loss.
 * ``--lm-fused-output-layer``: the main head's output layer call is deferred in its forward as in
   Megatron's (with the logit transform above, if any); ``--add-output-layer-bias``, which changes
-  the output layer itself, is refused with it. ``--output-layer-slice-num`` > 1 is refused too, but MindSpeed-LLM's own argument
-  validation resets it to 1 before any feature's check runs, so there the check sees 1 and the
-  run goes on with the one output layer MindSpeed-LLM kept (the check only fires on arguments
-  that still hold the value, e.g. set after MindSpeed-LLM's validation).
+  the output layer itself, is refused with it. (``--output-layer-slice-num`` needs no check:
+  MindSpeed-LLM's own validation resets it to 1 before any feature's check runs.)
 
 Nothing here imports MindSpeed-LLM: only its modules already imported are looked at.
 """
@@ -32,6 +31,7 @@ Nothing here imports MindSpeed-LLM: only its modules already imported are looked
 import importlib.util
 import sys
 
+from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.patches import megatron_core as mc
 from mindspeed_cez.patches import training_log
 
@@ -58,10 +58,14 @@ def patch_targets():
     return targets
 
 
-def transforms_logits(args):
-    """Whether MindSpeed-LLM's forward scales or soft-caps the logits before the loss (its
-    ``--output-multiplier-scale`` / ``--output-logit-softcapping``)."""
-    return bool(getattr(args, "output_multiplier_scale", None) or getattr(args, "output_logit_softcapping", None))
+def logit_transform(args):
+    """The ``LogitTransform`` MindSpeed-LLM's forward applies to the logits before the loss (its
+    ``--output-multiplier-scale`` / ``--output-logit-softcapping``), or None for neither."""
+    scale = getattr(args, "output_multiplier_scale", None)
+    cap = getattr(args, "output_logit_softcapping", None)
+    if not (scale or cap):
+        return None
+    return LogitTransform(scale=scale or 1.0, cap=cap or 0.0)
 
 
 def check_args(args, fused_flag, output_layer_flag=None):
@@ -79,15 +83,10 @@ def check_args(args, fused_flag, output_layer_flag=None):
     if output_layer_flag:
         # its GPTModel forward swaps the output layer for one the fused op does not stand in for
         # (its scaling and soft cap of the logits are served: .logit_transform)
-        for dest, flag, off in (("output_layer_slice_num", "--output-layer-slice-num", 1),
-                                ("add_output_layer_bias", "--add-output-layer-bias", False)):
-            value = getattr(args, dest, off)
-            if value not in (off, None, False, 0):
-                # (MindSpeed-LLM's own validation resets --output-layer-slice-num to 1 before this runs)
-                raise ValueError(
-                    f"{output_layer_flag} and MindSpeed-LLM's {flag}: the fused op computes the logits "
-                    "of hidden @ weight.T itself, so that flag's change to the output layer would be lost; "
-                    "drop one of them")
+        if getattr(args, "add_output_layer_bias", False):
+            raise ValueError(
+                f"{output_layer_flag} and MindSpeed-LLM's --add-output-layer-bias: the fused op computes the "
+                "logits of hidden @ weight.T itself, so the bias would be lost; drop one of them")
     if getattr(args, "is_instruction_dataset", False):
         raise ValueError(
             f"{fused_flag} and MindSpeed-LLM's --is-instruction-dataset: that path shifts the labels inside "

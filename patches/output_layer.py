@@ -60,7 +60,7 @@ _PENDING = []  # stack, one entry per GPT forward with labels in progress (None:
 def pending_for(model, bound_args, settings):
     """What the main head's output layer call does in a model forward with ``bound_args``, or None
     (neither setting on, no labels, no output layer on this stage, inference)."""
-    if settings is None or not (settings.fused_output_layer or settings.logit_transform):
+    if settings is None or not (settings.fused_output_layer or settings.logit_transform is not None):
         return None
     if bound_args.get("labels") is None:
         return None
@@ -72,7 +72,7 @@ def pending_for(model, bound_args, settings):
     if settings.fused_output_layer and getattr(getattr(model, "config", None), "use_mup", False):
         raise FusedOutputLayerError(f"{FLAG} does not serve MuP's output scaling (--use-mup)")
     return Pending(layer, getattr(model.config, "mtp_num_layers", None) or 0, settings.fused_output_layer,
-                   settings.logit_transform)
+                   settings.logit_transform is not None)
 
 
 def push(pending):

@@ -8,13 +8,16 @@ settings". :func:`mindspeed_cez.patches.apply` and the argument hooks set it; ``
 kernels (``MINDSPEED_CEZ_BACKEND``, ``MINDSPEED_CEZ_LINEAR_BACKEND``), for the flags' settings.
 """
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional
 
-from mindspeed_cez import kernels, metrics
-from mindspeed_cez.metrics import LM_LSE, LM_Z_LOSS
+from mindspeed_cez import kernels
+from mindspeed_cez.cross_entropy_zloss import check_label_smoothing, check_z_loss_coeff
+from mindspeed_cez.kernels.logit_transform import LogitTransform
+from mindspeed_cez.linear_cross_entropy import GRADS
+from mindspeed_cez.patches import metrics
+from mindspeed_cez.patches.metrics import LM_LSE, LM_Z_LOSS
 BACKEND_ENV = "MINDSPEED_CEZ_BACKEND"
 LINEAR_BACKEND_ENV = "MINDSPEED_CEZ_LINEAR_BACKEND"
 
@@ -34,9 +37,11 @@ class Settings:
     output_layer_grads: ``"forward"`` (default: gradients made in the forward with the loss mask as
         token weights and Megatron's upstream gradient, where both are known; else as ``"recompute"``)
         or ``"recompute"`` (logits recomputed in backward): the op's ``grads``.
-    logit_transform: the model scales / soft-caps the main head's logits with torch ops before the
-        loss (MindSpeed-LLM's ``--output-multiplier-scale`` / ``--output-logit-softcapping``): those
-        ops are recorded and computed in the kernels instead (:mod:`.logit_transform`).
+    logit_transform: the :class:`~mindspeed_cez.kernels.logit_transform.LogitTransform` the model
+        applies to the main head's logits with torch ops before the loss (MindSpeed-LLM's
+        ``--output-multiplier-scale`` / ``--output-logit-softcapping``), or None (no transform).
+        Those ops are recorded, checked against it and computed in the kernels instead
+        (:mod:`.logit_transform`).
     backend: the ops' cross-entropy backend, ``"triton"`` / ``"torch"``, None: automatic per device.
     linear_backend: the fused output layer's, ``"gemm"`` / ``"triton"``, None: automatic.
     """
@@ -47,19 +52,18 @@ class Settings:
     log_lse: bool = False
     fused_output_layer: bool = False
     output_layer_grads: str = "forward"
-    logit_transform: bool = False
+    logit_transform: Optional[LogitTransform] = None
     backend: Optional[str] = None
     linear_backend: Optional[str] = None
 
     def __post_init__(self):
-        c = self.z_loss_coeff
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
-            raise ValueError(f"z_loss_coeff must be a finite number >= 0, got {c!r}")
-        a = self.label_smoothing
-        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a < 1.0):
-            raise ValueError(f"label_smoothing must be None or in [0, 1), got {a!r}")
-        if self.output_layer_grads not in ("recompute", "forward"):
-            raise ValueError(f"output_layer_grads must be 'recompute' or 'forward', got {self.output_layer_grads!r}")
+        check_z_loss_coeff(self.z_loss_coeff)
+        if self.label_smoothing is not None:
+            check_label_smoothing(self.label_smoothing)
+        if self.output_layer_grads not in GRADS:
+            raise ValueError(f"output_layer_grads must be one of {GRADS}, got {self.output_layer_grads!r}")
+        if self.logit_transform is not None and not isinstance(self.logit_transform, LogitTransform):
+            raise TypeError(f"logit_transform must be None or a LogitTransform, got {self.logit_transform!r}")
         if self.backend not in (None, *kernels.BACKENDS):
             raise ValueError(f"backend must be None or one of {kernels.BACKENDS}, got {self.backend!r}")
         if self.linear_backend not in (None, *kernels.LINEAR_BACKENDS):

@@ -2,22 +2,22 @@
 
 * ``megatron.training.training.training_log`` (and MindSpeed-LLM's): the metrics join the
   iteration's ``loss_dict``, logged like ``lm loss`` (MoE and dense models);
-* Megatron's MoE report (:mod:`mindspeed_cez.moe_tracker`, for megatron-core-only loops): the
+* Megatron's MoE report (:mod:`mindspeed_cez.patches.moe_tracker`, for megatron-core-only loops): the
   metrics are written next to its MoE losses.
 
-The values come from :mod:`mindspeed_cez.metrics`; both wrappers pass through while the adaptor is
+The values come from :mod:`mindspeed_cez.patches.metrics`; both wrappers pass through while the adaptor is
 inactive (``settings.ACTIVE is None``).
 """
 
 import functools
 import inspect
 
-from mindspeed_cez import metrics
+from mindspeed_cez.patches import metrics
 from mindspeed_cez.patches import settings as _settings
 
 
 def moe_metrics_report_wrapper(fn):
-    """Megatron's MoE report (``mindspeed_cez.moe_tracker``): our metrics are written next to its own."""
+    """Megatron's MoE report (``mindspeed_cez.patches.moe_tracker``): our metrics are written next to its own."""
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)

@@ -27,7 +27,7 @@ def _run(model, batches, track_output=None, loss_scale=None):
     ``loss_scale`` Megatron's schedule's: ``loss_scale * sum(loss*mask) / mask.sum() / micro-batches``,
     or ``loss_scale * sum(loss*mask)`` with ``config.calculate_per_token_loss``);
     per-token losses, parameter gradients and the reported metrics."""
-    from mindspeed_cez import metrics
+    from mindspeed_cez.patches import metrics
 
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
     mask = shims.causal_attention_mask(SEQ)

@@ -13,6 +13,8 @@ import warnings
 import pytest
 import torch
 
+from mindspeed_cez.kernels.logit_transform import LogitTransform
+
 pytest.importorskip("megatron.core")
 
 import mindspeed_cez.patches as patches  # noqa: E402
@@ -116,7 +118,7 @@ class _RecordingPatchManager:
         for name, wrappers in cls.registered.items():
             if name in cls.applied:
                 continue
-            owner, attr, _ = patches._resolve(name)
+            owner, attr, _ = patches.targets._resolve(name)
             orig = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
             func = orig
             for w in wrappers:
@@ -169,7 +171,7 @@ def fake_mindspeed(monkeypatch):
     mods["mindspeed.patch_utils"].MindSpeedPatchesManager = _RecordingPatchManager
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    from mindspeed_cez import mindspeed_feature
+    from mindspeed_cez.patches import mindspeed_feature
 
     patches.remove()
     monkeypatch.setattr(mindspeed_feature, "_REGISTERED", None)
@@ -181,7 +183,7 @@ def fake_mindspeed(monkeypatch):
 def test_mindspeed_feature_registers_args_validation_and_patches(fake_mindspeed):
     from megatron.core.models.common.language_module import language_module as lm
 
-    from mindspeed_cez import mindspeed_feature
+    from mindspeed_cez.patches import mindspeed_feature
 
     orig = lm.LanguageModule.compute_language_model_loss
     feature = mindspeed_feature.register()
@@ -216,7 +218,7 @@ def test_mindspeed_feature_registers_args_validation_and_patches(fake_mindspeed)
 def test_training_log_wrapped_twice_reports_once():
     """One training_log reachable under two names gets our wrapper twice (MindSpeed-LLM 2.2.0
     re-exports Megatron's): the outer adds lm_z_loss, the inner passes the loss_dict through."""
-    from mindspeed_cez import metrics
+    from mindspeed_cez.patches import metrics
     from mindspeed_cez.patches.training_log import training_log_wrapper
 
     seen = []
@@ -258,9 +260,9 @@ def test_apply_runs_the_startup_checks_on_megatron_args(megatron_args):
     with pytest.raises(ValueError, match="--is-instruction-dataset"):
         patches.apply(z_loss_coeff=1e-4)
     megatron_args(output_logit_softcapping=30.0)
-    assert patches.apply(z_loss_coeff=1e-4).logit_transform  # served: the soft cap in the kernels
-    assert patches.apply(z_loss_coeff=1e-4, fused_output_layer=True).logit_transform
-    assert not patches.apply(z_loss_coeff=1e-4, logit_transform=False).logit_transform
+    assert patches.apply(z_loss_coeff=1e-4).logit_transform == LogitTransform(cap=30.0)  # served in the kernels
+    assert patches.apply(z_loss_coeff=1e-4, fused_output_layer=True).logit_transform == LogitTransform(cap=30.0)
+    assert patches.apply(z_loss_coeff=1e-4, logit_transform=False).logit_transform is None
     megatron_args(add_output_layer_bias=True)
     with pytest.raises(ValueError, match=r"apply\(fused_output_layer=True\) and MindSpeed-LLM's --add-output-layer-bias"):
         patches.apply(z_loss_coeff=1e-4, fused_output_layer=True)

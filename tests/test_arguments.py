@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mindspeed_cez import arguments
+from mindspeed_cez.patches import arguments
 
 
 def _parse(argv):

@@ -209,7 +209,7 @@ def test_bad_flag_values_fail_in_megatron_validation(flow):
     results = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS="))[len("RESULTS="):])
     for (case, flag), res in zip(BAD_CASES, results):
         assert not res["ok"], f"{case} was accepted"
-        assert res["type"] == "ValueError" and flag in res["msg"], (case, res)
+        assert res["type"] == "FlagValueError" and flag in res["msg"], (case, res)  # exit status 2 uncaught
         assert "validate_args" in res["frames"], (case, res["frames"])  # raised in Megatron's validation
     good = results[-1]
     assert good["ok"], good
@@ -224,3 +224,18 @@ def test_the_plain_example_needs_the_launcher_for_the_flag():
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0"))
     assert proc.returncode != 0 and "unrecognized arguments: --lm-z-loss-coeff" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_bad_flag_value_is_an_argument_error():
+    """``python -m mindspeed_cez.launch examples/pretrain_gpt.py ... --lm-z-loss-coeff -1``: exit status 2
+    and one line naming the flag, as argparse's own errors; no traceback."""
+    cmd = [sys.executable, "-m", "mindspeed_cez.launch", str(REPO / "examples" / "pretrain_gpt.py"), *TINY_GPT,
+           "--lm-z-loss-coeff", "-1", "--distributed-backend", "gloo"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
+                                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])))
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert errors == ["pretrain_gpt.py: error: --lm-z-loss-coeff must be a finite number >= 0, got -1.0"] or (
+        len(errors) == 1 and errors[0].endswith("error: --lm-z-loss-coeff must be a finite number >= 0, got -1.0")), proc.stderr

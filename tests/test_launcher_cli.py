@@ -58,3 +58,14 @@ def test_the_script_exit_code_and_bad_usage(script, tmp_path):
     assert none.returncode == 2 and "usage: python -m mindspeed_cez.launch SCRIPT" in none.stderr
     missing = _launch([str(tmp_path / "nope.py")], cwd=tmp_path)
     assert missing.returncode == 2 and "is not a file" in missing.stderr
+
+
+def test_a_bad_flag_value_is_an_argument_error(script, tmp_path):
+    """Exit status 2 and one line naming the flag (argparse's form), no traceback. This machine's
+    Megatron has no ``megatron.training`` where the flag is read from ``sys.argv``; Megatron's own
+    ``pretrain`` through examples/pretrain_gpt.py: tests/test_e2e_megatron_training.py."""
+    proc = _launch([str(script), "--lm-z-loss-coeff", "-1"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert errors == ["pretrain.py: error: --lm-z-loss-coeff must be a finite number >= 0, got -1.0"], proc.stderr

@@ -1,6 +1,12 @@
-"""The package's floors, read from its source with ``ast``: ``kernels/`` imports nothing of the
-package outside ``kernels/`` and never reads the environment, and no two modules import each other
-through any chain, counting imports inside functions too (a lazy import that closes a cycle fails)."""
+"""The package's layers, read from its source with ``ast`` (imports inside functions count too):
+
+    kernels/  <-  mindspeed_cez/ (ops, TP steps)  <-  patches/ (Megatron, MindSpeed, MindSpeed-LLM)
+
+``kernels/`` imports nothing of the package outside ``kernels/`` and never reads the environment;
+``mindspeed_cez/``'s modules import no ``patches/`` module, except the entry points
+(:data:`ENTRY_POINTS`); no module finds one of the package's modules through ``sys.modules`` (so
+these import statements are the whole graph); and no two modules import each other through any
+chain (a lazy import that closes a cycle fails)."""
 
 import ast
 import importlib
@@ -11,6 +17,13 @@ import mindspeed_cez
 
 PACKAGE = "mindspeed_cez"
 KERNELS = f"{PACKAGE}.kernels"
+PATCHES = f"{PACKAGE}.patches"
+# What a user imports or runs to patch Megatron: the only modules of mindspeed_cez/ above patches/.
+ENTRY_POINTS = {f"{PACKAGE}.megatron_adaptor", f"{PACKAGE}.launch"}
+
+
+def _inside(name, package):
+    return name == package or name.startswith(package + ".")
 
 
 def _modules():
@@ -75,6 +88,48 @@ def test_kernels_never_read_the_environment():
             source = open(path).read()
             for word in ("os.environ", "getenv", "environ.get"):
                 assert word not in source, f"{name} mentions {word}"
+
+
+def test_ops_import_nothing_of_patches():
+    _, graph = _graph()
+    for name, imported in graph.items():
+        if _inside(name, PATCHES) or _inside(name, KERNELS) or name in ENTRY_POINTS:
+            continue
+        upward = sorted(m for m in imported if _inside(m, PATCHES))
+        assert not upward, f"{name} imports {upward}: Megatron's side belongs in patches/"
+
+
+def test_entry_points_exist():
+    modules, _ = _graph()
+    assert ENTRY_POINTS <= set(modules)
+    assert {f"{PATCHES}.arguments", f"{PATCHES}.metrics", f"{PATCHES}.moe_tracker",
+            f"{PATCHES}.mindspeed_feature"} <= set(modules)
+
+
+def _reaches_up(path):
+    """``sys.modules[...]`` / ``sys.modules.get(...)`` with a literal naming one of the package's modules."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        key = None
+        if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.modules":
+            key = node.slice
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.modules.get", "sys.modules.pop"):
+            key = node.args[0] if node.args else None
+        if isinstance(key, ast.Constant) and isinstance(key.value, str) and _inside(key.value, PACKAGE):
+            found.append(key.value)
+    return found
+
+
+def test_no_sys_modules_reach_up():
+    modules, _ = _graph()
+    for name, path in modules.items():
+        assert not _reaches_up(path), f"{name} looks up {_reaches_up(path)} in sys.modules: import it"
+
+
+def test_a_reach_up_is_found(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text("import sys\nf = sys.modules.get('mindspeed_cez.patches.x')\ng = sys.modules['megatron.core']\n")
+    assert _reaches_up(str(a)) == ["mindspeed_cez.patches.x"]
 
 
 def test_no_import_cycle():

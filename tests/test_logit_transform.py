@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from mindspeed_cez.kernels.logit_transform import IDENTITY, SCALE, SOFTCAP, LogitTransform
 from mindspeed_cez.patches.logit_transform import LogitTransformError, TransformedLogits
 
 
@@ -23,8 +24,8 @@ def test_records_the_transform_and_computes_nothing(scale, cap):
     x = torch.randn(3, 4)
     recorded = _as_mindspeed_llm_does(TransformedLogits(x), scale, cap)
     assert isinstance(recorded, TransformedLogits) and recorded.logits is x
-    assert recorded.transform() == (scale or 1.0, cap or 0.0)
-    s, c = recorded.transform()  # what the kernels compute from them: MindSpeed-LLM's numbers
+    assert recorded.transform() == LogitTransform(scale or 1.0, cap or 0.0)
+    s, c = recorded.transform().scale, recorded.transform().cap  # what the kernels compute: MindSpeed-LLM's numbers
     z = c * torch.tanh(s * x.double() / c) if c else s * x.double()
     torch.testing.assert_close(z, _as_mindspeed_llm_does(x.double(), scale, cap))
 
@@ -48,3 +49,17 @@ def test_an_unfinished_cap_is_refused_at_the_loss():
     for partial in (lambda t: t / 3.0, lambda t: torch.tanh(t / 3.0)):
         with pytest.raises(LogitTransformError, match="unfinished soft cap"):
             partial(TransformedLogits(torch.randn(2, 2))).transform()
+
+
+def test_the_value_checks_itself_and_names_the_kernel_variant():
+    assert IDENTITY.is_identity and LogitTransform(2).kind == SCALE and LogitTransform(1, 30).kind == SOFTCAP
+    assert LogitTransform(2, 3).kernel_args() == (2.0, 3.0, SOFTCAP)
+    for bad, name in (((0,), "logit_scale"), ((float("inf"),), "logit_scale"), ((1, -1), "logit_softcap"),
+                      ((True,), "logit_scale"), ((1, float("nan")), "logit_softcap")):
+        with pytest.raises(ValueError, match=name):
+            LogitTransform(*bad)
+    x = torch.randn(5, 7, dtype=torch.float64)
+    t = LogitTransform(0.5, 2.0)
+    z = t.apply(x)
+    torch.testing.assert_close(z, 2.0 * torch.tanh(0.5 * x / 2.0))
+    torch.testing.assert_close(t.slope(z), 0.5 * (1 - torch.tanh(0.25 * x) ** 2))

@@ -27,7 +27,7 @@ def _records(rank, micro_batch):
 def _worker(rank, world_size, layout):
     from megatron.core import parallel_state as ps
 
-    from mindspeed_cez import metrics
+    from mindspeed_cez.patches import metrics
 
     ps.initialize_model_parallel(**{"dp": {}, "cp": {"context_parallel_size": 2},
                                     "pp": {"pipeline_model_parallel_size": 2}}[layout])

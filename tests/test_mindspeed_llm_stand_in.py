@@ -211,7 +211,7 @@ def _fused_output_layer_worker(rank, world_size, tp, transform):
     def run(extra, torch_transform=False):
         arguments.parse_args(base + extra)
         if torch_transform:  # the reference: MindSpeed-LLM's own ops on the logits
-            cez_settings.set_active(dataclasses.replace(cez_settings.get_active(), logit_transform=False))
+            cez_settings.set_active(dataclasses.replace(cez_settings.get_active(), logit_transform=None))
         model.zero_grad(set_to_none=True)
         kinds, outputs = [], []
         hooks = [model.output_layer.register_forward_hook(lambda m, i, o: kinds.append(_kind(o[0]))),
@@ -271,9 +271,9 @@ def _refusal_worker(rank, world_size, order):
     for extra in (["--output-multiplier-scale", "0.5"], ["--output-logit-softcapping", "30"]):
         for flags in (["--lm-fused-output-layer"], ["--lm-z-loss-coeff", "1e-4"]):  # served, in the kernels
             arguments.parse_args([*flags, *extra])
-            assert active_settings().logit_transform
+            assert active_settings().logit_transform is not None
     arguments.parse_args(["--lm-z-loss-coeff", "1e-4"])
-    assert not active_settings().logit_transform
+    assert active_settings().logit_transform is None
 
 
 @pytest.mark.parametrize("order", ["cez first", "cez last"])

@@ -19,11 +19,16 @@ Flags (one argument group, shown in ``--help``):
 
 Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider`` and
 :func:`validate_lm_z_loss_args` as a validation hook (it raises ``ValueError`` naming the flag).
+Megatron's and MindSpeed's hooks call :func:`validate_flags`: a bad value there ends the run as an
+argument error, one line naming the flag and exit status 2, as argparse's own errors do.
 """
 
 import argparse
-import math
+import os
+import sys
 
+from mindspeed_cez.cross_entropy_zloss import check_z_loss_coeff
+from mindspeed_cez.linear_cross_entropy import GRADS
 from mindspeed_cez.patches import mindspeed_llm
 from mindspeed_cez.patches.settings import Settings, backends_from_environment
 
@@ -32,10 +37,23 @@ FLAG_FUSED = "--lm-fused-ce"
 FLAG_NO_FUSED = "--no-lm-fused-ce"
 FLAG_LOG_LSE = "--lm-z-loss-log-lse"
 FLAG_OUTPUT_LAYER = "--lm-fused-output-layer"
-OUTPUT_LAYER_GRADS = ("recompute", "forward")
+OUTPUT_LAYER_GRADS = GRADS
 GROUP_TITLE = "mindspeed_cez: fused LM cross entropy + z-loss"
 
-__all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate_lm_z_loss_args", "settings_from_args", "has_lm_z_loss_args"]
+__all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate_lm_z_loss_args", "validate_flags",
+           "settings_from_args", "has_lm_z_loss_args", "FlagValueError"]
+
+
+class FlagValueError(SystemExit, ValueError):
+    """A bad flag value: a ``ValueError`` to code that catches one; uncaught, the process exits with
+    status 2 and no traceback (a ``SystemExit``), after :func:`validate_flags` printed the one line."""
+
+    def __init__(self, message):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self):
+        return self.message
 
 
 def add_lm_z_loss_args(parser):
@@ -90,12 +108,7 @@ def validate_lm_z_loss_args(args, defaults=None):
     if not has_lm_z_loss_args(args):
         return args
     c = args.lm_z_loss_coeff
-    if isinstance(c, bool) or not isinstance(c, (int, float)):
-        raise ValueError(f"{FLAG_COEFF} must be a number, got {c!r}")
-    if math.isnan(c):
-        raise ValueError(f"{FLAG_COEFF} must be a finite number >= 0, got nan")
-    if not math.isfinite(c) or c < 0:
-        raise ValueError(f"{FLAG_COEFF} must be a finite number >= 0, got {c!r}")
+    check_z_loss_coeff(c, FLAG_COEFF)
     fused = getattr(args, "lm_fused_ce", None)
     if fused not in (None, True, False):
         raise ValueError(f"{FLAG_FUSED}/{FLAG_NO_FUSED}: expected a flag, got {fused!r}")
@@ -119,6 +132,19 @@ def validate_lm_z_loss_args(args, defaults=None):
         mindspeed_llm.check_args(args, _flag_turning_fused_on(args),
                                  FLAG_OUTPUT_LAYER if getattr(args, "lm_fused_output_layer", None) else None)
     return args
+
+
+def validate_flags(args, defaults=None):
+    """:func:`validate_lm_z_loss_args` for the command line: a bad value prints
+    ``SCRIPT: error: <the message naming the flag>`` and raises :class:`FlagValueError` (exit status 2)."""
+    try:
+        return validate_lm_z_loss_args(args, defaults)
+    except FlagValueError:
+        raise
+    except ValueError as err:
+        prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        raise FlagValueError(str(err)) from None
 
 
 def _flag_turning_fused_on(args):
@@ -153,13 +179,14 @@ def settings_from_args(args):
         fused_output_layer=bool(getattr(args, "lm_fused_output_layer", None)),
         output_layer_grads=(getattr(args, "lm_fused_output_layer", None) if
                             getattr(args, "lm_fused_output_layer", None) in OUTPUT_LAYER_GRADS else "forward"),
-        logit_transform=mindspeed_llm.transforms_logits(args),
+        logit_transform=mindspeed_llm.logit_transform(args),
         **backends_from_environment(),
     )
 
 
 def parse_lm_z_loss_args(argv):
-    """Parse only these flags from ``argv`` (unknown ones ignored); for tools without Megatron."""
+    """Parse only these flags from ``argv`` (unknown ones ignored); for tools without Megatron. A bad
+    value is an argument error (:func:`validate_flags`)."""
     parser = add_lm_z_loss_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
     args, _ = parser.parse_known_args(argv)
-    return validate_lm_z_loss_args(args) if isinstance(args, argparse.Namespace) else args
+    return validate_flags(args) if isinstance(args, argparse.Namespace) else args

@@ -25,10 +25,9 @@ Its flags reach Megatron's ``--help`` through MindSpeed's ``parse_args`` wrapper
 
 import sys
 
-from mindspeed_cez import arguments, patches
+from mindspeed_cez.patches import arguments, targets
 from mindspeed_cez.patches import settings as _settings
 
-MINDSPEED_COMMIT = "028de58ca629d035185b00ff7d1eb7eff4f7fd48"
 FEATURE_NAME = "lm-z-loss"
 
 _REGISTERED = None  # the feature instance once registered with MindSpeed
@@ -49,10 +48,11 @@ def make_feature_class(base):
         def validate_args(self, args):
             if not arguments.has_lm_z_loss_args(args):
                 return  # e.g. MindSpeed validating a TransformerConfig
+            arguments.validate_flags(args)
             _settings.set_active(arguments.settings_from_args(args))
 
         def register_patches(self, patch_manager, args):
-            for path, wrapper in patches.PATCH_TARGETS:
+            for path, wrapper in targets.patch_targets():
                 patch_manager.register_patch(path, wrapper)
 
     return LmZLossFeature

@@ -33,7 +33,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mindspeed_cez import moe_tracker
+from mindspeed_cez.patches import moe_tracker
 
 LM_Z_LOSS = "lm_z_loss"
 LM_LSE = "lm_lse"

@@ -1,4 +1,4 @@
-"""``kernels.launch.Launcher`` reuses a compiled kernel only where Triton would compile the same one.
+"""``kernels.triton_launcher.Launcher`` reuses a compiled kernel only where Triton would compile the same one.
 
 The launcher keys compiled kernels by its own cheap tuple instead of Triton's per-call
 specialization. For every kernel of the package and many random argument sets (tensors at
