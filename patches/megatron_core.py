@@ -6,7 +6,7 @@ one), so the same objects serve both the MindSpeed path and the direct megatron-
 Each replacement reads :data:`mindspeed_cez.patches.settings.ACTIVE` on every call; while it is
 ``None`` the original runs unchanged.
 
-Patched (see ``PATCH_TARGETS`` in ``mindspeed_cez.patches``):
+Patched (see ``patch_targets()`` in :mod:`.targets`):
 
 * ``LanguageModule.compute_language_model_loss`` -- every CE path of it (unfused, fused
   'native', fused 'te') becomes the fused op. Megatron's convention for auxiliary losses holds:
