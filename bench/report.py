@@ -1,8 +1,11 @@
-"""The benchmarks' markdown reports: cell formats, the run's header lines, and the writer, which
-stamps every results file with the commit, device, date and package versions it ran with."""
+"""The benchmarks' reports: cell formats, the run's header lines, and the writer. Every report is
+written twice: markdown for reading (under the run's stamp line) and JSON for tools
+(``{"run": {commit, device, date, versions}, "tables": [[{column: cell}, ...], ...]}``, the
+markdown's tables as rows), so every results file names the commit, device, date and versions."""
 
 import datetime
 import functools
+import json
 import os
 import platform
 import subprocess
@@ -24,8 +27,6 @@ def version(module_name):
         return metadata.version(module_name)
     except Exception:  # noqa: BLE001
         return "not installed"
-
-
 
 
 def fmt_ms(ms):
@@ -95,25 +96,52 @@ def device_name():
 
 
 @functools.lru_cache(maxsize=None)
-def run_stamp():
-    """One line: commit, device, date and package versions of this run (taken once per process)."""
+def run_info():
+    """Commit, device, date and package versions of this run (taken once per process)."""
     try:
         import triton
 
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001
         triton_version = "not installed"
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return (f"Run: commit {commit()}; {device_name()}; {date}; python {platform.python_version()}, "
-            f"torch {torch.__version__}, triton {triton_version}, megatron-core {version('megatron-core')}")
+    return {"commit": commit(), "device": device_name(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
+            "megatron-core": version("megatron-core"), "liger-kernel": version("liger-kernel")}
+
+
+def run_stamp():
+    """One line: commit, device, date and package versions of this run."""
+    i = run_info()
+    return (f"Run: commit {i['commit']}; {i['device']}; {i['date']}; python {i['python']}, torch {i['torch']}, "
+            f"triton {i['triton']}, megatron-core {i['megatron-core']}")
+
+
+def tables(lines):
+    """The markdown tables in ``lines`` as lists of ``{column: cell}`` rows (separator rows left out)."""
+    found, header = [], None
+    for line in "\n".join(lines).splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+            found.append([])
+        elif not all(set(c) <= set("-: ") for c in cells):
+            found[-1].append(dict(zip(header, cells)))
+    return found
 
 
 def write_report(path, lines):
-    """The report's text; with ``path``, also written there under the run's stamp line."""
+    """The report's text; with ``path``, also written there under the run's stamp line, and its
+    tables with the run's details to ``path`` with a ``.json`` suffix."""
     text = "\n".join(lines) + "\n"
     if path:
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         with open(path, "w") as fh:
             fh.write(run_stamp() + "\n\n" + text)
+        with open(os.path.splitext(path)[0] + ".json", "w") as fh:
+            json.dump({"run": run_info(), "tables": tables(lines)}, fh, indent=1)
     return text

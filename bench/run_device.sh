@@ -1,21 +1,16 @@
 #!/usr/bin/env bash
 # One device-tool call, run from the repository root with .whl carried (bench/README.md):
 #
-#     bash bench/run_device.sh STEP [STEP ...]        (no STEP: env tests device-time)
+#     bash bench/run_device.sh STEP [STEP ...]        (no STEP: env tests peers)
 #
 # Each step writes to $OUT (the device tool brings it back; put what you keep under
 # bench/results/<date>_<device>/):
 #   env          GPUs, driver, package versions                       env.txt
 #   tests        the op suites on CUDA                                 gpu_tests.log
-#   device-time  the op by CUDA-graph replay at four shapes, memory    device_time.md
-#   host-time    host time per call, with a cProfile of the op         host_time.md
-#   peers        beside Megatron, Liger-Kernel, torch.compile (1 GPU)  bench.md, bench.log
-#   peers-tp     TP=2 over NCCL (2 GPUs)                               bench_tp.md, bench_tp.log
-#   linear-ce    output projection + loss beside cuBLAS + op, Liger, CCE linear_ce.md
-#   ncu          Nsight Compute of the two kernels at two shapes      ncu_<shape>.txt
-#   tune         launch-setting sweep; $TUNE_ARGS for tune_kernels.py tune.log
-#   tune-linear  tile sweep of the fused output projection's kernels;  tune_linear.md
-#                $TUNE_LINEAR_ARGS for tune_linear_kernels.py
+#   peers        the op beside Megatron, Liger-Kernel, torch.compile   bench.md/.json, bench.log
+#   peers-tp     the same at TP=2 over NCCL (2 GPUs)                   bench_tp.md/.json, bench_tp.log
+#   linear-ce    output projection + loss beside cuBLAS + op, Liger, CCE linear_ce.md/.json
+#                ($LINEAR_ARGS for bench/linear_cross_entropy.py)
 #   e2e          Megatron end to end; $E2E_ARGS for e2e_megatron.py   e2e/
 #                (default: --config gpu --variants native cez --pairs 3 --profile)
 # Mind the device tool's 600 s per command: e2e alone takes most of it.
@@ -36,33 +31,18 @@ step_tests() {
     (cd tests && timeout 240 $PY -m pytest -q -p no:cacheprovider test_op.py test_op_errors.py test_gpu.py test_linear_cross_entropy_gpu.py \
         test_launch_configs.py test_triton_launcher.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -4
 }
-step_device-time() { timeout 150 $PY bench/device_time.py --out "$OUT/device_time.md" 2>&1 | tail -14; }
-step_host-time() { timeout 120 $PY bench/host_time.py --calls 1000 --repeats 5 --profile --out "$OUT/host_time.md" 2>&1 | head -12; }
-step_peers() { timeout 400 $PY bench/bench_cross_entropy.py --budget-s 300 --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -20; }
+step_peers() { timeout 400 $PY bench/op.py --budget-s 300 --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -20; }
 step_peers-tp() {
     timeout 140 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
-        bench/bench_cross_entropy.py --tp --out "$OUT/bench_tp.md" 2>&1 | tee "$OUT/bench_tp.log" | tail -12
+        bench/op.py --tp --out "$OUT/bench_tp.md" 2>&1 | tee "$OUT/bench_tp.log" | tail -12
 }
-step_linear-ce() { timeout 400 $PY bench/linear_cross_entropy.py --out "$OUT/linear_ce.md" 2>&1 | tail -24; }
-step_ncu() {
-    for s in "16384 16160" "8192 151936"; do
-        tag=$(echo $s | tr ' ' x)
-        timeout 150 ncu --kernel-name regex:'_forward_kernel|_grad_kernel' --launch-skip 4 --launch-count 2 \
-            --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-            --section MemoryWorkloadAnalysis $PY bench/ncu_op.py $s 5 > "$OUT/ncu_$tag.txt" 2>&1
-        echo "ncu $tag rc=$?"
-    done
-}
-step_tune() { timeout 500 $PY bench/tune_kernels.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | grep -E "best|device"; }
-step_tune-linear() {
-    timeout 450 $PY bench/tune_linear_kernels.py ${TUNE_LINEAR_ARGS:-} --out "$OUT/tune_linear.md" 2>&1 | tail -30
-}
+step_linear-ce() { timeout 400 $PY bench/linear_cross_entropy.py ${LINEAR_ARGS:-} --out "$OUT/linear_ce.md" 2>&1 | tail -24; }
 step_e2e() {
     timeout 560 $PY bench/e2e_megatron.py ${E2E_ARGS:---config gpu --variants native cez --pairs 3 --profile} \
         --out "$OUT/e2e" 2>&1 | grep -v '^ *\[20' | tail -40
 }
 
-[ $# -gt 0 ] || set -- env tests device-time
+[ $# -gt 0 ] || set -- env tests peers
 for step in "$@"; do
     declare -F "step_$step" >/dev/null || { echo "unknown step: $step" >&2; exit 2; }
     echo "== $step"

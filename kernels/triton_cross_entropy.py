@@ -49,7 +49,7 @@ from .triton_launcher import Launcher
 # persistent grid. Ascend wants about one program per vector core, and a program's working set
 # (current and prefetched tile plus a few fp32 temporaries) well inside the ~192 KiB unified
 # buffer: 4096 columns use about 64 KiB. On CUDA many short programs share each SM; the values
-# are the best of a sweep on an H200 (bench/tune_kernels.py, bench/NOTES.md). CUDA-only tuning
+# are the best of a sweep on an H200 (bench/results/2026-11-23_h200/tune_kernels_h200_2026-11-23.log). CUDA-only tuning
 # lives here, not in the kernel bodies.
 LAUNCH_CONFIG = {
     "cuda": [

@@ -2,7 +2,7 @@
 
 A variant is what one launch compiles: the kernel, its argument types and its compile-time
 constants under one ``LAUNCH_CONFIG`` setting, logits dtype and vocab width. Used by
-``bench/kernel_resources.py`` (sm_90, through Triton's CUDA backend) and
+``tests/kernel_resources.py`` (sm_90, through Triton's CUDA backend) and
 ``tests/ascend_lowering.py`` (Ascend, through triton-ascend's front end and adapter).
 """
 

@@ -2,9 +2,9 @@
 and report what ptxas allotted: registers and spills per thread, shared memory, and the
 CTAs per SM those allow (tuning aid; tests/test_kernels_compile.py runs it as a check).
 
-    python bench/kernel_resources.py                       # the CUDA launch settings, sm_90, V=151936
-    python bench/kernel_resources.py --settings npu --arch 90
-    python bench/kernel_resources.py --sass out/sass       # also write each kernel's SASS
+    python tests/kernel_resources.py                       # the CUDA launch settings, sm_90, V=151936
+    python tests/kernel_resources.py --settings npu --arch 90
+    python tests/kernel_resources.py --sass out/sass       # also write each kernel's SASS
 
 Must run without TRITON_INTERPRET (the interpreter has no compiler).
 """

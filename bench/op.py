@@ -15,9 +15,9 @@ Times are set beside a floor from the device-to-device copy bandwidth measured i
 run: forward reads the logits once (1 pass), forward+backward reads them twice and writes the
 gradient once (3 passes). bench/NOTES.md explains the method.
 
-    python bench/bench_cross_entropy.py --out out/bench.md            # one GPU
-    torchrun --nproc-per-node 2 bench/bench_cross_entropy.py --tp     # per-rank TP=2 timings
-    python bench/bench_cross_entropy.py --smoke                       # tiny shapes on the CPU
+    python bench/op.py --out out/bench.md            # one GPU
+    torchrun --nproc-per-node 2 bench/op.py --tp     # per-rank TP=2 timings
+    python bench/op.py --smoke                       # tiny shapes on the CPU
 
 An implementation that does not import, or fails, gets a row saying so; the run goes on.
 """
