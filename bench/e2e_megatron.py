@@ -6,19 +6,21 @@ Each variant is one launch of ``bench/pretrain_gpt_bench.py`` (Megatron's ``pret
 ==============  ==============================================================================
 ``native``      Megatron's own CE, no z-loss
 ``fused``       ``--cross-entropy-loss-fusion`` (Megatron's fused CE), no z-loss
-``te``          ``--cross-entropy-fusion-impl te`` (Transformer Engine's CE), if TE imports
 ``z_by_hand``   Megatron's CE plus ``c * logsumexp(logits.float())**2`` in torch (what users write)
 ``cez``         ``--lm-z-loss-coeff c`` (this package)
+``cez_fol*``    the same with ``--lm-fused-output-layer`` (``forward`` / ``recompute``)
+``*_grok``,     MindSpeed-LLM's logit scale / soft cap, in the kernels or (``*_torch``) as its
+``*_softcap``   torch ops before the op
 ==============  ==============================================================================
 
 Variants run alternated (rep 1: a b c d, rep 2: b c d a, ...), each ``--iters`` iterations; a
 run's step time is the median of its iterations after ``--skip`` (Megatron's own "elapsed time
 per iteration" with ``--log-interval 1``). The table gives, per variant, the median over its runs
-and the spread (min-max of the run medians), and the peak allocated memory.
+and the spread (min-max of the run medians), and the peak allocated memory; ``e2e_<config>.json``
+holds every run with the commit, device, date and versions (``report.run_info``).
 
-    python bench/e2e_megatron.py --config small --pairs 3 --out out/e2e          # on the GPU
+    python bench/e2e_megatron.py --config busy --pairs 3 --out out/e2e           # on the GPU
     python bench/e2e_megatron.py --tp 2 --variants native cez --out out/e2e      # 2 GPUs, TP=2
-    python bench/e2e_megatron.py --plot out/e2e/e2e_small.json                   # PNG, anywhere
 """
 
 import argparse
@@ -34,6 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import step_profile  # noqa: E402
+from report import run_info  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from support import free_port  # noqa: E402
@@ -55,19 +58,10 @@ COMMON = [
     "--no-persist-layer-norm", "--position-embedding-type", "rope", "--distributed-backend", "nccl",
 ]
 CONFIGS = {
-    # the 2026-11-23 measurement of issue 16: 4 layers, hidden 1024, 8 experts top-2, seq 4096
+    # quick: 4 layers, hidden 1024, 8 experts top-2, seq 4096 (host-bound on an H100)
     "small": ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size", "4096",
               "--moe-ffn-hidden-size", "1024", "--num-attention-heads", "16"],
-    "large": ["--num-layers", "4", "--hidden-size", "2048", "--ffn-hidden-size", "8192",
-              "--moe-ffn-hidden-size", "2048", "--num-attention-heads", "16"],
-    # GPU-bound (issue 22): 8 layers, seq 8192, 4 local experts top-2 of ffn 4096, so each expert's
-    # GEMMs hold ~4096 tokens (Megatron 0.19.2's grouped GEMM needs Transformer Engine, absent here);
-    # core attention recomputed (unfused attention at seq 8192)
-    "gpu": ["--num-layers", "8", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads", "16",
-            "--num-experts", "4", "--moe-ffn-hidden-size", "4096", "--seq-length", "8192",
-            "--max-position-embeddings", "8192", "--recompute-granularity", "selective"],
-    # GPU-bound (issue 22, second try): attention on torch's SDPA (flash kernels, no s^2 scores; what
-    # a TE run has), hidden 3072, 8 layers, 4 experts top-2 of ffn 6144, seq 8192; experts padded to
+    # GPU-bound: attention on torch's SDPA (flash kernels, no s^2 scores; what a TE run has), hidden 3072, 8 layers, 4 experts top-2 of ffn 6144, seq 8192; experts padded to
     # capacity 1.0 (no host sync per MoE layer: the GPU drained at each one); Python's GC off
     # during training (Megatron's --manual-gc)
     "busy": ["--num-layers", "8", "--hidden-size", "3072", "--ffn-hidden-size", "12288", "--num-attention-heads", "24",
@@ -79,7 +73,6 @@ CONFIG_ENV = {"busy": {"CEZ_BENCH_ATTENTION": "sdpa", "PYTORCH_CUDA_ALLOC_CONF":
 VARIANTS = {
     "native": ([], {}),
     "fused": (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"], {}),
-    "te": (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"], {}),
     "z_by_hand": ([], {"CEZ_BENCH_HAND_Z": str(Z_COEFF)}),
     "cez": (["--lm-z-loss-coeff", str(Z_COEFF)], {}),
     # --lm-fused-output-layer: output layer + loss as one op (default: grads in forward; logits recomputed)
@@ -95,14 +88,6 @@ for _name, _transform in (("grok", "scale=0.5773502691896257"), ("softcap", "sof
     VARIANTS[f"cez_{_name}_torch"] = (VARIANTS["cez"][0], {"CEZ_BENCH_LOGITS": _transform, "CEZ_BENCH_LOGITS_IN": "torch"})
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")
-
-
-def te_available():
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means no TE here
-        return False
-    return True
 
 
 def _profile_summary(profile_dir, tp):
@@ -135,50 +120,6 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None, extra=()):
             "peak_bytes": max(peaks) if peaks else None,
             "profile": _profile_summary(profile_dir, tp) if profile_dir else None,
             "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)]}
-
-
-def _seq_args(seq):
-    return ["--seq-length", str(seq), "--max-position-embeddings", str(seq), "--global-batch-size", "1"]
-
-
-def _config_seq(config):
-    args = COMMON + CONFIGS[config]
-    return int(args[len(args) - 1 - args[::-1].index("--seq-length") + 1])
-
-
-def longest_sequence(variant, config, out, step, capacity, deadline, tp=1):
-    """The longest sequence (a multiple of ``step``) that trains two iterations at micro-batch 1.
-
-    Peak memory is linear in the sequence once attention keeps no s^2 scores, so two runs (the
-    config's sequence and twice it) predict where it ends; then runs one ``step`` apart go up
-    while they fit and down while they fail, until a fit and a failure sit one step apart."""
-    trials = {}
-
-    def fits(seq):
-        if seq not in trials and time.time() < deadline:
-            run = launch(variant, config, 2, os.path.join(out, f"longest_{config}_{variant}_{seq}.log"), tp=tp,
-                         extra=_seq_args(seq))
-            log = open(os.path.join(out, f"longest_{config}_{variant}_{seq}.log")).read()
-            trials[seq] = {"fits": run["rc"] == 0 and bool(run["steps_ms"]), "peak_gb": (run["peak_bytes"] or 0) / 1e9,
-                           "oom": "out of memory" in log.lower(), "wall_s": round(run["wall_s"], 1)}
-            print(f"longest {variant:10s} seq {seq:6d}: {trials[seq]}", flush=True)
-        return trials.get(seq, {}).get("fits")
-
-    base = _config_seq(config)
-    seq = base
-    if fits(base) and fits(2 * base):
-        p1, p2 = trials[base]["peak_gb"], trials[2 * base]["peak_gb"]
-        per_token = (p2 - p1) / base
-        seq = max(step, int((base + (capacity - p1) / per_token) // step * step)) if per_token > 0 else 2 * base
-    while fits(seq) and time.time() < deadline:  # up while it fits
-        seq += step
-    while fits(seq) is False and seq > step and time.time() < deadline:  # down while it fails
-        seq -= step
-    good = [s for s, t in trials.items() if t["fits"]]
-    bad = [s for s, t in trials.items() if t["fits"] is False]
-    longest = max(good) if good else None
-    return {"longest": longest, "first_failing": min((s for s in bad if longest is None or s > longest), default=None),
-            "trials": dict(sorted(trials.items()))}
 
 
 def steady_steps(run, skip):
@@ -238,38 +179,11 @@ def table(summary, reference="native"):
     return "\n".join(lines)
 
 
-def plot(path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with open(path) as fh:
-        data = json.load(fh)
-    summary = data["summary"]
-    names = [v for v in VARIANTS if v in summary]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    med = [summary[v]["median_ms"] for v in names]
-    err = [[m - summary[v]["min_ms"] for v, m in zip(names, med)], [summary[v]["max_ms"] - m for v, m in zip(names, med)]]
-    axes[0].bar(names, med, yerr=err, capsize=4, color="#4878a8")
-    axes[0].set_ylabel("step time (ms), median; bars: run spread")
-    axes[1].bar(names, [summary[v]["peak_gb"] or 0 for v in names], color="#a86848")
-    axes[1].set_ylabel("peak allocated (GB)")
-    gpus = data["args"].get("tp", 1)
-    fig.suptitle(f"Megatron pretrain, {gpus} GPU{'s' if gpus > 1 else ''} (TP={gpus}), config {data['config']} "
-                 f"({data['device']}, {data['date']})")
-    fig.tight_layout()
-    png = os.path.splitext(path)[0] + ".png"
-    fig.savefig(png, dpi=120)
-    return png
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
-    parser.add_argument("--variants", nargs="+", default=None, help="default: all (te only where it imports)")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="busy")
+    parser.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS), help="default: all")
     parser.add_argument("--pairs", type=int, default=3, help="runs per variant, alternated")
-    parser.add_argument("--first-rep", type=int, default=1, help="number of the first rep (a later device call goes on)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="iterations left out of each run's median")
     parser.add_argument("--tp", type=int, default=1,
@@ -280,57 +194,21 @@ def main(argv=None):
     parser.add_argument("--extra", type=shlex.split, default=[],
                         help='Megatron arguments after the config\'s, one string (--extra="--hidden-size 4096"; '
                              "the last value of a flag wins)")
-    parser.add_argument("--longest", action="store_true",
-                        help="per variant, the longest sequence that trains at micro-batch 1 (instead of step times)")
-    parser.add_argument("--seq-step", type=int, default=2048, help="--longest: sequence granularity")
     parser.add_argument("--out", default="out/e2e")
-    parser.add_argument("--plot", default=None, help="draw the PNG of a results JSON and exit")
-    parser.add_argument("--merge", nargs="+", default=None,
-                        help="results JSONs of one config (several device calls): write their union to --out")
     args = parser.parse_args(argv)
-    if args.plot:
-        print(plot(args.plot))
-        return
-    if args.merge:
-        parts = [json.load(open(path)) for path in args.merge]
-        assert len({p["config"] for p in parts}) == 1, "one config per merge"
-        data = {**parts[0], "runs": [r for p in parts for r in p["runs"]], "merged_from": args.merge}
-        data["summary"] = summarize(data["runs"], args.skip)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"e2e_{data['config']}.json"), "w") as fh:
-            json.dump(data, fh, indent=1)
-        print(table(data["summary"]))
-        return
-    variants = args.variants or [v for v in VARIANTS if (v != "te" or te_available()) and (v != "z_by_hand" or args.tp == 1)]
+    variants = args.variants or [v for v in VARIANTS if v != "z_by_hand" or args.tp == 1]
     if args.tp > 1 and "z_by_hand" in variants:
         parser.error("z_by_hand computes the z-loss on one rank's logits: it needs --tp 1")
     name = args.config if args.tp == 1 else f"{args.config}_tp{args.tp}"
     os.makedirs(args.out, exist_ok=True)
-    import torch
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     start, runs = time.time(), []
-    if args.longest:
-        # what peak allocated memory may reach: the allocator's reserve and the CUDA context take the
-        # rest (H100 80GB: 80.8 GB allocated fit, a predicted 81.3 did not)
-        capacity = 0.94 * torch.cuda.get_device_properties(0).total_memory / 1e9
-        found = {}
-        for variant in variants:
-            found[variant] = longest_sequence(variant, args.config, args.out, args.seq_step, capacity,
-                                              start + args.budget_s, tp=args.tp)
-            print(f"longest {variant}: {found[variant]['longest']} (fails at {found[variant]['first_failing']})", flush=True)
-        data = {"config": args.config, "device": device, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
-                "capacity_gb": capacity, "command": COMMON + CONFIGS[args.config], "longest": found}
-        with open(os.path.join(args.out, f"longest_{name}.json"), "w") as fh:
-            json.dump(data, fh, indent=1)
-        return
-    for rep in range(args.first_rep - 1, args.first_rep - 1 + args.pairs):
+    for rep in range(args.pairs):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
         for variant in order:
             if time.time() - start > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: stopping before {variant} rep {rep + 1}", flush=True)
                 break
-            profile_dir = os.path.join(args.out, f"trace_{name}_{variant}") if args.profile and rep == args.first_rep - 1 else None
+            profile_dir = os.path.join(args.out, f"trace_{name}_{variant}") if args.profile and rep == 0 else None
             run = launch(variant, args.config, args.iters, os.path.join(args.out, f"{name}_{variant}_{rep + 1}.log"),
                          tp=args.tp, profile_dir=profile_dir, extra=args.extra)
             if profile_dir:
@@ -347,7 +225,7 @@ def main(argv=None):
             print(f"rep {rep + 1} {variant:10s} rc={run['rc']} median step {med} peak {peak} "
                   f"wall {run['wall_s']:.0f} s{busy}", flush=True)
     summary = summarize(runs, args.skip)
-    data = {"config": args.config, "device": device, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
+    data = {"config": args.config, "run": run_info(), "args": vars(args),
             "command": COMMON + CONFIGS[args.config] + args.extra, "summary": summary, "runs": runs}
     with open(os.path.join(args.out, f"e2e_{name}.json"), "w") as fh:
         json.dump(data, fh, indent=1)

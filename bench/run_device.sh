@@ -12,7 +12,7 @@
 #   linear-ce    output projection + loss beside cuBLAS + op, Liger, CCE linear_ce.md/.json
 #                ($LINEAR_ARGS for bench/linear_cross_entropy.py)
 #   e2e          Megatron end to end; $E2E_ARGS for e2e_megatron.py   e2e/
-#                (default: --config gpu --variants native cez --pairs 3 --profile)
+#                (default: --config busy --variants native cez --pairs 3 --profile)
 # Mind the device tool's 600 s per command: e2e alone takes most of it.
 set -u -o pipefail
 source bench/device_setup.sh
@@ -38,7 +38,7 @@ step_peers-tp() {
 }
 step_linear-ce() { timeout 400 $PY bench/linear_cross_entropy.py ${LINEAR_ARGS:-} --out "$OUT/linear_ce.md" 2>&1 | tail -24; }
 step_e2e() {
-    timeout 560 $PY bench/e2e_megatron.py ${E2E_ARGS:---config gpu --variants native cez --pairs 3 --profile} \
+    timeout 560 $PY bench/e2e_megatron.py ${E2E_ARGS:---config busy --variants native cez --pairs 3 --profile} \
         --out "$OUT/e2e" 2>&1 | grep -v '^ *\[20' | tail -40
 }
 
