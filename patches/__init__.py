@@ -25,7 +25,8 @@ import warnings
 from mindspeed_cez.patches import mindspeed_feature, mindspeed_llm
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.settings import Settings
-from mindspeed_cez.patches.targets import install_patches, install_target, installed_targets, patch_targets, uninstall_all
+from mindspeed_cez.patches.targets import (  # noqa: F401  (install_target, installed_targets: re-exported)
+    install_patches, install_target, installed_targets, patch_targets, uninstall_all)
 
 __all__ = ["apply", "activate", "remove", "active_settings", "Settings", "patch_targets"]
 
