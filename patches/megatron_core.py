@@ -273,8 +273,8 @@ def vocab_parallel_cross_entropy_wrapper(fn):
             if tp_group is None:
                 return fn(vocab_parallel_logits, target, label_smoothing)
             return fn(vocab_parallel_logits, target, label_smoothing, tp_group=tp_group)
-        return loss_in_megatron_convention(vocab_parallel_logits, target, tp_group, label_smoothing, settings.z_loss_coeff,
-                          settings.backend)[0]
+        return loss_in_megatron_convention(vocab_parallel_logits, target, tp_group, label_smoothing,
+                                           settings.z_loss_coeff, settings.backend)[0]
 
     vocab_parallel_cross_entropy.__cez_wraps__ = fn
     return vocab_parallel_cross_entropy
@@ -288,7 +288,8 @@ def fused_vocab_parallel_cross_entropy_wrapper(fn):
         settings = _settings.ACTIVE
         if settings is None:
             return fn(vocab_parallel_logits, target, tp_group)
-        return loss_in_megatron_convention(vocab_parallel_logits, target, tp_group, 0.0, settings.z_loss_coeff, settings.backend)[0]
+        return loss_in_megatron_convention(vocab_parallel_logits, target, tp_group, 0.0, settings.z_loss_coeff,
+                                           settings.backend)[0]
 
     fused_vocab_parallel_cross_entropy.__cez_wraps__ = fn
     return fused_vocab_parallel_cross_entropy
