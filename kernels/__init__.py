@@ -44,6 +44,7 @@ reduced by the cross-entropy backend ``ce_backend``, ``backend_for(device)`` whe
 import importlib
 
 from . import torch_reference
+from .device_cores import launch_as  # noqa: F401 - public: kernels.launch_as("npu")
 
 BACKENDS = ("torch", "triton")
 LINEAR_BACKENDS = {"gemm": ".chunked_linear", "triton": ".triton_linear_cross_entropy"}
