@@ -75,6 +75,10 @@ def get_backend(name: str):
         if module is None:
             raise RuntimeError(f"backend='triton' but Triton failed to import: {_triton_error}")
         return module
+    if name == "cann":
+        raise ValueError("backend='cann' (torch_npu's npu_cross_entropy_loss) serves vocab_parallel_cross_entropy_zloss "
+                         "at tensor-parallel size 1 only; the fused output layer (linear_cross_entropy_zloss) and the "
+                         "vocab-sharded steps need backend='triton' or 'torch' (or None: automatic)")
     raise ValueError(f"unknown backend {name!r}; backend must be one of {BACKENDS} or None (automatic)")
 
 

@@ -13,8 +13,9 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from mindspeed_cez import kernels, metrics
+from mindspeed_cez import cann, kernels, metrics
 from mindspeed_cez.metrics import LM_LSE, LM_Z_LOSS
+BACKENDS = (*kernels.BACKENDS, cann.NAME)  # "cann": torch_npu's op, where the vocab is not sharded
 BACKEND_ENV = "MINDSPEED_CEZ_BACKEND"
 LINEAR_BACKEND_ENV = "MINDSPEED_CEZ_LINEAR_BACKEND"
 
@@ -37,7 +38,8 @@ class Settings:
     logit_transform: the model scales / soft-caps the main head's logits with torch ops before the
         loss (MindSpeed-LLM's ``--output-multiplier-scale`` / ``--output-logit-softcapping``): those
         ops are recorded and computed in the kernels instead (:mod:`.logit_transform`).
-    backend: the ops' cross-entropy backend, ``"triton"`` / ``"torch"``, None: automatic per device.
+    backend: the ops' cross-entropy backend, ``"triton"`` / ``"torch"``, None: automatic per device;
+        ``"cann"``: torch_npu's fused op (TP = 1, no fused output layer, no logit transform).
     linear_backend: the fused output layer's, ``"gemm"`` / ``"triton"``, None: automatic.
     """
 
@@ -60,8 +62,11 @@ class Settings:
             raise ValueError(f"label_smoothing must be None or in [0, 1), got {a!r}")
         if self.output_layer_grads not in ("recompute", "forward"):
             raise ValueError(f"output_layer_grads must be 'recompute' or 'forward', got {self.output_layer_grads!r}")
-        if self.backend not in (None, *kernels.BACKENDS):
-            raise ValueError(f"backend must be None or one of {kernels.BACKENDS}, got {self.backend!r}")
+        if self.backend not in (None, *BACKENDS):
+            raise ValueError(f"backend must be None or one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == cann.NAME and self.fused_output_layer:
+            raise ValueError("backend='cann' (MINDSPEED_CEZ_BACKEND=cann) needs logits, and the fused output layer "
+                             "(--lm-fused-output-layer) makes none: drop one of the two")
         if self.linear_backend not in (None, *kernels.LINEAR_BACKENDS):
             raise ValueError(f"linear_backend must be None or one of {tuple(kernels.LINEAR_BACKENDS)}, "
                              f"got {self.linear_backend!r}")
@@ -80,7 +85,7 @@ def backends_from_environment(environ=os.environ):
     """``{"backend": ..., "linear_backend": ...}`` from a launch script's environment (unset or empty:
     None, automatic); a bad name is a ``ValueError`` naming the variable."""
     chosen = {}
-    for field, variable, names in (("backend", BACKEND_ENV, kernels.BACKENDS),
+    for field, variable, names in (("backend", BACKEND_ENV, BACKENDS),
                                    ("linear_backend", LINEAR_BACKEND_ENV, tuple(kernels.LINEAR_BACKENDS))):
         value = environ.get(variable) or None
         if value not in (None, *names):
