@@ -373,7 +373,8 @@ def table(results):
         times = [f"{r[k]:8.2f}" if k in r else f"{'-':>8}" for k in ("ms", "torch_ms")]
         size = f"{r['size']} {r['vocab']}" + (f"/tp{r['tp']}" if r["tp"] > 1 else "")
         status = r["status"] + (f" ({r['reason']})" if r.get("reason") else "")
-        lines.append(f"{r['op']:<36} {name:<16} {r['dtype']:<5} {size:<12} {' '.join(cells)} {' '.join(times)}  {status}")
+        lines.append(f"{r['op']:<36} {name:<16} {r['dtype']:<5} {size:<12} {' '.join(cells)} {' '.join(times)}  "
+                     + status)
     return "\n".join(lines)
 
 

@@ -86,9 +86,12 @@ class _Op(torch.autograd.Function):
     def backward(ctx, g_loss, _g_log_prob, g_zloss, _g_lse):
         log_prob, safe, keep, lse = ctx.saved_tensors
         n = log_prob.shape[0]
-        g = torch.zeros(n) if g_loss is None else g_loss.float().expand(n) if ctx.reduction != "none" else g_loss.float()
-        gz = torch.zeros(n) if g_zloss is None or g_zloss.numel() == 0 else (
-            g_zloss.float().expand(n) if ctx.reduction != "none" else g_zloss.float())
+        def per_token(grad):
+            if grad is None or grad.numel() == 0:
+                return torch.zeros(n)
+            return grad.float().expand(n) if ctx.reduction != "none" else grad.float()
+
+        g, gz = per_token(g_loss), per_token(g_zloss)
         if ctx.reduction == "mean":
             g, gz = g / ctx.denominator[0], gz / ctx.denominator[1]
         g, gz = g * keep, gz * keep
