@@ -123,13 +123,17 @@ def ce_backends(device, world_size):
     return [(n, n == auto) for n in names]
 
 
-def linear_variants(device):
-    """[(linear_backend, grads, picked automatically)] for ``linear_cross_entropy_zloss`` here."""
+def linear_variants(device, world_size):
+    """[(linear_backend, grads, cross-entropy backend, picked automatically)] for
+    ``linear_cross_entropy_zloss`` here: the GEMM projection with each cross-entropy backend that
+    takes vocab partials (not ``cann``), the Triton projection, and ``grads="forward"``."""
     auto = "triton" if kernels.linear_backend_for(device).__name__.endswith("triton_linear_cross_entropy") else "gemm"
-    out = [("gemm", "recompute", auto == "gemm")]
+    auto_ce = [name for name, picked in ce_backends(device, world_size) if picked][0]
+    out = [("gemm", "recompute", ce, auto == "gemm" and ce == auto_ce)
+           for ce, _ in ce_backends(device, world_size) if ce != cann.NAME]
     if _triton_runs_on(device):
-        out.append(("triton", "recompute", auto == "triton"))
-    out.append((None, "forward", False))  # the adaptor's default for the fused output layer
+        out.append(("triton", "recompute", None, auto == "triton"))
+    out.append((None, "forward", None, False))  # the adaptor's default for the fused output layer
     return out
 
 
@@ -245,7 +249,7 @@ def check_ce(backend, dtype, rows, vocab, device, group, reps, seed):
     return errors, timing
 
 
-def check_linear(linear_backend, grads, dtype, rows, vocab, hidden, device, group, reps, seed):
+def check_linear(linear_backend, grads, ce_backend, dtype, rows, vocab, hidden, device, group, reps, seed):
     """Errors and timings of ``linear_cross_entropy_zloss`` on this rank's weight rows."""
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     target, mask, _, h, w = _inputs(rows, vocab, hidden, dtype, device, seed)
@@ -257,7 +261,8 @@ def check_linear(linear_backend, grads, dtype, rows, vocab, hidden, device, grou
     def step():
         h.grad = w_local.grad = None
         loss, z_loss = linear_cross_entropy_zloss(h, w_local, target, Z_LOSS_COEFF, SMOOTHING, IGNORE, group,
-                                                  grads=grads, linear_backend=linear_backend, **extra)
+                                                  grads=grads, backend=ce_backend, linear_backend=linear_backend,
+                                                  **extra)
         loss.backward(upstream)
         return loss, z_loss
 
@@ -308,11 +313,13 @@ def run(args, device, group=None):
         reps = args.reps if size == "real" else 0
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
-            cases = [("vocab_parallel_cross_entropy_zloss", b, None, auto) for b, auto in ce_backends(device, world)]
-            cases += [("linear_cross_entropy_zloss", lb, g, auto) for lb, g, auto in linear_variants(device)]
-            for op, backend, grads, auto in cases:
-                interpreted = device.type == "cpu" and backend == "triton"
-                row = {"op": op, "backend": backend or "auto", "grads": grads, "auto": auto, "dtype": dtype_name,
+            cases = [("vocab_parallel_cross_entropy_zloss", b, None, None, auto)
+                     for b, auto in ce_backends(device, world)]
+            cases += [("linear_cross_entropy_zloss", lb, g, ce, auto) for lb, g, ce, auto in linear_variants(device, world)]
+            for op, backend, grads, ce_backend, auto in cases:
+                interpreted = device.type == "cpu" and "triton" in (backend, ce_backend)
+                row = {"op": op, "backend": backend or "auto", "ce_backend": ce_backend, "grads": grads, "auto": auto,
+                       "dtype": dtype_name,
                        "size": size, "rows": rows, "vocab": vocab, "tp": world}
                 if interpreted and size == "real":
                     row.update(status="skipped", reason="Triton's CPU interpreter: small size only")
@@ -324,8 +331,8 @@ def run(args, device, group=None):
                     if op.startswith("vocab"):
                         errors, timing = check_ce(backend, dtype, rows, vocab, device, group, reps, seed)
                     else:
-                        errors, timing = check_linear(backend, grads, dtype, rows, vocab, hidden, device, group, reps,
-                                                      seed)
+                        errors, timing = check_linear(backend, grads, ce_backend, dtype, rows, vocab, hidden, device,
+                                                      group, reps, seed)
                     names = list(errors)
                     values = [errors[k].value() for k in names]
                 except Exception as exc:  # noqa: BLE001 - reported in the table, the run goes on
@@ -362,18 +369,19 @@ def _tolerance(op, backend, dtype_name):
 
 # ----------------------------------------------------------------------------------- reporting
 def table(results):
-    head = f"{'op':<36} {'backend':<16} {'dtype':<5} {'size':<12} {'loss':>8} {'z-loss':>8} {'grad':>8} " \
+    head = f"{'op':<36} {'backend':<22} {'dtype':<5} {'size':<12} {'loss':>8} {'z-loss':>8} {'grad':>8} " \
            f"{'ms':>8} {'torch ms':>8}  status"
     lines = [head, "-" * len(head)]
     for r in results:
-        name = r["backend"] + ("*" if r.get("auto") else "") + (f" {r['grads']}" if r.get("grads") else "")
+        name = r["backend"] + (f"+{r['ce_backend']}" if r.get("ce_backend") else "") + ("*" if r.get("auto") else "")
+        name += f" {r['grads']}" if r.get("grads") else ""
         e = r.get("errors", {})
         grad = max((v for k, v in e.items() if k in ("grad", "dhidden", "dweight")), default=None)
         cells = [f"{v:8.1e}" if v is not None else f"{'-':>8}" for v in (e.get("loss"), e.get("z_loss"), grad)]
         times = [f"{r[k]:8.2f}" if k in r else f"{'-':>8}" for k in ("ms", "torch_ms")]
         size = f"{r['size']} {r['vocab']}" + (f"/tp{r['tp']}" if r["tp"] > 1 else "")
         status = r["status"] + (f" ({r['reason']})" if r.get("reason") else "")
-        lines.append(f"{r['op']:<36} {name:<16} {r['dtype']:<5} {size:<12} {' '.join(cells)} {' '.join(times)}  "
+        lines.append(f"{r['op']:<36} {name:<22} {r['dtype']:<5} {size:<12} {' '.join(cells)} {' '.join(times)}  "
                      + status)
     return "\n".join(lines)
 
