@@ -67,6 +67,10 @@ class Settings:
         if self.backend == cann.NAME and self.fused_output_layer:
             raise ValueError("backend='cann' (MINDSPEED_CEZ_BACKEND=cann) needs logits, and the fused output layer "
                              "(--lm-fused-output-layer) makes none: drop one of the two")
+        if self.backend == cann.NAME and self.logit_transform:
+            raise ValueError("backend='cann' (MINDSPEED_CEZ_BACKEND=cann) computes the loss of the logits as given; "
+                             "--output-multiplier-scale / --output-logit-softcapping need MINDSPEED_CEZ_BACKEND=triton "
+                             "or unset")
         if self.linear_backend not in (None, *kernels.LINEAR_BACKENDS):
             raise ValueError(f"linear_backend must be None or one of {tuple(kernels.LINEAR_BACKENDS)}, "
                              f"got {self.linear_backend!r}")

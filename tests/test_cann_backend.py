@@ -128,5 +128,7 @@ def test_flag_path_takes_it_where_the_vocab_is_not_sharded():
     assert settings.Settings(z_loss_coeff=1e-4, backend="cann").backend == "cann"
     with pytest.raises(ValueError, match="--lm-fused-output-layer"):
         settings.Settings(backend="cann", fused_output_layer=True)
+    with pytest.raises(ValueError, match="--output-logit-softcapping need MINDSPEED_CEZ_BACKEND=triton"):
+        settings.Settings(backend="cann", logit_transform=True)
     with pytest.raises(ValueError, match="MINDSPEED_CEZ_BACKEND='nccl'"):
         settings.backends_from_environment({"MINDSPEED_CEZ_BACKEND": "nccl"})
