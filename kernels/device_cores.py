@@ -15,7 +15,7 @@ import functools
 import torch
 
 _FALLBACK_CORES = 16  # interpreter on CPU, or a driver that reports nothing
-LAUNCH_TYPES = ("cuda", "npu", "cpu")
+LAUNCH_TYPES = ("npu", "cpu")  # what launch_as may force (CUDA's settings compile its target assert)
 _LAUNCH_AS = contextvars.ContextVar("mindspeed_cez_launch_as", default=None)
 
 
