@@ -463,7 +463,8 @@ def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, 
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return grad
-    grid, rows_per_program, (block_v,), evict, options = _plan(logits.device, n_rows, n_cols, "bwd", launch_type(logits.device))
+    plan = _plan(logits.device, n_rows, n_cols, "bwd", launch_type(logits.device))
+    grid, rows_per_program, (block_v,), evict, options = plan
     scale, cap, transform = transform_args(logit_scale, logit_softcap)
     args = (
         logits, logits.stride(0), grad, grad.stride(0), target, lse, grad_loss, grad_loss.stride(0), n_rows, n_cols,

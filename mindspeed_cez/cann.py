@@ -100,6 +100,9 @@ def cross_entropy_zloss_with_lse(logits, target, z_loss_coeff, label_smoothing, 
     rows = logits.reshape(-1, logits.shape[-1])
     flat = target.reshape(-1)
     valid = flat != ignore_index
+    if rows.device.type not in ("cpu", "cuda"):  # the op leaves an out-of-range id undefined: assert, no host sync
+        in_range = (flat >= 0) & (flat < rows.shape[1])
+        torch._assert_async((in_range | ~valid).all(), "target outside [0, vocab) and not ignore_index")
     parts = [_rows_loss(rows[s:s + MAX_ROWS], flat[s:s + MAX_ROWS], valid[s:s + MAX_ROWS], z_loss_coeff,
                         label_smoothing) for s in range(0, rows.shape[0], MAX_ROWS)]
     if not parts:

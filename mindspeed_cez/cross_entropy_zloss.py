@@ -224,9 +224,10 @@ def cross_entropy_zloss_with_lse(
     _check_arguments(logits, target, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
     tp_group = resolve_tp_group(tp_group)
     if backend == cann.NAME:  # the vendor op (torch_npu), TP = 1: its own autograd
+        cann.check_applies(group_rank_and_size(tp_group)[1], logit_scale, logit_softcap)
         _check_target_range(target.reshape(-1), logits.shape[-1], ignore_index, kernels.torch_reference)
-        return cann.cross_entropy_zloss_with_lse(logits, target, z_loss_coeff, label_smoothing, ignore_index,
-                                                 group_rank_and_size(tp_group)[1], logit_scale, logit_softcap)
+        return cann.cross_entropy_zloss_with_lse(logits, target, z_loss_coeff, label_smoothing, ignore_index, 1,
+                                                 logit_scale, logit_softcap)
     return VocabParallelCrossEntropyZLoss.apply(
         logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
         kernels.backend_for(logits.device, backend), logit_scale, logit_softcap,
