@@ -39,6 +39,9 @@ logit_scale=1.0, logit_softcap=0.0)`` (its gradient into ``grad``), the transfor
 neither keyword) and ``"gemm"`` (``chunked_linear``: GEMMs on ``chunk_cols`` vocab rows at a time,
 reduced by the cross-entropy backend ``ce_backend``, ``backend_for(device)`` when None);
 ``linear_backend_for(device, name, backend)`` picks one.
+
+``launch_as("npu")`` (``device_cores``): within the block, the Triton kernels on CPU tensors (the
+interpreter) launch with the NPU's settings; the Ascend leg's execution test uses it.
 """
 
 import importlib
