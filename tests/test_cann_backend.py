@@ -132,3 +132,19 @@ def test_flag_path_takes_it_where_the_vocab_is_not_sharded():
         settings.Settings(backend="cann", logit_transform=True)
     with pytest.raises(ValueError, match="MINDSPEED_CEZ_BACKEND='nccl'"):
         settings.backends_from_environment({"MINDSPEED_CEZ_BACKEND": "nccl"})
+
+
+def test_flag_paths_loss_is_the_ce_value_with_the_z_loss_gradient(torch_npu):
+    """What the patched Megatron loss calls with MINDSPEED_CEZ_BACKEND=cann: the value of ``lm loss`` is
+    the CE, the gradient that of CE + z-loss (Megatron's convention for auxiliary losses)."""
+    from mindspeed_cez.patches import megatron_core
+
+    logits, target, upstream = _inputs(torch.float32, seed=8)
+    x = logits.clone().requires_grad_(True)
+    loss, z_loss, lse = megatron_core.fused_loss(x, target, None, 0.0, 1e-3, backend="cann")
+    (loss * upstream).sum().backward()
+    ce64, _, _ = cross_entropy_zloss_float64(logits, target)
+    _, z64, grad64 = loss_and_grad_float64(logits, target, upstream, z_loss_coeff=1e-3)
+    assert relative_error(loss, ce64) < 1e-6 and relative_error(z_loss, z64) < 1e-6
+    assert relative_error(x.grad, grad64) < 1e-6
+    assert torch_npu.CALLS[-1]["lse_square_scale_for_zloss"] == 1e-3
