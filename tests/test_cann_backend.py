@@ -92,10 +92,11 @@ def test_refused_where_it_does_not_apply(torch_npu, monkeypatch):
     with pytest.raises(ValueError, match="logit_scale=0.5"):
         vocab_parallel_cross_entropy_zloss(logits, target, backend="cann", logit_scale=0.5)
     # vocab shards: the op asks the group's size (here: a group of two, without collectives)
-    monkeypatch.setattr(op_module, "group_rank_and_size", lambda group: (0, 2))
-    with pytest.raises(ValueError, match="tensor-parallel group has 2 ranks.*backend='triton'"):
-        vocab_parallel_cross_entropy_zloss(logits, target, backend="cann")
-    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        m.setattr(op_module, "group_rank_and_size", lambda group: (0, 2))
+        with pytest.raises(ValueError, match="tensor-parallel group has 2 ranks.*backend='triton'"):
+            vocab_parallel_cross_entropy_zloss(logits, target, backend="cann")
+    assert not torch_npu.CALLS, "refused before the op was called"
     hidden, weight = torch.randn(4, 8), torch.randn(16, 8)
     with pytest.raises(ValueError, match="backend='cann'.*fused output layer"):
         linear_cross_entropy_zloss(hidden, weight, torch.zeros(4, dtype=torch.long), backend="cann")
