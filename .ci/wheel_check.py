@@ -26,6 +26,7 @@ MODULES = [
     "mindspeed_cez.patches", "mindspeed_cez.patches.megatron_core", "mindspeed_cez.patches.output_layer",
     "mindspeed_cez.patches.mindspeed_llm",
 ]
+MODULES += ["mindspeed_cez.selfcheck", "mindspeed_cez.cann"]  # the self-check users run, the vendor backend
 for name in MODULES:
     importlib.import_module(name)
 

@@ -39,12 +39,16 @@ transform=IDENTITY)`` (its gradient into ``grad``), the transform as above:
 neither keyword) and ``"gemm"`` (``chunked_linear``: GEMMs on ``chunk_cols`` vocab rows at a time,
 reduced by the cross-entropy backend ``ce_backend``, ``backend_for(device)`` when None);
 ``linear_backend_for(device, name, backend)`` picks one.
+
+``launch_as("npu")`` (``device_cores``): within the block, the Triton kernels on CPU tensors (the
+interpreter) launch with the NPU's settings; the Ascend leg's execution test uses it.
 """
 
 import importlib
 
 from . import torch_reference
 from .logit_transform import IDENTITY, LogitTransform  # noqa: F401  (the backends' transform= value)
+from .device_cores import launch_as  # noqa: F401 - public: kernels.launch_as("npu")
 
 BACKENDS = ("torch", "triton")
 LINEAR_BACKENDS = {"gemm": ".chunked_linear", "triton": ".triton_linear_cross_entropy"}
@@ -75,6 +79,10 @@ def get_backend(name: str):
         if module is None:
             raise RuntimeError(f"backend='triton' but Triton failed to import: {_triton_error}")
         return module
+    if name == "cann":
+        raise ValueError("backend='cann' (torch_npu's npu_cross_entropy_loss) serves vocab_parallel_cross_entropy_zloss "
+                         "at tensor-parallel size 1 only; the fused output layer (linear_cross_entropy_zloss) and the "
+                         "vocab-sharded steps need backend='triton' or 'torch' (or None: automatic)")
     raise ValueError(f"unknown backend {name!r}; backend must be one of {BACKENDS} or None (automatic)")
 
 

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from . import logit_transform, partials
-from .device_cores import num_programs
+from .device_cores import launch_type, num_programs
 from .logit_transform import IDENTITY
 from .triton_launcher import Launcher
 
@@ -369,21 +369,21 @@ ASSERT_OPTIONS = _assert_options()
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(device, n_rows, n_cols, kernel):
+def _plan(device, n_rows, n_cols, kernel, kind):
     """(grid, rows per program, constexprs, eviction policy, launch options) of the ``"fwd"`` or
     ``"bwd"`` kernel for ``[n_rows, n_cols]`` logits on ``device``; the constexprs are (SLOTS,
     SLOT_WIDTH, CHECK_TARGETS) for the forward (the check, on CUDA, with its debug options) and
-    (BLOCK_V,) for the backward."""
-    config = launch_settings(device.type, n_cols)
+    (BLOCK_V,) for the backward; ``kind``: the device type whose settings apply (``launch_type``)."""
+    config = launch_settings(kind, n_cols)
     programs = num_programs(device, n_rows, config[f"{kernel}_per_core"])
     block_v = min(config[f"{kernel}_block_v"], triton.next_power_of_2(n_cols))
-    evict = EVICTION.get(device.type, "")
+    evict = EVICTION.get(kind, "")
     options = (("num_warps", config[f"{kernel}_warps"]),)
     if kernel == "bwd":
         constexprs = (block_v,)
     else:
         slot_width = min(config["slot_width"] or block_v, block_v)
-        check = device.type == "cuda"
+        check = kind == "cuda"
         constexprs = (block_v // slot_width, slot_width, check)
         options += ASSERT_OPTIONS if check else ()
     return (programs,), triton.cdiv(n_rows, programs), constexprs, evict, options
@@ -404,7 +404,7 @@ def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_los
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return out
-    plan = _plan(logits.device, n_rows, n_cols, "fwd")
+    plan = _plan(logits.device, n_rows, n_cols, "fwd", launch_type(logits.device))
     grid, rows_per_program, (slots, slot_width, check), evict, options = plan
     scale, cap, kind = transform.kernel_args()
     args = (
@@ -455,7 +455,8 @@ def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, 
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return grad
-    grid, rows_per_program, (block_v,), evict, options = _plan(logits.device, n_rows, n_cols, "bwd")
+    plan = _plan(logits.device, n_rows, n_cols, "bwd", launch_type(logits.device))
+    grid, rows_per_program, (block_v,), evict, options = plan
     scale, cap, kind = transform.kernel_args()
     args = (
         logits, logits.stride(0), grad, grad.stride(0), target, lse, grad_loss, grad_loss.stride(0), n_rows, n_cols,

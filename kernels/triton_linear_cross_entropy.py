@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device_cores import num_programs
+from .device_cores import launch_type, num_programs
 from .logit_transform import IDENTITY
 from .triton_cross_entropy import (LOCAL_MAX, LOG2E, NO_TRANSFORM, PARTIAL_ROWS, ROW_MAX, SUM_EXP, TARGET_TERM,
                                    _loss_constants, _transform, _transform_with_slope)
@@ -213,17 +213,19 @@ def launch_settings(device_type):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(device, n_rows, n_cols, dtype, kernel):
-    """(grid, constexprs, options) of the ``"partials"`` or ``"grad"`` kernel."""
-    c = launch_settings(device.type)
+def _plan(device, n_rows, n_cols, dtype, kernel, kind):
+    """(grid, constexprs, options) of the ``"partials"`` or ``"grad"`` kernel with ``kind``'s settings."""
+    c = launch_settings(kind)
     tasks = triton.cdiv(n_rows, c["block_m"]) * triton.cdiv(n_cols, c["block_n"] * (c["group_n"] if kernel == "partials"
                                                                                     else 1))
     grid = (num_programs(device, tasks, c["per_core"]),)
     block_k = c["block_k"] // 4 if dtype == torch.float32 else c["block_k"]
     constexprs = (c["block_m"], c["block_n"], max(16, block_k)) + ((c["group_n"],) if kernel == "partials" else ()) + (
         c["swizzle_m"],)
-    options = (("num_warps", c["warps"]),) + ((("num_stages", c["stages"]),) if device.type == "cuda" else ())
-    return grid, constexprs, options, "fp32" if device.type == "cpu" else DOT_PRECISION[dtype]
+    options = (("num_warps", c["warps"]),) + ((("num_stages", c["stages"]),) if kind == "cuda" else ())
+    # The CPU interpreter's dot multiplies bf16's raw bits: there bf16 operands are widened to fp32.
+    interpreter_widens = kind == "cpu" or (device.type == "cpu" and dtype == torch.bfloat16)
+    return grid, constexprs, options, "fp32" if interpreter_widens else DOT_PRECISION[dtype]
 
 
 def launch_plans_changed():
@@ -251,8 +253,9 @@ def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_inde
     out = torch.empty(PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
     if n_rows == 0:
         return out
-    grid, constexprs, options, precision = _plan(rows.device, n_rows, n_cols, rows.dtype, "partials")
-    n_groups = groups(n_cols, rows.device.type)
+    grid, constexprs, options, precision = _plan(rows.device, n_rows, n_cols, rows.dtype, "partials",
+                                                  launch_type(rows.device))
+    n_groups = groups(n_cols, launch_type(rows.device))
     per_group = torch.empty(n_groups, PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
     _, target_weight, smoothing_per_col = _loss_constants(0.0, label_smoothing, global_vocab)
     scale, cap, kind = transform.kernel_args()
@@ -273,7 +276,8 @@ def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_
     n_cols = weight.shape[0]
     if n_rows == 0:
         return grad
-    grid, constexprs, options, precision = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad")
+    grid, constexprs, options, precision = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad",
+                                                  launch_type(rows.device))
     scale, cap, kind = transform.kernel_args()
     args = (rows, rows.stride(0), weight, weight.stride(0), grad, grad.stride(0), target, lse, grad_loss,
             grad_loss.stride(0), n_rows, n_cols, h, vocab_start, ignore_index,

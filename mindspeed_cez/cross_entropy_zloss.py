@@ -23,7 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from mindspeed_cez import kernels
+from mindspeed_cez import cann, kernels
 from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.tensor_parallel import group_rank_and_size, merged_loss, resolve_tp_group
 
@@ -198,7 +198,9 @@ def vocab_parallel_cross_entropy_zloss(
         tp_group: the tensor-parallel process group; ``None`` takes Megatron's TP group when
             ``megatron.core.parallel_state`` is initialized, else a single rank.
         backend: ``"triton"`` or ``"torch"`` (the pure-torch reference); ``None`` (default): Triton on
-            accelerators where it imports, else torch (``mindspeed_cez.kernels.backend_for``).
+            accelerators where it imports, else torch (``mindspeed_cez.kernels.backend_for``);
+            ``"cann"``: torch_npu's ``npu_cross_entropy_loss`` on Ascend, tensor-parallel size 1, no
+            scale / soft cap (:mod:`mindspeed_cez.cann`; its gradient is not written in place).
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``loss = CE + c*lse**2`` per token and the
@@ -226,6 +228,11 @@ def cross_entropy_zloss_with_lse(
     _check_arguments(logits, target, z_loss_coeff, label_smoothing)
     transform = LogitTransform(logit_scale, logit_softcap)
     tp_group = resolve_tp_group(tp_group)
+    if backend == cann.NAME:  # the vendor op (torch_npu), TP = 1: its own autograd
+        cann.check_applies(group_rank_and_size(tp_group)[1], logit_scale, logit_softcap)
+        _check_target_range(target.reshape(-1), logits.shape[-1], ignore_index, kernels.torch_reference)
+        return cann.cross_entropy_zloss_with_lse(logits, target, z_loss_coeff, label_smoothing, ignore_index, 1,
+                                                 logit_scale, logit_softcap)
     return VocabParallelCrossEntropyZLoss.apply(
         logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
         kernels.backend_for(logits.device, backend), transform,

@@ -12,12 +12,14 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from mindspeed_cez import kernels
+from mindspeed_cez import cann, kernels
 from mindspeed_cez.cross_entropy_zloss import check_label_smoothing, check_z_loss_coeff
 from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.linear_cross_entropy import GRADS
 from mindspeed_cez.patches import metrics
 from mindspeed_cez.patches.metrics import LM_LSE, LM_Z_LOSS
+
+BACKENDS = (*kernels.BACKENDS, cann.NAME)  # "cann": torch_npu's op, where the vocab is not sharded
 BACKEND_ENV = "MINDSPEED_CEZ_BACKEND"
 LINEAR_BACKEND_ENV = "MINDSPEED_CEZ_LINEAR_BACKEND"
 
@@ -42,7 +44,8 @@ class Settings:
         ``--output-multiplier-scale`` / ``--output-logit-softcapping``), or None (no transform).
         Those ops are recorded, checked against it and computed in the kernels instead
         (:mod:`.logit_transform`).
-    backend: the ops' cross-entropy backend, ``"triton"`` / ``"torch"``, None: automatic per device.
+    backend: the ops' cross-entropy backend, ``"triton"`` / ``"torch"``, None: automatic per device;
+        ``"cann"``: torch_npu's fused op (TP = 1, no fused output layer, no logit transform).
     linear_backend: the fused output layer's, ``"gemm"`` / ``"triton"``, None: automatic.
     """
 
@@ -64,8 +67,15 @@ class Settings:
             raise ValueError(f"output_layer_grads must be one of {GRADS}, got {self.output_layer_grads!r}")
         if self.logit_transform is not None and not isinstance(self.logit_transform, LogitTransform):
             raise TypeError(f"logit_transform must be None or a LogitTransform, got {self.logit_transform!r}")
-        if self.backend not in (None, *kernels.BACKENDS):
-            raise ValueError(f"backend must be None or one of {kernels.BACKENDS}, got {self.backend!r}")
+        if self.backend not in (None, *BACKENDS):
+            raise ValueError(f"backend must be None or one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == cann.NAME and self.fused_output_layer:
+            raise ValueError("backend='cann' (MINDSPEED_CEZ_BACKEND=cann) needs logits, and the fused output layer "
+                             "(--lm-fused-output-layer) makes none: drop one of the two")
+        if self.backend == cann.NAME and self.logit_transform:
+            raise ValueError("backend='cann' (MINDSPEED_CEZ_BACKEND=cann) computes the loss of the logits as given; "
+                             "--output-multiplier-scale / --output-logit-softcapping need MINDSPEED_CEZ_BACKEND=triton "
+                             "or unset")
         if self.linear_backend not in (None, *kernels.LINEAR_BACKENDS):
             raise ValueError(f"linear_backend must be None or one of {tuple(kernels.LINEAR_BACKENDS)}, "
                              f"got {self.linear_backend!r}")
@@ -84,7 +94,7 @@ def backends_from_environment(environ=os.environ):
     """``{"backend": ..., "linear_backend": ...}`` from a launch script's environment (unset or empty:
     None, automatic); a bad name is a ``ValueError`` naming the variable."""
     chosen = {}
-    for field, variable, names in (("backend", BACKEND_ENV, kernels.BACKENDS),
+    for field, variable, names in (("backend", BACKEND_ENV, BACKENDS),
                                    ("linear_backend", LINEAR_BACKEND_ENV, tuple(kernels.LINEAR_BACKENDS))):
         value = environ.get(variable) or None
         if value not in (None, *names):

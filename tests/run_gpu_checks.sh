@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, as one device call from the repository root (carry .whl, see
 # bench/README.md): the op's test suite on CUDA (incl. TP=2 over NCCL), the main job on GPUs,
-# and the Megatron-LM style launch (megatron.training, TP=2, NCCL). Logs land in $OUT.
+# the Megatron-LM style launch (megatron.training, TP=2, NCCL), and the self-check users run (one GPU;
+# TP=2 through torchrun where two GPUs are present). Logs land in $OUT.
 #
 #     bash tests/run_gpu_checks.sh
 set -u -o pipefail
@@ -40,3 +41,13 @@ timeout 150 python3 examples/train_tiny_moe.py --quick 2>&1 | tee "$OUT/train_ti
 
 echo "== Megatron-LM style launch, TP=2 over NCCL"
 PYTHON=python3 TRAIN_ITERS=10 timeout 200 bash examples/run_megatron_lm_moe.sh 2>&1 | tee "$OUT/megatron_lm_moe_gpu.log" | grep -E "iteration|lm_z_loss|Error|error" | tail -15
+
+echo "== selfcheck, one GPU (both ops, every backend, small and real vocab 151936, each dtype)"
+timeout 300 python3 -m mindspeed_cez.selfcheck --json "$OUT/selfcheck_1gpu.json" 2>&1 | tee "$OUT/selfcheck_1gpu.log" | tail -40
+echo "selfcheck 1 GPU exit status: ${PIPESTATUS[0]}"
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    echo "== selfcheck, TP=2 over NCCL (torchrun)"
+    timeout 300 torchrun --standalone --nproc-per-node 2 -m mindspeed_cez.selfcheck --json "$OUT/selfcheck_tp2.json" 2>&1 \
+        | tee "$OUT/selfcheck_tp2.log" | tail -40
+    echo "selfcheck TP=2 exit status: ${PIPESTATUS[0]}"
+fi

@@ -1,0 +1,112 @@
+"""``backend="cann"``: the vendor's fused op, ``torch_npu.npu_cross_entropy_loss`` (CANN's
+CrossEntropyLoss with z-loss, Atlas A2 / A3), behind the package's conventions, at TP = 1.
+
+Read from torch_npu's documentation (Ascend/op-plugin ``docs/context/torch_npu-npu_cross_entropy_loss.md``
+at 64b9136a) and CANN's ``aclnnCrossEntropyLoss`` page: ``npu_cross_entropy_loss(input [N, C],
+target [N] int64, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
+lse_square_scale_for_zloss=0.0, return_zloss=False) -> (loss, log_prob, zloss, lse_for_zloss)``;
+every output in ``input``'s dtype; ``log_prob`` ``[N, C]`` (kept for its backward: a second
+logits-sized tensor); ``zloss = scale * lse**2`` per token and ``lse_for_zloss`` only with the
+z-loss arguments set; a negative ``ignore_index`` ignores nothing; N at most 200000; with a
+gradient, ``reduction="none"`` takes no label smoothing, and only ``loss`` (and ``zloss``) carry
+gradients. torch_npu's page marks the z-loss arguments "not enabled yet" in some releases: this
+backend asks for them only when ``z_loss_coeff > 0`` and fails loudly where they do not come back.
+
+Here the op runs with ``reduction="none"`` and its own gradient; the package adds what it lacks
+in plain torch ops on [N] vectors: ignored tokens (``ignore_index``: loss, z-loss and gradient 0),
+label smoothing (``a * (x[t] - mean(x))``, whose gradient ``a * (onehot - 1/V)`` turns the op's
+``softmax - onehot`` into the smoothed one), fp32 results, and the lse (``CE + x[t]``, or the
+op's ``lse_for_zloss``). Not served (refused, naming the argument): vocab shards (TP > 1: the op
+needs each token's whole vocab), ``logit_scale`` / ``logit_softcap``, the fused output layer.
+"""
+
+import importlib
+
+import torch
+
+NAME = "cann"
+MAX_ROWS = 200000  # the op's documented limit on N per call
+
+
+def _op():
+    try:
+        torch_npu = importlib.import_module("torch_npu")
+    except ImportError as exc:
+        raise RuntimeError(f"backend='cann' needs torch_npu (Ascend NPUs, CANN): {exc}; on other devices use "
+                           "backend='triton' or 'torch' (or None: automatic)") from exc
+    op = getattr(torch_npu, "npu_cross_entropy_loss", None)
+    if op is None:
+        raise RuntimeError("backend='cann': this torch_npu has no npu_cross_entropy_loss (Atlas A2 / A3 releases "
+                           "have it); use backend='triton' or 'torch'")
+    return op
+
+
+def available() -> bool:
+    """torch_npu imports and has the op (says nothing about the device's support of its z-loss)."""
+    try:
+        _op()
+    except RuntimeError:
+        return False
+    return True
+
+
+def check_applies(tp_size, logit_scale=1.0, logit_softcap=0.0):
+    """Refuse what the vendor op cannot compute, naming the argument and the fix."""
+    if tp_size > 1:
+        raise ValueError(
+            f"backend='cann': torch_npu.npu_cross_entropy_loss needs each token's whole vocab on one rank, but the "
+            f"tensor-parallel group has {tp_size} ranks holding vocab shards; use backend='triton' (or None) at "
+            "tensor-parallel size > 1")
+    if logit_scale != 1.0 or logit_softcap:
+        raise ValueError(
+            f"backend='cann' computes the loss of the logits as given: logit_scale={logit_scale!r} / "
+            f"logit_softcap={logit_softcap!r} need backend='triton' or 'torch' (or scale / cap the logits first)")
+
+
+def _rows_loss(rows, target, valid, z_loss_coeff, label_smoothing):
+    """(loss, z_loss, lse) fp32 [n] of one call of the op on ``rows`` [n, V] (n <= MAX_ROWS)."""
+    op = _op()
+    safe = torch.where(valid, target, torch.zeros_like(target)).long()  # the op ignores nothing here
+    z_args = {"lse_square_scale_for_zloss": float(z_loss_coeff), "return_zloss": True} if z_loss_coeff else {}
+    ce, _log_prob, zloss, lse_for_zloss = op(rows, safe, reduction="none", **z_args)
+    target_logit = rows.gather(1, safe.unsqueeze(1)).squeeze(1).float()
+    loss = ce.float()
+    if label_smoothing:  # (1-a)*CE + a*(lse - mean x) = CE + a*(x[t] - mean x)
+        loss = loss + label_smoothing * (target_logit - rows.mean(1, dtype=torch.float32))
+    if z_loss_coeff:
+        if zloss is None or zloss.numel() != rows.shape[0]:
+            raise RuntimeError(
+                "backend='cann': torch_npu.npu_cross_entropy_loss returned no z-loss for return_zloss=True (its z-loss "
+                "is not enabled in this torch_npu / CANN); use backend='triton' for z_loss_coeff > 0")
+        if torch.is_grad_enabled() and rows.requires_grad and not zloss.requires_grad:
+            raise RuntimeError(
+                "backend='cann': this torch_npu's npu_cross_entropy_loss returns its z-loss without a gradient, so "
+                "z_loss_coeff > 0 would not train; use backend='triton'")
+        z_loss = zloss.float()
+        loss = loss + z_loss
+        lse = lse_for_zloss.detach().float()
+    else:
+        z_loss = torch.zeros_like(loss)
+        lse = ce.detach().float() + target_logit.detach()
+    zero = torch.zeros((), dtype=torch.float32, device=rows.device)
+    return torch.where(valid, loss, zero), torch.where(valid, z_loss.detach(), zero), lse
+
+
+def cross_entropy_zloss_with_lse(logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_size,
+                                 logit_scale=1.0, logit_softcap=0.0):
+    """The op's ``(loss, z_loss, lse)`` (fp32, shape of ``target``) through the vendor op; the
+    arguments are already checked by the op, except what only this backend refuses."""
+    check_applies(tp_size, logit_scale, logit_softcap)
+    rows = logits.reshape(-1, logits.shape[-1])
+    flat = target.reshape(-1)
+    valid = flat != ignore_index
+    if rows.device.type not in ("cpu", "cuda"):  # the op leaves an out-of-range id undefined: assert, no host sync
+        in_range = (flat >= 0) & (flat < rows.shape[1])
+        torch._assert_async((in_range | ~valid).all(), "target outside [0, vocab) and not ignore_index")
+    parts = [_rows_loss(rows[s:s + MAX_ROWS], flat[s:s + MAX_ROWS], valid[s:s + MAX_ROWS], z_loss_coeff,
+                        label_smoothing) for s in range(0, rows.shape[0], MAX_ROWS)]
+    if not parts:
+        empty = torch.zeros(target.shape, dtype=torch.float32, device=logits.device)
+        return empty + 0.0 * logits.sum(), empty, empty
+    loss, z_loss, lse = (torch.cat(p) if len(parts) > 1 else p[0] for p in zip(*parts))
+    return loss.view(target.shape), z_loss.view(target.shape), lse.view(target.shape)

@@ -1,0 +1,444 @@
+"""Check the fused loss on this machine before a long run, and make a report for a bug.
+
+    python -m mindspeed_cez.selfcheck                 # a table; exit status 0: every check passed
+    python -m mindspeed_cez.selfcheck --json out.json # the same, with device and versions, as JSON
+    torchrun --nproc-per-node 2 -m mindspeed_cez.selfcheck   # TP = world size, through the collectives
+
+On the current device (CUDA, an Ascend NPU through torch_npu, else the CPU) it runs both ops,
+``vocab_parallel_cross_entropy_zloss`` and ``linear_cross_entropy_zloss``, with every backend the
+package would pick there (marked ``*``) and each alternative (``triton``, ``torch``, on NPUs
+``cann``; the fused layer's ``gemm`` / ``triton`` projections and its ``grads="forward"`` path),
+at a small size and at a real one (vocab 151936), in each dtype, on fresh random inputs with
+ignored tokens, label smoothing and a z-loss; it compares loss, z-loss and gradients with a
+float64 reference computed a block of rows at a time (on the CPU where the device has no fast
+float64: NPUs), and times forward + backward beside torch's own cross entropy. Under ``torchrun``
+(or an initialized process group) each rank holds a vocab slice of the same global logits; the
+errors are the largest over the ranks, which all print the same verdict (rank 0 prints).
+
+Only the public ops and ``mindspeed_cez.kernels`` are used: no Megatron, no patches.
+"""
+
+import argparse
+import importlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import mindspeed_cez
+from mindspeed_cez import cann, kernels, linear_cross_entropy_zloss
+from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
+
+REAL_VOCAB = 151936
+IGNORE = -100
+Z_LOSS_COEFF = 1e-4
+SMOOTHING = 0.1
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Relative L2 error allowed, (loss and z-loss, gradients), per input dtype: fp32 results of
+# 16-bit inputs, gradients written in the input dtype. The vendor op returns 16-bit losses, and the
+# fused layer's GEMM path rounds its logits to the input dtype: those take LOSS_16BIT_ROUNDED.
+TOLERANCE = {"fp32": (2e-5, 2e-5), "bf16": (2e-5, 1.2e-2), "fp16": (2e-5, 2e-3)}
+LOSS_16BIT_ROUNDED = 1.2e-2
+LINEAR_GRAD_16BIT = 2.5e-2  # dhidden / dweight: GEMMs over 16-bit gradient tiles
+
+
+# ------------------------------------------------------------------------------------ device
+def current_device():
+    """CUDA, else an NPU (torch_npu imported and a device present), else the CPU; the local rank's."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        importlib.import_module("torch_npu")
+        if torch.npu.is_available():  # torch.npu exists once torch_npu is imported
+            torch.npu.set_device(local % torch.npu.device_count())
+            return torch.device("npu", torch.npu.current_device())
+    except (ImportError, AttributeError):
+        pass
+    return torch.device("cpu")
+
+
+def _synchronize(device):
+    module = getattr(torch, device.type, None)
+    if device.type != "cpu" and module is not None and hasattr(module, "synchronize"):
+        module.synchronize()
+
+
+def _version(dist_name):
+    try:
+        from importlib.metadata import version
+
+        return version(dist_name)
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def environment(device):
+    """What a bug report needs: device, versions, world size."""
+    info = {"device": str(device), "device_name": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch": torch.__version__, "mindspeed_cez": mindspeed_cez.__version__,
+            "triton": None, "triton-ascend": _version("triton-ascend"), "torch_npu": _version("torch_npu"),
+            "cann": None, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+    elif device.type == "npu":
+        info["device_name"] = getattr(torch.npu, "get_device_name", lambda d: "npu")(device.index)
+        try:
+            info["cann"] = importlib.import_module("torch_npu.utils.collect_env").get_cann_version()
+        except Exception:  # noqa: BLE001 - a torch_npu without the query
+            pass
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+# ----------------------------------------------------------------------------------- the cases
+def _triton_runs_on(device):
+    if not kernels.triton_available():
+        return False
+    return device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def ce_backends(device, world_size):
+    """[(name, picked automatically)] for ``vocab_parallel_cross_entropy_zloss`` here."""
+    auto = "torch" if kernels.backend_for(device) is kernels.torch_reference else "triton"
+    names = ["triton"] if _triton_runs_on(device) else []
+    names.append("torch")
+    if device.type == "npu" and world_size == 1 and cann.available():
+        names.append(cann.NAME)
+    return [(n, n == auto) for n in names]
+
+
+def linear_variants(device, world_size):
+    """[(linear_backend, grads, cross-entropy backend, picked automatically)] for
+    ``linear_cross_entropy_zloss`` here: the GEMM projection with each cross-entropy backend that
+    takes vocab partials (not ``cann``), the Triton projection, and ``grads="forward"``."""
+    auto = "triton" if kernels.linear_backend_for(device).__name__.endswith("triton_linear_cross_entropy") else "gemm"
+    auto_ce = [name for name, picked in ce_backends(device, world_size) if picked][0]
+    out = [("gemm", "recompute", ce, auto == "gemm" and ce == auto_ce)
+           for ce, _ in ce_backends(device, world_size) if ce != cann.NAME]
+    if _triton_runs_on(device):
+        out.append(("triton", "recompute", None, auto == "triton"))
+    out.append((None, "forward", None, False))  # the adaptor's default for the fused output layer
+    return out
+
+
+def sizes(device, args):
+    """(name, rows, vocab, hidden): the small size, and the real vocab unless skipped."""
+    out = [("small", args.small_rows, 1000, 64)]
+    if not args.skip_real:
+        rows = args.real_rows or (2048 if device.type != "cpu" else 8)
+        # hidden of the fused layer: its float64 reference runs on the CPU for NPUs (128 keeps it seconds)
+        out.append(("real", rows, REAL_VOCAB, {"cuda": 512, "npu": 128}.get(device.type, 64)))
+    return out
+
+
+# ----------------------------------------------------------------------- float64, row blocks
+def _reference_device(device):
+    return device if device.type in ("cuda", "cpu") else torch.device("cpu")  # NPUs: no fast float64
+
+
+def _loss64(x, target):
+    lse = torch.logsumexp(x, dim=-1)
+    log_probs = x - lse[:, None]
+    valid = target != IGNORE
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    nll = -log_probs.gather(1, safe[:, None]).squeeze(1)
+    z = Z_LOSS_COEFF * lse * lse
+    loss = (1 - SMOOTHING) * nll - SMOOTHING * log_probs.mean(-1) + z
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    return torch.where(valid, loss, zero), torch.where(valid, z, zero)
+
+
+class _Error:
+    """Relative L2 error accumulated over blocks: ||got - want|| / ||want||."""
+
+    def __init__(self):
+        self.num = self.den = 0.0
+
+    def add(self, got, want):
+        self.num += (got.double() - want).norm().item() ** 2
+        self.den += want.norm().item() ** 2
+
+    def value(self):
+        return math.sqrt(self.num) / max(math.sqrt(self.den), 1e-30)
+
+
+def _block_rows(vocab):
+    return max(1, (1 << 25) // vocab)  # ~256 MiB of float64 logits per block
+
+
+# ---------------------------------------------------------------------------------- the checks
+def _inputs(rows, vocab, hidden, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)  # the same global tensors on every rank
+    target = torch.randint(0, vocab, (rows,), generator=gen)
+    target[::5] = IGNORE
+    mask = (target != IGNORE).float()
+    upstream = (torch.rand(rows, generator=gen) + 0.5) * mask
+    h = torch.randn(rows, hidden, generator=gen) / hidden ** 0.25
+    w = torch.randn(vocab, hidden, generator=gen) / hidden ** 0.25
+    return [t.to(device) for t in (target, mask, upstream)] + [h.to(dtype).to(device), w.to(dtype).to(device)]
+
+
+def _shard(t, rank, world, dim=-1):
+    width = t.shape[dim] // world
+    return t.narrow(dim, rank * width, width).contiguous()
+
+
+def _time_ms(fn, device, reps):
+    fn()
+    _synchronize(device)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def check_ce(backend, dtype, rows, vocab, device, group, reps, seed):
+    """Errors and timings of ``vocab_parallel_cross_entropy_zloss`` on this rank's vocab slice."""
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    target, _, upstream, h, w = _inputs(rows, vocab, 32, dtype, device, seed)
+    logits = (h.float() @ w.float().t() * 2.0).to(dtype)  # logits of a real head's spread
+    local = _shard(logits, rank, world).requires_grad_(True)
+
+    def step():
+        local.grad = None
+        loss, z_loss, _ = cross_entropy_zloss_with_lse(local, target, Z_LOSS_COEFF, SMOOTHING, IGNORE, group,
+                                                       backend=backend)
+        loss.backward(upstream)
+        return loss, z_loss
+
+    loss, z_loss = step()
+    errors = {k: _Error() for k in ("loss", "z_loss", "grad")}
+    ref_device = _reference_device(device)
+    width = vocab // world
+    for start in range(0, rows, _block_rows(vocab)):
+        block = slice(start, start + _block_rows(vocab))
+        x = logits[block].to(ref_device).double().requires_grad_(True)
+        loss64, z64 = _loss64(x, target[block].to(ref_device))
+        (grad64,) = torch.autograd.grad(loss64, x, upstream[block].to(ref_device).double())
+        errors["loss"].add(loss[block].detach().to(ref_device), loss64.detach())
+        errors["z_loss"].add(z_loss[block].to(ref_device), z64.detach())
+        errors["grad"].add(local.grad[block].to(ref_device), grad64[:, rank * width:(rank + 1) * width])
+    timing = {}
+    if reps:
+        timing["ms"] = _time_ms(step, device, reps)
+        full = logits.detach().requires_grad_(True)
+
+        def torch_step():
+            full.grad = None
+            F.cross_entropy(full.float(), target, ignore_index=IGNORE, reduction="none").backward(upstream)
+
+        timing["torch_ms"] = _time_ms(torch_step, device, reps)
+    return errors, timing
+
+
+def check_linear(linear_backend, grads, ce_backend, dtype, rows, vocab, hidden, device, group, reps, seed):
+    """Errors and timings of ``linear_cross_entropy_zloss`` on this rank's weight rows."""
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    target, mask, _, h, w = _inputs(rows, vocab, hidden, dtype, device, seed)
+    upstream = 0.5 * mask  # k * token_weights: what grads="forward" requires (any works for "recompute")
+    h = h.requires_grad_(True)
+    w_local = _shard(w, rank, world, dim=0).requires_grad_(True)
+    extra = {"token_weights": mask, "grad_scale": 0.5} if grads == "forward" else {}
+
+    def step():
+        h.grad = w_local.grad = None
+        loss, z_loss = linear_cross_entropy_zloss(h, w_local, target, Z_LOSS_COEFF, SMOOTHING, IGNORE, group,
+                                                  grads=grads, backend=ce_backend, linear_backend=linear_backend,
+                                                  **extra)
+        loss.backward(upstream)
+        return loss, z_loss
+
+    loss, z_loss = step()
+    errors = {k: _Error() for k in ("loss", "z_loss", "dhidden", "dweight")}
+    ref_device = _reference_device(device)
+    w64 = w.to(ref_device).double()
+    dw64 = torch.zeros_like(w64)
+    for start in range(0, rows, _block_rows(vocab)):
+        block = slice(start, start + _block_rows(vocab))
+        h64 = h[block].detach().to(ref_device).double().requires_grad_(True)
+        w64.requires_grad_(True)
+        loss64, z64 = _loss64(h64 @ w64.t(), target[block].to(ref_device))
+        dh64, dw_block = torch.autograd.grad(loss64, (h64, w64), upstream[block].to(ref_device).double())
+        dw64 += dw_block
+        errors["loss"].add(loss[block].detach().to(ref_device), loss64.detach())
+        errors["z_loss"].add(z_loss[block].to(ref_device), z64.detach())
+        errors["dhidden"].add(h.grad[block].to(ref_device), dh64)
+    width = vocab // world
+    errors["dweight"].add(w_local.grad.to(ref_device), dw64[rank * width:(rank + 1) * width])
+    timing = {}
+    if reps:
+        timing["ms"] = _time_ms(step, device, reps)
+        hf, wf = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
+
+        def torch_step():
+            hf.grad = wf.grad = None
+            F.cross_entropy((hf @ wf.t()).float(), target, ignore_index=IGNORE, reduction="none").backward(upstream)
+
+        timing["torch_ms"] = _time_ms(torch_step, device, reps)
+    return errors, timing
+
+
+def _max_over_ranks(values, device, group):
+    if group is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device if device.type != "cpu" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def run(args, device, group=None):
+    """Every check; a list of result dicts (identical on every rank)."""
+    world = dist.get_world_size(group) if group is not None else 1
+    dtypes = args.dtypes or (["fp32", "bf16"] if device.type == "cpu" else ["fp32", "bf16", "fp16"])
+    results = []
+    for size, rows, vocab, hidden in sizes(device, args):
+        reps = args.reps if size == "real" else 0
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            cases = [("vocab_parallel_cross_entropy_zloss", b, None, None, auto)
+                     for b, auto in ce_backends(device, world)]
+            cases += [("linear_cross_entropy_zloss", lb, g, ce, auto) for lb, g, ce, auto in linear_variants(device, world)]
+            for op, backend, grads, ce_backend, auto in cases:
+                interpreted = device.type == "cpu" and "triton" in (backend, ce_backend)
+                row = {"op": op, "backend": backend or "auto", "ce_backend": ce_backend, "grads": grads, "auto": auto,
+                       "dtype": dtype_name,
+                       "size": size, "rows": rows, "vocab": vocab, "tp": world}
+                if interpreted and size == "real":
+                    row.update(status="skipped", reason="Triton's CPU interpreter: small size only")
+                    results.append(row)
+                    continue
+                seed = len(results) + 1
+                failure = None
+                try:
+                    if op.startswith("vocab"):
+                        errors, timing = check_ce(backend, dtype, rows, vocab, device, group, reps, seed)
+                    else:
+                        errors, timing = check_linear(backend, grads, ce_backend, dtype, rows, vocab, hidden, device,
+                                                      group, reps, seed)
+                    names = list(errors)
+                    values = [errors[k].value() for k in names]
+                except Exception as exc:  # noqa: BLE001 - reported in the table, the run goes on
+                    failure = f"{type(exc).__name__}: {exc}"
+                    row["traceback"] = traceback.format_exc(limit=6)
+                    names, values, timing = [], [], {}
+                failed = _max_over_ranks([float(failure is not None)], device, group)[0]
+                if failed:
+                    row.update(status="FAIL", reason=failure or "failed on another rank")
+                    results.append(row)
+                    continue
+                values = _max_over_ranks(values, device, group)
+                row["errors"] = dict(zip(names, values))
+                row["tolerance"] = _tolerance(op, backend, dtype_name)
+                row.update({k: round(v, 3) for k, v in timing.items()})
+                bad = [k for k, v in row["errors"].items() if not v <= row["tolerance"][k]]  # NaN fails
+                row["status"] = "FAIL" if bad else "ok"
+                if bad:
+                    row["reason"] = "over tolerance: " + ", ".join(bad)
+                results.append(row)
+    return results
+
+
+def _tolerance(op, backend, dtype_name):
+    loss_tol, grad_tol = TOLERANCE[dtype_name]
+    sixteen = dtype_name != "fp32"
+    if sixteen and (backend == cann.NAME or op.startswith("linear")):
+        loss_tol = LOSS_16BIT_ROUNDED
+    if op.startswith("linear"):
+        grad_tol = LINEAR_GRAD_16BIT if sixteen else 1e-4
+        return {"loss": loss_tol, "z_loss": loss_tol, "dhidden": grad_tol, "dweight": grad_tol}
+    return {"loss": loss_tol, "z_loss": loss_tol, "grad": grad_tol}
+
+
+# ----------------------------------------------------------------------------------- reporting
+def table(results):
+    head = f"{'op':<36} {'backend':<22} {'dtype':<5} {'size':<12} {'loss':>8} {'z-loss':>8} {'grad':>8} " \
+           f"{'ms':>8} {'torch ms':>8}  status"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        name = r["backend"] + (f"+{r['ce_backend']}" if r.get("ce_backend") else "") + ("*" if r.get("auto") else "")
+        name += f" {r['grads']}" if r.get("grads") else ""
+        e = r.get("errors", {})
+        grad = max((v for k, v in e.items() if k in ("grad", "dhidden", "dweight")), default=None)
+        cells = [f"{v:8.1e}" if v is not None else f"{'-':>8}" for v in (e.get("loss"), e.get("z_loss"), grad)]
+        times = [f"{r[k]:8.2f}" if k in r else f"{'-':>8}" for k in ("ms", "torch_ms")]
+        size = f"{r['size']} {r['vocab']}" + (f"/tp{r['tp']}" if r["tp"] > 1 else "")
+        status = r["status"] + (f" ({r['reason']})" if r.get("reason") else "")
+        lines.append(f"{r['op']:<36} {name:<22} {r['dtype']:<5} {size:<12} {' '.join(cells)} {' '.join(times)}  "
+                     + status)
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m mindspeed_cez.selfcheck", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="write device, versions and results as JSON ('-': stdout)")
+    parser.add_argument("--dtypes", type=lambda s: s.split(","), help="comma-separated, of fp32,bf16,fp16 "
+                        "(default: fp32,bf16,fp16 on accelerators, fp32,bf16 on the CPU)")
+    parser.add_argument("--skip-real", action="store_true", help="only the small size (no vocab 151936)")
+    parser.add_argument("--real-rows", type=int, help="tokens at the real size (default: 2048, on the CPU 8)")
+    parser.add_argument("--small-rows", type=int, default=64, help="tokens at the small size (default 64)")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions at the real size (0: no timing)")
+    args = parser.parse_args(argv)
+    bad = [d for d in args.dtypes or () if d not in DTYPES]
+    if bad:
+        parser.error(f"--dtypes: unknown {bad}; choose from {list(DTYPES)}")
+    if args.real_rows is not None and args.real_rows < 1 or args.small_rows < 1 or args.reps < 0:
+        parser.error("--real-rows and --small-rows must be >= 1, --reps >= 0")
+    return args
+
+
+def main(argv=None, group=None):
+    """Run, print the table (rank 0), write --json; returns the exit status (0: all passed)."""
+    args = parse_args(argv)
+    device = current_device()
+    if group is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group({"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo"))
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if group is not None else 1
+    if 1000 % world or REAL_VOCAB % world:
+        sys.exit(f"selfcheck: the small vocab (1000) and 151936 must divide by the world size, got {world}")
+    info = environment(device)
+    results = run(args, device, group if world > 1 else None)
+    ok = all(r["status"] != "FAIL" for r in results)
+    if rank == 0:
+        print(f"mindspeed_cez selfcheck on {info['device']} ({info['device_name']}), tensor-parallel size {world}: "
+              f"torch {info['torch']}, triton {info['triton']}"
+              + (f", triton-ascend {info['triton-ascend']}" if info["triton-ascend"] else "")
+              + (f", torch_npu {info['torch_npu']}, CANN {info['cann']}" if info["torch_npu"] else ""))
+        print(table(results))
+        print(f"\n{'PASSED' if ok else 'FAILED'}: {sum(r['status'] == 'ok' for r in results)} ok, "
+              f"{sum(r['status'] == 'FAIL' for r in results)} failed, "
+              f"{sum(r['status'] == 'skipped' for r in results)} skipped  (* = picked automatically here; errors: "
+              "relative L2 against float64; ms: forward + backward, median)")
+        if args.json:
+            report = json.dumps({"ok": ok, "environment": info, "results": results}, indent=1, default=str)
+            if args.json == "-":
+                print(report)
+            else:
+                with open(args.json, "w") as f:
+                    f.write(report + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
