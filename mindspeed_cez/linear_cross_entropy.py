@@ -24,10 +24,12 @@ reduce-scattered back; without it every rank holds all of ``hidden`` and ``dhidd
 """
 
 import math
+import weakref
 
 import torch
 
 from mindspeed_cez import kernels
+from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.cross_entropy_zloss import _check_target_range, check_coefficients
 from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
@@ -84,38 +86,6 @@ def _main_grad_placeholder(weight):
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
-def _addmm_has_out_dtype():
-    """Whether ``torch.addmm`` takes ``out_dtype`` (a 16-bit GEMM into an fp32 output; torch 2.8 on)."""
-    schemas = torch._C._jit_get_schemas_for_operator("aten::addmm")
-    return any(arg.name == "out_dtype" for schema in schemas for arg in schema.arguments)
-
-
-ADDMM_OUT_DTYPE = _addmm_has_out_dtype()
-
-
-def accumulate_mm_fp32_out(out, a, b):
-    """``out += a @ b``, 16-bit ``a``, ``b`` into fp32 ``out``: one GEMM with an fp32 output."""
-    torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-
-
-def accumulate_mm_fp32_copies(out, a, b):
-    """``out += a @ b`` on fp32 copies of ``a`` and ``b`` (exact: 16-bit values are fp32 values)."""
-    out.addmm_(a.float(), b.float())
-
-
-def _accumulate_mm(out, a, b):
-    """``out += a @ b`` into fp32 ``out`` from bf16 / fp16 ``a``, ``b``: one GEMM with an fp32
-    output on CUDA where torch has it, fp32 copies of the (chunk-sized) operands elsewhere. A 16-bit
-    ``out`` (Megatron's ``main_grad`` without fp32 gradient accumulation) takes one GEMM in its
-    dtype, as Megatron's own weight-gradient accumulation does there."""
-    if out.dtype != torch.float32:
-        out.addmm_(a.to(out.dtype), b.to(out.dtype))
-    elif out.is_cuda and a.dtype != torch.float32 and ADDMM_OUT_DTYPE:
-        accumulate_mm_fp32_out(out, a, b)
-    else:
-        accumulate_mm_fp32_copies(out, a, b)
-
-
 class LinearCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
@@ -155,20 +125,73 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         n, v_local = rows.shape[0], weight.shape[0]
         step = chunked_linear.chunk_width(chunk_cols, n, v_local)
         chunk = rows.new_empty((rows.shape[0], step))
+        accumulate = Accumulator(rows.device)
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
             dlogits = linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss, ignore_index,
                                          vocab_start + c, z_loss_coeff, label_smoothing, global_vocab, ce_backend=backend,
                                          **transform)
-            _accumulate_mm(drows, dlogits, w)  # fp32 sum over vocab chunks
+            accumulate(drows, dlogits, w)  # fp32 sum over vocab chunks
             if into_main_grad:
-                _accumulate_mm(weight.main_grad[c:c + step], dlogits.t(), rows)
+                accumulate(weight.main_grad[c:c + step], dlogits.t(), rows)
             else:
                 torch.matmul(dlogits.t(), rows, out=dweight[c:c + step])
         dhidden = reduce_dhidden(drows.to(rows.dtype).view(full.shape), tp_group, tp_size, sequence_parallel)
         if into_main_grad:
             dweight = _main_grad_placeholder(weight)
         return dhidden, dweight, *(None,) * 11
+
+
+RECOMPUTE_FIX = "--lm-fused-output-layer recompute (the op: grads='recompute')"
+
+
+class ForwardGradientError(RuntimeError):
+    """A weight gradient added into ``main_grad`` during a forward whose backward never came."""
+
+
+class _OwedBackward:
+    """Made by a forward that added ``weight``'s gradient into ``main_grad``; its backward marks it
+    paid. Held by the autograd graph only: freed unpaid means the graph went without a backward."""
+
+    __slots__ = ("what", "paid", "__weakref__")
+
+    def __init__(self, what):
+        self.what, self.paid = what, False
+        _OWED.add(self)
+
+    def __del__(self):
+        if not self.paid:
+            _DROPPED.append(self.what)
+
+
+_OWED = weakref.WeakSet()  # forwards whose graph is alive and backward not yet run
+_DROPPED = []  # forwards whose graph was freed without a backward
+
+
+def check_forward_gradients(backward_pending_ok=False):
+    """Raise :class:`ForwardGradientError` where a forward of ``grads="forward"`` added a weight
+    gradient into ``main_grad`` whose backward never came: its graph freed without one (an extra
+    forward with autograd on, output discarded), or, unless ``backward_pending_ok``, not run yet.
+    Called by the op's forwards (pending backwards are fine there: pipelined micro-batches) and by
+    the adaptor before Megatron's gradient sync (``finish_grad_sync``), so such a gradient never
+    reaches the optimizer. No device work."""
+    dropped, pending = list(_DROPPED), [] if backward_pending_ok else [t.what for t in _OWED if not t.paid]
+    _DROPPED.clear()
+    if dropped:
+        raise ForwardGradientError(
+            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {dropped[0]} into main_grad "
+            f"during a forward ({len(dropped)} such forward(s)) whose output was freed without a backward: main_grad "
+            "now holds a gradient no loss asked for. An extra forward with autograd on (e.g. a metric computed in "
+            "training mode) must run under torch.no_grad(); or run with " + RECOMPUTE_FIX + ", which adds nothing "
+            "in forward.")
+    if pending:
+        for token in list(_OWED):
+            token.paid = True  # reported once
+        raise ForwardGradientError(
+            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {pending[0]} into main_grad "
+            f"during a forward whose backward has not run ({len(pending)} such forward(s)) before the gradients are "
+            "used (Megatron's gradient sync): every training forward of the loss needs its backward. Run other "
+            "forwards under torch.no_grad(), or run with " + RECOMPUTE_FIX + ".")
 
 
 ROW_BLOCK_MIN, ROW_BLOCK_MAX = 1024, 4096
@@ -217,12 +240,14 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         known = grad_scale is not None
         upstream = weights * grad_scale if known else torch.ones(n, dtype=torch.float32, device=rows.device)
         into_main_grad = known and gradient_accumulation_fusion and hasattr(weight, "main_grad")
+        check_forward_gradients(backward_pending_ok=True)
         out = torch.empty((3, n), dtype=torch.float32, device=rows.device)
         drows = torch.empty(rows.shape, dtype=rows.dtype if known else torch.float32, device=rows.device)
         dweight = weight.main_grad if into_main_grad else torch.zeros(weight.shape, dtype=torch.float32,
                                                                       device=rows.device)
         step = row_block or default_row_block(n, v_local)
         block = rows.new_empty((min(step, n), v_local))  # one block's logits, then their gradient
+        accumulate = Accumulator(rows.device)
         for r in range(0, n, step):
             x, t = rows[r:r + step], flat_target[r:r + step]
             logits = block[:x.shape[0]]
@@ -234,22 +259,30 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
                                z_loss_coeff, label_smoothing, global_vocab, **transform)
             if known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
                 torch.matmul(logits, weight, out=drows[r:r + step])
-                _accumulate_mm(dweight, logits.t(), x)
+                accumulate(dweight, logits.t(), x)
             else:
                 drows[r:r + step] = 0
-                _accumulate_mm(drows[r:r + step], logits, weight)
-                _accumulate_mm(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
+                accumulate(drows[r:r + step], logits, weight)
+                accumulate(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
         ctx.save_for_backward(drows, None if into_main_grad else dweight, weights, upstream, weight,
                               flat_target != ignore_index)
         ctx.settings = (known, into_main_grad, tp_group, tp_size, sequence_parallel, gradient_accumulation_fusion,
                         full.shape, hidden.dtype)
+        ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_main_grad else None
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
         return loss, z_loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
+        if ctx.owed is not None:
+            ctx.owed.paid = True
+            if grad_loss is None:
+                raise ForwardGradientError(
+                    "linear_cross_entropy_zloss(grads='forward'): the loss got no gradient, but its forward added the "
+                    "weight gradient into main_grad for grad_scale * token_weights: backpropagate the loss, or run "
+                    "with " + RECOMPUTE_FIX + ".")
         drows, dweight_sum, weights, upstream, weight, counted = ctx.saved_tensors
         known, into_main_grad, tp_group, tp_size, sequence_parallel, accumulate, full_shape, dtype = ctx.settings
         if grad_loss is None:
@@ -257,11 +290,16 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         g = grad_loss.reshape(-1).float()
         if known:
             expected = upstream
-            message = "linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights"
+            message = ("linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights, "
+                       "the gradient the forward made (Megatron: its loss scale over the loss mask's token count); "
+                       "it is not: the loss was weighted otherwise. For custom loss weighting run with "
+                       + RECOMPUTE_FIX)
         else:
             k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
             expected = k * weights
-            message = "linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w"
+            message = ("linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w for one "
+                       "scalar k, as the forward assumed; it is not: the loss was weighted otherwise. For custom "
+                       "loss weighting run with " + RECOMPUTE_FIX)
         matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
         torch._assert_async(matches.all(), message)
         drows = drows.view(full_shape) if known else (drows * g[:, None]).to(dtype).view(full_shape)
@@ -329,6 +367,8 @@ def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0
     _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block)
     ce_backend = kernels.backend_for(hidden.device, backend)
     transform = {"logit_scale": float(logit_scale), "logit_softcap": float(logit_softcap)}
+    if grads == "forward" and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        grads = "recompute"  # no backward will come (torch.no_grad(), no input needing it): the loss alone
     if grads == "recompute":
         linear = kernels.linear_backend_for(hidden.device, linear_backend, backend)
         return LinearCrossEntropyZLoss.apply(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index,

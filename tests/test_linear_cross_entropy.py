@@ -415,3 +415,77 @@ def test_settings_are_arguments_and_bad_ones_name_theirs():
             linear_cross_entropy_zloss(hidden, weight, target, **kwargs)
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         vocab_parallel_cross_entropy_zloss(hidden[..., :5], target.clamp(max=4), backend="cuda")
+
+
+def _main_grad_problem(seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden, weight, target, _ = _problem(torch.float32, 1, gen)
+    mask, upstream = _token_weights(target, gen)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    w.main_grad = torch.full(w.shape, 0.25)
+    w.grad_added_to_main_grad = False
+    return h, w, target, mask, upstream
+
+
+def _forward_into_main_grad(h, w, target, mask):
+    return linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask, grad_scale=K,
+                                      gradient_accumulation_fusion=True, grads="forward", row_block=16)
+
+
+def test_no_grad_never_writes_main_grad():
+    """grads='forward' with grad_scale under torch.no_grad() (or with no input needing a gradient):
+    the loss alone, as the recompute path's forward makes it; main_grad untouched."""
+    from mindspeed_cez.linear_cross_entropy import check_forward_gradients
+
+    h, w, target, mask, _ = _main_grad_problem(14)
+    exp_loss = _float64(h.detach(), w.detach(), target, torch.ones(target.shape), 1e-3, 0.0)[0]
+    with torch.no_grad():
+        loss, _ = _forward_into_main_grad(h, w, target, mask)
+    assert torch.equal(w.main_grad, torch.full(w.shape, 0.25)) and not loss.requires_grad
+    assert relative_error(loss, exp_loss) < 1e-5
+    loss, _ = _forward_into_main_grad(h.detach(), w.detach(), target, mask)
+    assert torch.equal(w.main_grad, torch.full(w.shape, 0.25))
+    check_forward_gradients()  # nothing owed
+
+
+def test_a_forward_without_its_backward_is_detected():
+    """A forward that added the weight gradient into main_grad and whose loss was discarded (an
+    extra forward with autograd on) fails at the op's next forward and at the check Megatron's
+    gradient sync runs, naming the cause and the fix; one whose backward has not run yet fails only
+    at that check (pipelined micro-batches run forwards ahead of backwards)."""
+    from mindspeed_cez.linear_cross_entropy import ForwardGradientError, check_forward_gradients
+
+    h, w, target, mask, upstream = _main_grad_problem(15)
+    loss, _ = _forward_into_main_grad(h, w, target, mask)
+    del loss  # the graph goes without a backward
+    with pytest.raises(ForwardGradientError, match="freed without a backward.*torch.no_grad.*--lm-fused-output-layer "
+                                                   "recompute"):
+        _forward_into_main_grad(h, w, target, mask)
+    check_forward_gradients()  # reported once
+
+    first, _ = _forward_into_main_grad(h, w, target, mask)
+    second, _ = _forward_into_main_grad(h, w, target, mask)  # a backward pending is fine here
+    with pytest.raises(ForwardGradientError, match="backward has not run \\(2 such"):
+        check_forward_gradients()
+    (first * upstream).sum().backward()
+    (second * upstream).sum().backward()
+    check_forward_gradients()
+
+    loss, _ = _forward_into_main_grad(h, w, target, mask)
+    (loss * upstream).sum().backward()  # the normal case: nothing to report
+    check_forward_gradients()
+    loss, _ = _forward_into_main_grad(h, w, target, mask)
+    del loss
+    with pytest.raises(ForwardGradientError, match="weight \\(53, 24\\)"):
+        check_forward_gradients()
+
+
+def test_the_mismatch_message_names_the_cause_and_the_fix():
+    h, w, target, mask, upstream = _main_grad_problem(16)
+    loss, _ = _forward_into_main_grad(h, w, target, mask)
+    with pytest.raises(RuntimeError, match="loss was weighted otherwise. For custom loss weighting run with "
+                                           "--lm-fused-output-layer recompute"):
+        (loss * upstream * 2).sum().backward()
+    loss, _ = linear_cross_entropy_zloss(h, w, target, token_weights=mask, grads="forward")
+    with pytest.raises(RuntimeError, match="must be k \\* w .*--lm-fused-output-layer recompute"):
+        (loss * torch.rand(mask.shape)).sum().backward()
