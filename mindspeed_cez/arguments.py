@@ -16,6 +16,9 @@ Flags (one argument group, shown in ``--help``):
     Compute GPT's output layer and the LM loss as one op (``linear_cross_entropy_zloss``): no
     logits tensor on the training path; turns the fused loss on like ``--lm-fused-ce``.
     ``forward``: gradients made in the forward with the loss mask as token weights.
+``--lm-fused-output-layer-block F``  (default 0.5)
+    ``forward``'s memory/time dial: each block of token rows takes the share F of the tokens, so
+    the loss works in F x the logits' memory; fewer blocks, less time (0.125: the lean setting).
 
 Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider`` and
 :func:`validate_lm_z_loss_args` as a validation hook (it raises ``ValueError`` naming the flag).
@@ -32,6 +35,7 @@ FLAG_FUSED = "--lm-fused-ce"
 FLAG_NO_FUSED = "--no-lm-fused-ce"
 FLAG_LOG_LSE = "--lm-z-loss-log-lse"
 FLAG_OUTPUT_LAYER = "--lm-fused-output-layer"
+FLAG_OUTPUT_LAYER_BLOCK = "--lm-fused-output-layer-block"
 OUTPUT_LAYER_GRADS = ("recompute", "forward")
 GROUP_TITLE = "mindspeed_cez: fused LM cross entropy + z-loss"
 
@@ -69,6 +73,13 @@ def add_lm_z_loss_args(parser):
              "for the upstream gradient Megatron's schedule gives the loss mask (3 GEMMs; the weight's "
              "gradient added into its main_grad); 'recompute': backward recomputes the logits in vocab "
              "chunks (4 GEMMs; any upstream gradient).",
+    )
+    group.add_argument(
+        FLAG_OUTPUT_LAYER_BLOCK, type=float, default=None, dest="lm_fused_output_layer_block", metavar="F",
+        help="With --lm-fused-output-layer forward: the share of the tokens each block of the fused output "
+             "layer takes, 0 < F <= 1; the loss then works in F x the logits' memory, and each block "
+             "rewrites the fp32 main_grad once (fewer blocks, less time). Default 0.5; 0.125: lean "
+             "(docs/weight_gradient.md).",
     )
     return parser
 
@@ -108,6 +119,14 @@ def validate_lm_z_loss_args(args, defaults=None):
     mode = getattr(args, "lm_fused_output_layer", None)
     if mode not in (None, False, True, *OUTPUT_LAYER_GRADS):
         raise ValueError(f"{FLAG_OUTPUT_LAYER} takes one of {OUTPUT_LAYER_GRADS}, got {mode!r}")
+    block = getattr(args, "lm_fused_output_layer_block", None)
+    if block is not None:
+        if isinstance(block, bool) or not isinstance(block, (int, float)) or not 0 < block <= 1:
+            raise ValueError(f"{FLAG_OUTPUT_LAYER_BLOCK} takes the share of the tokens per block, a number in "
+                             f"(0, 1] (0.5 default, 0.125 lean), got {block!r}")
+        if mode != "forward" and mode is not True:
+            raise ValueError(f"{FLAG_OUTPUT_LAYER_BLOCK} sets the blocks of {FLAG_OUTPUT_LAYER} forward; it has "
+                             f"none with {FLAG_OUTPUT_LAYER} {mode or '(off)'}: drop it or use forward")
     if mode:
         if fused is False:
             raise ValueError(f"{FLAG_OUTPUT_LAYER} is a fused kernel, but {FLAG_NO_FUSED} turns it off")
@@ -153,6 +172,7 @@ def settings_from_args(args):
         fused_output_layer=bool(getattr(args, "lm_fused_output_layer", None)),
         output_layer_grads=(getattr(args, "lm_fused_output_layer", None) if
                             getattr(args, "lm_fused_output_layer", None) in OUTPUT_LAYER_GRADS else "forward"),
+        output_layer_block_fraction=getattr(args, "lm_fused_output_layer_block", None),
         logit_transform=mindspeed_llm.transforms_logits(args),
         **backends_from_environment(),
     )

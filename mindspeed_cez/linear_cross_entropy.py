@@ -194,18 +194,21 @@ def check_forward_gradients(backward_pending_ok=False):
             "forwards under torch.no_grad(), or run with " + RECOMPUTE_FIX + ".")
 
 
-ROW_BLOCK_MIN, ROW_BLOCK_MAX = 1024, 4096
+ROW_BLOCK_MIN = 1024
+BLOCK_FRACTION = 0.5  # the default: a block's logits are half the logits
+LEAN_BLOCK_FRACTION = 0.125  # the lean setting: an eighth
 
 
-def default_row_block(n_rows, v_local):
-    """Token rows per block of the gradients-in-forward path: an eighth of the tokens (a block's
-    logits are 1/8 of the logits), or where that is under ``CHUNK_LOGITS`` logits (128 MiB in bf16:
-    narrow vocab slices) as many rows as make that; a power of two in [1024, 4096], at most the
-    tokens. Each block reads and writes the fp32 ``dweight`` once: ``8 V h`` bytes against
-    ``6 rows V h`` FLOPs of its three GEMMs, ~30 % of an H100's GEMM time at 1024 rows, ~8 % at 4096
-    (bench/results/2026-11-25_h100/fused_layer/)."""
-    rows = max(n_rows // 8, chunked_linear.CHUNK_LOGITS // max(v_local, 1), 1)
-    return min(n_rows, max(ROW_BLOCK_MIN, min(ROW_BLOCK_MAX, 1 << (rows.bit_length() - 1))))
+def default_row_block(n_rows, v_local, block_fraction=None):
+    """Token rows per block of the gradients-in-forward path: ``block_fraction`` of the tokens
+    (None: ``BLOCK_FRACTION``, 1/2), rounded down to a power of two, at least ``ROW_BLOCK_MIN``
+    (1024: GEMMs of fewer rows lose speed) and at most the tokens. A block's logits (then their
+    gradient) are the path's working memory: ``block_fraction`` x the logits. Each block reads and
+    writes the fp32 ``dweight`` once, ``8 V h`` bytes beside ``6 rows V h`` FLOPs of GEMMs: ~30 % of
+    an H100's GEMM time at 1024 rows, ~8 % at 4096, ~4 % at 8192 (docs/weight_gradient.md)."""
+    fraction = BLOCK_FRACTION if block_fraction is None else block_fraction
+    rows = max(int(n_rows * fraction), 1)
+    return min(n_rows, max(ROW_BLOCK_MIN, 1 << (rows.bit_length() - 1)))
 
 
 class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
@@ -228,7 +231,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, token_weights, grad_scale, z_loss_coeff, label_smoothing, ignore_index,
-                tp_group, sequence_parallel, gradient_accumulation_fusion, backend, row_block, transform):
+                tp_group, sequence_parallel, gradient_accumulation_fusion, backend, row_block, block_fraction, transform):
         rank, tp_size = group_rank_and_size(tp_group)
         full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = full.reshape(-1, full.shape[-1])
@@ -245,7 +248,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         drows = torch.empty(rows.shape, dtype=rows.dtype if known else torch.float32, device=rows.device)
         dweight = weight.main_grad if into_main_grad else torch.zeros(weight.shape, dtype=torch.float32,
                                                                       device=rows.device)
-        step = row_block or default_row_block(n, v_local)
+        step = row_block or default_row_block(n, v_local, block_fraction)
         block = rows.new_empty((min(step, n), v_local))  # one block's logits, then their gradient
         accumulate = Accumulator(rows.device)
         for r in range(0, n, step):
@@ -286,7 +289,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         drows, dweight_sum, weights, upstream, weight, counted = ctx.saved_tensors
         known, into_main_grad, tp_group, tp_size, sequence_parallel, accumulate, full_shape, dtype = ctx.settings
         if grad_loss is None:
-            return (None,) * 14
+            return (None,) * 15
         g = grad_loss.reshape(-1).float()
         if known:
             expected = upstream
@@ -305,7 +308,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         drows = drows.view(full_shape) if known else (drows * g[:, None]).to(dtype).view(full_shape)
         dhidden = reduce_dhidden(drows, tp_group, tp_size, sequence_parallel)
         if into_main_grad:
-            return dhidden, _main_grad_placeholder(weight), *(None,) * 12
+            return dhidden, _main_grad_placeholder(weight), *(None,) * 13
         if not known:
             dweight_sum.mul_(k)
         if accumulate and hasattr(weight, "main_grad"):
@@ -313,7 +316,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             dweight = _main_grad_placeholder(weight)
         else:
             dweight = dweight_sum.to(weight.dtype)
-        return dhidden, dweight, *(None,) * 12
+        return dhidden, dweight, *(None,) * 13
 
 
 GRADS = ("recompute", "forward")
@@ -332,7 +335,18 @@ def _check_grad_scale(grad_scale, target):
         raise ValueError(f"grad_scale must be a finite float or a one-element tensor, got {grad_scale!r}")
 
 
-def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block):
+def _check_block_fraction(block_fraction, row_block):
+    if block_fraction is None:
+        return
+    if isinstance(block_fraction, bool) or not isinstance(block_fraction, (int, float)) or not (
+            0 < block_fraction <= 1):
+        raise ValueError(f"block_fraction must be None (the default, {BLOCK_FRACTION}) or a number in (0, 1]: the share "
+                         f"of the tokens (and of the logits' memory) one block takes, got {block_fraction!r}")
+    if row_block is not None:
+        raise ValueError("row_block and block_fraction both set the rows per block: pass one of them")
+
+
+def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction=None):
     if grads not in GRADS:
         raise ValueError(f"grads must be one of {GRADS}, got {grads!r}")
     if grads == "recompute" and (token_weights is not None or grad_scale is not None):
@@ -350,6 +364,7 @@ def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_bl
         if token_weights.device != target.device:
             raise ValueError(f"token_weights ({token_weights.device}) and target ({target.device}) are on "
                              "different devices")
+    _check_block_fraction(block_fraction, row_block)
     for name, value in (("chunk_cols", chunk_cols), ("row_block", row_block)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be None (the default width) or an int >= 1, got {value!r}")
@@ -359,12 +374,12 @@ def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0
                                         ignore_index=-100, tp_group=None, sequence_parallel=False,
                                         gradient_accumulation_fusion=False, token_weights=None, *, grad_scale=None,
                                         logit_scale=1.0, logit_softcap=0.0, grads="recompute", backend=None, linear_backend=None,
-                                        chunk_cols=None, row_block=None):
+                                        chunk_cols=None, row_block=None, block_fraction=None):
     """:func:`linear_cross_entropy_zloss` that also returns the detached per-token lse."""
     tp_group = resolve_tp_group(tp_group)
     _check(hidden, weight, target, z_loss_coeff, label_smoothing, logit_scale, logit_softcap,
            group_rank_and_size(tp_group)[1], sequence_parallel)
-    _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block)
+    _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction)
     ce_backend = kernels.backend_for(hidden.device, backend)
     transform = {"logit_scale": float(logit_scale), "logit_softcap": float(logit_softcap)}
     if grads == "forward" and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
@@ -379,14 +394,14 @@ def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0
     return LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(), grad_scale,
                                                      z_loss_coeff, label_smoothing, ignore_index, tp_group,
                                                      sequence_parallel, gradient_accumulation_fusion, ce_backend,
-                                                     row_block, transform)
+                                                     row_block, block_fraction, transform)
 
 
 def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
                                tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False,
                                token_weights=None, *, grad_scale=None, logit_scale=1.0, logit_softcap=0.0,
                                grads="recompute",
-                               backend=None, linear_backend=None, chunk_cols=None, row_block=None):
+                               backend=None, linear_backend=None, chunk_cols=None, row_block=None, block_fraction=None):
     """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
 
     Args:
@@ -424,8 +439,11 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
             CUDA and with the torch backend, Triton on other accelerators.
         chunk_cols: vocab rows per chunk of ``grads="recompute"`` (None: 4096, fewer where a chunk's
             logits would pass 2**26, never under 1024; ``kernels.chunked_linear.default_chunk_cols``).
-        row_block: token rows per block of ``grads="forward"`` (None: an eighth of the tokens or 2**26
-            logits, whichever is more, a power of two in [1024, 4096]: :func:`default_row_block`).
+        row_block: token rows per block of ``grads="forward"`` (None: from ``block_fraction``).
+        block_fraction: the memory/time dial of ``grads="forward"``: the share of the tokens one block
+            takes, so its working memory is ``block_fraction`` x the logits (None: 0.5; 0.125 the lean
+            setting); rounded down to a power of two of rows, at least 1024 (:func:`default_row_block`).
+            Fewer blocks, fewer read-modify-writes of the fp32 ``dweight``: docs/weight_gradient.md.
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``CE + c*lse**2`` per token and the detached
@@ -436,5 +454,6 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, sequence_parallel,
         gradient_accumulation_fusion, token_weights, grad_scale=grad_scale, logit_scale=logit_scale,
         logit_softcap=logit_softcap, grads=grads,
-        backend=backend, linear_backend=linear_backend, chunk_cols=chunk_cols, row_block=row_block)
+        backend=backend, linear_backend=linear_backend, chunk_cols=chunk_cols, row_block=row_block,
+        block_fraction=block_fraction)
     return loss, z_loss

@@ -132,7 +132,8 @@ def install_patches():
 
 
 def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
-          output_layer_grads="forward", logit_transform=None, backend=None, linear_backend=None):
+          output_layer_grads="forward", logit_transform=None, backend=None, linear_backend=None,
+          output_layer_block_fraction=None):
     """Use the fused op for Megatron's LM loss: per token, the gradient of ``CE + z_loss_coeff * lse**2``
     and the value of the CE (Megatron's convention for auxiliary losses: ``lm loss`` stays CE).
 
@@ -146,6 +147,8 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
             :func:`mindspeed_cez.linear_cross_entropy_zloss` (no logits tensor), see :mod:`.output_layer`.
         output_layer_grads: the op's ``grads``: ``"forward"`` (default; gradients during the forward,
             with the loss mask as the op's ``token_weights``, where there is one) or ``"recompute"``.
+        output_layer_block_fraction: ``"forward"``'s memory/time dial, the op's ``block_fraction``
+            (None: 0.5, a block's logits half the logits; 0.125 the lean setting).
         logit_transform: compute MindSpeed-LLM's scaling / soft cap of the logits in the kernels
             (:mod:`.logit_transform`); None: where Megatron's parsed arguments have those flags set.
         backend, linear_backend: the ops' ``backend`` / ``linear_backend`` (None: automatic per device).
@@ -162,7 +165,8 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
     settings = Settings(z_loss_coeff=float(z_loss_coeff), label_smoothing=label_smoothing,
                         log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer),
                         output_layer_grads=output_layer_grads, logit_transform=bool(logit_transform),
-                        backend=backend, linear_backend=linear_backend)
+                        backend=backend, linear_backend=linear_backend,
+                        output_layer_block_fraction=output_layer_block_fraction)
     _check_megatron_args(settings)
     return activate(settings)
 

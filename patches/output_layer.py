@@ -174,7 +174,8 @@ def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, setti
         gradient_accumulation_fusion=into_main_grad,
         token_weights=token_weights if forward else None, grad_scale=grad_scale if forward else None,
         grads="forward" if forward else "recompute", backend=settings.backend, linear_backend=settings.linear_backend,
-        logit_scale=logit_scale, logit_softcap=logit_softcap)
+        logit_scale=logit_scale, logit_softcap=logit_softcap,
+        block_fraction=settings.output_layer_block_fraction if forward else None)
 
 
 def finish_grad_sync_wrapper(fn):

@@ -34,6 +34,9 @@ class Settings:
     output_layer_grads: ``"forward"`` (default: gradients made in the forward with the loss mask as
         token weights and Megatron's upstream gradient, where both are known; else as ``"recompute"``)
         or ``"recompute"`` (logits recomputed in backward): the op's ``grads``.
+    output_layer_block_fraction: ``"forward"``'s memory/time dial, the op's ``block_fraction``: the
+        share of the tokens (and of the logits' memory) one block takes; None: the op's default (0.5),
+        0.125 the lean setting (``--lm-fused-output-layer-block``).
     logit_transform: the model scales / soft-caps the main head's logits with torch ops before the
         loss (MindSpeed-LLM's ``--output-multiplier-scale`` / ``--output-logit-softcapping``): those
         ops are recorded and computed in the kernels instead (:mod:`.logit_transform`).
@@ -47,6 +50,7 @@ class Settings:
     log_lse: bool = False
     fused_output_layer: bool = False
     output_layer_grads: str = "forward"
+    output_layer_block_fraction: Optional[float] = None
     logit_transform: bool = False
     backend: Optional[str] = None
     linear_backend: Optional[str] = None
@@ -60,6 +64,10 @@ class Settings:
             raise ValueError(f"label_smoothing must be None or in [0, 1), got {a!r}")
         if self.output_layer_grads not in ("recompute", "forward"):
             raise ValueError(f"output_layer_grads must be 'recompute' or 'forward', got {self.output_layer_grads!r}")
+        f = self.output_layer_block_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ValueError(f"output_layer_block_fraction must be None or a number in (0, 1] (the share of the "
+                             f"tokens one block of the fused output layer takes), got {f!r}")
         if self.backend not in (None, *kernels.BACKENDS):
             raise ValueError(f"backend must be None or one of {kernels.BACKENDS}, got {self.backend!r}")
         if self.linear_backend not in (None, *kernels.LINEAR_BACKENDS):

@@ -185,13 +185,23 @@ def test_grad_scale_needs_that_upstream_gradient():
 
 
 def test_default_row_block():
-    """An eighth of the tokens, or 2**26 logits where that is more, a power of two in [1024, 4096],
-    never more than the tokens."""
+    """``block_fraction`` of the tokens (default 1/2, lean 1/8), a power of two, at least 1024 rows,
+    never more than the tokens; a bad dial names itself and its range."""
     from mindspeed_cez.linear_cross_entropy import default_row_block
-    assert [default_row_block(n, 151936) for n in (100, 3000, 8192, 16384, 20000, 32768, 131072)] == \
-        [100, 1024, 1024, 2048, 2048, 4096, 4096]
-    assert [default_row_block(n, v) for n, v in ((8192, 37984), (8192, 16160), (2048, 16160), (16384, 75968))] == \
-        [1024, 4096, 2048, 2048]
+    assert [default_row_block(n, 151936) for n in (100, 3000, 8192, 16384, 20000, 32768)] == \
+        [100, 1024, 4096, 8192, 8192, 16384]
+    assert [default_row_block(n, 151936, 0.125) for n in (100, 3000, 8192, 16384, 20000, 32768)] == \
+        [100, 1024, 1024, 2048, 2048, 4096]
+    assert [default_row_block(8192, 16160, f) for f in (1.0, 0.5, 0.25, 0.125, 0.01)] == [8192, 4096, 2048, 1024, 1024]
+    gen = torch.Generator().manual_seed(17)
+    hidden, weight, target, _ = _problem(torch.float32, 1, gen)
+    mask, _ = _token_weights(target, gen)
+    for bad in (0, 1.5, "0.5", True, float("nan")):
+        with pytest.raises(ValueError, match="block_fraction must be None .* a number in \\(0, 1\\]"):
+            linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_fraction=bad)
+    with pytest.raises(ValueError, match="row_block and block_fraction"):
+        linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_fraction=0.5,
+                                   row_block=16)
 
 
 def test_token_weights_need_an_upstream_gradient_proportional_to_them():
