@@ -55,17 +55,17 @@ def _accumulate_kernel(
         cols = pn.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < m
         col_ok = cols < n
-        # rows / columns past the end read row / column 0 (in bounds), their results masked on store
-        a_tile = a_ptr + tl.where(row_ok, rows, 0)[:, None] * a_stride_m + ks[None, :].to(tl.int64) * a_stride_k
-        b_tile = b_ptr + ks[:, None].to(tl.int64) * b_stride_k + tl.where(col_ok, cols, 0)[None, :] * b_stride_n
+        # masks, not clamped offsets: the loads stay vectorized (offsets provably contiguous)
+        a_tile = a_ptr + rows[:, None] * a_stride_m + ks[None, :] * a_stride_k
+        b_tile = b_ptr + ks[:, None] * b_stride_k + cols[None, :] * b_stride_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kk in range(0, k, BLOCK_K):
             if EVEN_K:
-                x = tl.load(a_tile)
-                y = tl.load(b_tile)
+                x = tl.load(a_tile, mask=row_ok[:, None], other=0.0)
+                y = tl.load(b_tile, mask=col_ok[None, :], other=0.0)
             else:
-                x = tl.load(a_tile, mask=ks[None, :] < k - kk, other=0.0)
-                y = tl.load(b_tile, mask=ks[:, None] < k - kk, other=0.0)
+                x = tl.load(a_tile, mask=row_ok[:, None] & (ks[None, :] < k - kk), other=0.0)
+                y = tl.load(b_tile, mask=(ks[:, None] < k - kk) & col_ok[None, :], other=0.0)
             if WIDEN:  # the CPU interpreter's dot multiplies bf16's raw bits: widen (exact) first
                 acc = tl.dot(x.to(tl.float32), y.to(tl.float32), acc, input_precision="ieee")
             else:

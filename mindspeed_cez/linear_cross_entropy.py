@@ -293,17 +293,17 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         g = grad_loss.reshape(-1).float()
         if known:
             expected = upstream
-            message = ("linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights, "
-                       "the gradient the forward made (Megatron: its loss scale over the loss mask's token count); "
-                       "it is not: the loss was weighted otherwise. For custom loss weighting run with "
+            message = ("linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights "
+                       "as the forward assumed; the loss was weighted otherwise. For custom loss weighting run with "
                        + RECOMPUTE_FIX)
         else:
             k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
             expected = k * weights
-            message = ("linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w for one "
-                       "scalar k, as the forward assumed; it is not: the loss was weighted otherwise. For custom "
-                       "loss weighting run with " + RECOMPUTE_FIX)
+            message = ("linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w (one "
+                       "scalar k) as the forward assumed; the loss was weighted otherwise. For custom loss weighting "
+                       "run with " + RECOMPUTE_FIX)
         matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
+        # (CUDA takes assert messages under 255 characters: tests/test_linear_cross_entropy.py checks)
         torch._assert_async(matches.all(), message)
         drows = drows.view(full_shape) if known else (drows * g[:, None]).to(dtype).view(full_shape)
         dhidden = reduce_dhidden(drows, tp_group, tp_size, sequence_parallel)

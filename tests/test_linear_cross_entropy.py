@@ -490,7 +490,16 @@ def test_a_forward_without_its_backward_is_detected():
         check_forward_gradients()
 
 
-def test_the_mismatch_message_names_the_cause_and_the_fix():
+def test_the_mismatch_message_names_the_cause_and_the_fix(monkeypatch):
+    """On the CPU an exception, on CUDA the device-side assert's text (under 255 characters, CUDA's
+    limit on assert messages; tests/test_linear_cross_entropy_gpu.py checks the device side)."""
+    messages, real_assert = [], torch._assert_async
+
+    def recording(condition, message):
+        messages.append(message)
+        return real_assert(condition, message)
+
+    monkeypatch.setattr(torch, "_assert_async", recording)
     h, w, target, mask, upstream = _main_grad_problem(16)
     loss, _ = _forward_into_main_grad(h, w, target, mask)
     with pytest.raises(RuntimeError, match="loss was weighted otherwise. For custom loss weighting run with "
@@ -499,3 +508,4 @@ def test_the_mismatch_message_names_the_cause_and_the_fix():
     loss, _ = linear_cross_entropy_zloss(h, w, target, token_weights=mask, grads="forward")
     with pytest.raises(RuntimeError, match="must be k \\* w .*--lm-fused-output-layer recompute"):
         (loss * torch.rand(mask.shape)).sum().backward()
+    assert len(messages) == 2 and all(len(m) < 255 for m in messages), [len(m) for m in messages]
