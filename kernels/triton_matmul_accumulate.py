@@ -14,6 +14,7 @@ are int64; nothing reads tensor values on the host (CUDA-graph capturable).
 """
 
 import functools
+import inspect
 
 import torch
 import triton
@@ -27,7 +28,8 @@ from .launch import Launcher
 # wgmma at 128 x 256 (bench/results/2026-11-26_h100/ has the sweep). Ascend: an fp32 [128, 128]
 # tile (64 KiB) plus 16-bit operands inside the on-chip buffers. CPU: the interpreter.
 LAUNCH_CONFIG = {
-    "cuda": {"block_m": 128, "block_n": 256, "block_k": 64, "group_m": 8, "warps": 8, "stages": 3, "per_core": 1},
+    "cuda": {"block_m": 128, "block_n": 256, "block_k": 64, "group_m": 8, "warps": 8, "stages": 3, "per_core": 1,
+             "flatten": True},
     "npu": {"block_m": 128, "block_n": 128, "block_k": 64, "group_m": 4, "warps": 4, "stages": 1, "per_core": 1},
     "cpu": {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "warps": 4, "stages": 1, "per_core": 1},
 }
@@ -40,12 +42,14 @@ def _accumulate_kernel(
     c_ptr, c_stride_m,  # [m, n] fp32, unit column stride
     m, n, k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, WIDEN: tl.constexpr,
+    EVEN_K: tl.constexpr, WIDEN: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     m_blocks = tl.cdiv(m, BLOCK_M)
     n_blocks = tl.cdiv(n, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    for task in range(tl.program_id(0), m_blocks * n_blocks, tl.num_programs(0)):
+    # FLATTEN (CUDA, Triton >= 3.3): the task and k loops pipelined as one, so a task's loads start
+    # while the last one's epilogue (main_grad's read-modify-write) runs
+    for task in tl.range(tl.program_id(0), m_blocks * n_blocks, tl.num_programs(0), flatten=FLATTEN):
         band = GROUP_M * n_blocks
         first_m = (task // band) * GROUP_M
         rows_in_band = tl.minimum(m_blocks - first_m, GROUP_M)
@@ -77,6 +81,15 @@ def _accumulate_kernel(
         tl.store(c_tile, tl.load(c_tile, mask=mask, other=0.0) + acc, mask=mask)
 
 
+def _range_flattens():
+    """Whether this Triton's ``tl.range`` pipelines nested loops as one (``flatten``, Triton 3.3 on)."""
+    try:
+        return "flatten" in inspect.signature(tl.range.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+FLATTEN = _range_flattens()
 _launch = Launcher(_accumulate_kernel)
 LAUNCHERS = (_launch,)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -91,7 +104,8 @@ def _plan(device, m, n, k):
     c = launch_settings(device.type)
     tasks = triton.cdiv(m, c["block_m"]) * triton.cdiv(n, c["block_n"])
     grid = (num_programs(device, tasks, c["per_core"]),)
-    constexprs = (c["block_m"], c["block_n"], c["block_k"], c["group_m"], k % c["block_k"] == 0, device.type == "cpu")
+    constexprs = (c["block_m"], c["block_n"], c["block_k"], c["group_m"], k % c["block_k"] == 0, device.type == "cpu",
+                  bool(c.get("flatten")) and FLATTEN and device.type == "cuda")
     options = (("num_warps", c["warps"]),) + ((("num_stages", c["stages"]),) if device.type == "cuda" else ())
     return grid, constexprs, options
 
