@@ -344,11 +344,11 @@ def sweep_accumulations(args):
     return lines
 
 
-TUNE_ACCUMULATE = [  # block_m, block_n, block_k, group_m, warps, stages, programs per SM, flattened loops
-    (128, 256, 64, 8, 8, 3, 1, False), (128, 256, 64, 8, 8, 3, 1, True), (128, 256, 64, 8, 8, 4, 1, True),
-    (128, 256, 32, 8, 8, 5, 1, True), (256, 128, 64, 8, 8, 3, 1, True), (256, 128, 32, 8, 8, 4, 1, True),
-    (128, 128, 64, 8, 8, 4, 1, True), (128, 128, 64, 8, 4, 4, 1, True), (128, 128, 64, 8, 4, 3, 2, True),
-    (128, 256, 64, 16, 8, 3, 1, True)]
+TUNE_ACCUMULATE = [  # block_m, block_n, block_k, group_m, warps, stages, programs per SM, main_grad tile read first
+    (128, 256, 64, 8, 8, 3, 1, False), (128, 256, 32, 8, 8, 5, 1, False), (128, 128, 64, 8, 8, 4, 1, False),
+    (128, 128, 64, 8, 8, 4, 1, True), (128, 128, 64, 8, 8, 3, 1, True), (128, 128, 32, 8, 8, 5, 1, True),
+    (128, 128, 64, 16, 8, 4, 1, True), (128, 256, 64, 8, 8, 3, 1, True), (128, 128, 64, 8, 4, 3, 2, True),
+    (64, 256, 64, 8, 8, 4, 1, True)]
 TUNE_SHAPES = ["151936x4096x4096", "151936x4096x1024", "16160x7168x4096", "37984x4096x4096"]  # V x h x rows
 
 
@@ -360,7 +360,7 @@ def tune_accumulate(args):
 
     lines = [f"Triton fp32 accumulation kernel, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; median of {args.iters} (CUDA events)", "",
-             "| V x h x rows | setting (bm, bn, bk, group_m, warps, stages, per SM, flatten) | ms | / addmm(out_dtype) | TFLOP/s |",
+             "| V x h x rows | setting (bm, bn, bk, group_m, warps, stages, per SM, preload main_grad) | ms | / addmm(out_dtype) | TFLOP/s |",
              "|---|---|---|---|---|"]
     for shape in args.tune_shapes:
         v, hdim, n = (int(x) for x in shape.split("x"))
@@ -377,16 +377,16 @@ def tune_accumulate(args):
                      f"{flops / bf16 / 1e9:.0f} |")
         print(lines[-2] if ref else "", lines[-1], flush=True)
         saved = dict(tma.LAUNCH_CONFIG["cuda"])
-        for bm, bn, bk, gm, warps, stages, per_core, flatten in TUNE_ACCUMULATE:
+        for bm, bn, bk, gm, warps, stages, per_core, preload in TUNE_ACCUMULATE:
             tma.LAUNCH_CONFIG["cuda"].update(block_m=bm, block_n=bn, block_k=bk, group_m=gm, warps=warps, stages=stages,
-                                             per_core=per_core, flatten=flatten)
+                                             per_core=per_core, preload_c=preload)
             tma.launch_plans_changed()
             try:
                 ms = timed(lambda: tma.matmul_accumulate(out, dlogits.t(), x), args.warmup, args.iters)
-                lines.append(f"| {shape} | {bm}, {bn}, {bk}, {gm}, {warps}, {stages}, {per_core}, {flatten} | {ms:.3f} | "
+                lines.append(f"| {shape} | {bm}, {bn}, {bk}, {gm}, {warps}, {stages}, {per_core}, {preload} | {ms:.3f} | "
                              f"{ms / ref if ref else 0:.3f} | {flops / ms / 1e9:.0f} |")
             except Exception as exc:  # noqa: BLE001 - a setting that does not compile is reported
-                lines.append(f"| {shape} | {bm}, {bn}, {bk}, {gm}, {warps}, {stages}, {per_core}, {flatten} | failed: "
+                lines.append(f"| {shape} | {bm}, {bn}, {bk}, {gm}, {warps}, {stages}, {per_core}, {preload} | failed: "
                              f"{type(exc).__name__} | | |")
             print(lines[-1], flush=True)
         tma.LAUNCH_CONFIG["cuda"].clear()

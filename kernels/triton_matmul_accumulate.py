@@ -14,7 +14,6 @@ are int64; nothing reads tensor values on the host (CUDA-graph capturable).
 """
 
 import functools
-import inspect
 
 import torch
 import triton
@@ -29,7 +28,7 @@ from .launch import Launcher
 # tile (64 KiB) plus 16-bit operands inside the on-chip buffers. CPU: the interpreter.
 LAUNCH_CONFIG = {
     "cuda": {"block_m": 128, "block_n": 256, "block_k": 64, "group_m": 8, "warps": 8, "stages": 3, "per_core": 1,
-             "flatten": True},
+             "preload_c": False},
     "npu": {"block_m": 128, "block_n": 128, "block_k": 64, "group_m": 4, "warps": 4, "stages": 1, "per_core": 1},
     "cpu": {"block_m": 16, "block_n": 32, "block_k": 16, "group_m": 2, "warps": 4, "stages": 1, "per_core": 1},
 }
@@ -42,14 +41,12 @@ def _accumulate_kernel(
     c_ptr, c_stride_m,  # [m, n] fp32, unit column stride
     m, n, k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, WIDEN: tl.constexpr, FLATTEN: tl.constexpr,
+    EVEN_K: tl.constexpr, WIDEN: tl.constexpr, PRELOAD_C: tl.constexpr,
 ):
     m_blocks = tl.cdiv(m, BLOCK_M)
     n_blocks = tl.cdiv(n, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    # FLATTEN (CUDA, Triton >= 3.3): the task and k loops pipelined as one, so a task's loads start
-    # while the last one's epilogue (main_grad's read-modify-write) runs
-    for task in tl.range(tl.program_id(0), m_blocks * n_blocks, tl.num_programs(0), flatten=FLATTEN):
+    for task in range(tl.program_id(0), m_blocks * n_blocks, tl.num_programs(0)):
         band = GROUP_M * n_blocks
         first_m = (task // band) * GROUP_M
         rows_in_band = tl.minimum(m_blocks - first_m, GROUP_M)
@@ -62,6 +59,10 @@ def _accumulate_kernel(
         # masks, not clamped offsets: the loads stay vectorized (offsets provably contiguous)
         a_tile = a_ptr + rows[:, None] * a_stride_m + ks[None, :] * a_stride_k
         b_tile = b_ptr + ks[:, None] * b_stride_k + cols[None, :] * b_stride_n
+        c_tile = c_ptr + rows[:, None] * c_stride_m + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        if PRELOAD_C:  # main_grad's tile read before the dots: its latency hidden behind them
+            c_old = tl.load(c_tile, mask=mask, other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kk in range(0, k, BLOCK_K):
             if EVEN_K:
@@ -76,20 +77,12 @@ def _accumulate_kernel(
                 acc = tl.dot(x, y, acc)
             a_tile += BLOCK_K * a_stride_k
             b_tile += BLOCK_K * b_stride_k
-        c_tile = c_ptr + rows[:, None] * c_stride_m + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        tl.store(c_tile, tl.load(c_tile, mask=mask, other=0.0) + acc, mask=mask)
+        if PRELOAD_C:
+            tl.store(c_tile, c_old + acc, mask=mask)
+        else:
+            tl.store(c_tile, tl.load(c_tile, mask=mask, other=0.0) + acc, mask=mask)
 
 
-def _range_flattens():
-    """Whether this Triton's ``tl.range`` pipelines nested loops as one (``flatten``, Triton 3.3 on)."""
-    try:
-        return "flatten" in inspect.signature(tl.range.__init__).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-FLATTEN = _range_flattens()
 _launch = Launcher(_accumulate_kernel)
 LAUNCHERS = (_launch,)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -105,7 +98,7 @@ def _plan(device, m, n, k):
     tasks = triton.cdiv(m, c["block_m"]) * triton.cdiv(n, c["block_n"])
     grid = (num_programs(device, tasks, c["per_core"]),)
     constexprs = (c["block_m"], c["block_n"], c["block_k"], c["group_m"], k % c["block_k"] == 0, device.type == "cpu",
-                  bool(c.get("flatten")) and FLATTEN and device.type == "cuda")
+                  bool(c.get("preload_c")))
     options = (("num_warps", c["warps"]),) + ((("num_stages", c["stages"]),) if device.type == "cuda" else ())
     return grid, constexprs, options
 
