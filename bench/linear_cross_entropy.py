@@ -12,6 +12,8 @@ in the same run. Time: median of CUDA-event timings of forward+backward (host in
         # the default path into main_grad with each fp32 accumulation forced, and the dial's curve
     python bench/linear_cross_entropy.py --tune-accumulate --out out/tune_accumulate.md
         # the Triton accumulation kernel alone over tile settings, beside addmm(out_dtype)
+    torchrun --nproc-per-node 2 bench/linear_cross_entropy.py --tp --shapes 8192x4096x151936 --out out/tp2.md
+        # TP=2 + SP: the unfused layer beside the default path at each block fraction
 """
 
 import argparse
@@ -397,6 +399,76 @@ def tune_accumulate(args):
     return lines
 
 
+def sweep_tp(args):
+    """TP=2 over NCCL with sequence parallelism (``torchrun --nproc-per-node 2``): per global shape,
+    the unfused layer (all-gathered hidden, cuBLAS logits of this rank's vocab slice, the op; the
+    all-gather's backward reduce-scatters dhidden) beside the default path into main_grad at each block
+    fraction; rank 0's time and peak; first a float64 check of the default path at a small shape."""
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_gather
+
+    from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+    from mindspeed_cez.linear_cross_entropy import default_row_block
+
+    dist.init_process_group("nccl")
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    group = dist.group.WORLD
+    lines = [f"TP={tp} + SP over NCCL, fwd+bwd into an fp32 main_grad, bf16, {torch.cuda.get_device_name()}, torch "
+             f"{torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; rank 0, median of {args.iters} "
+             "(CUDA events); N x h x V global (each rank: N/2 tokens of hidden, V/2 vocab rows)", ""]
+
+    def problem(n, hdim, v, seed=0):
+        hidden, weight, target = inputs(n, hdim, v, seed)  # the same on every rank
+        rows, cols = slice(rank * n // tp, (rank + 1) * n // tp), slice(rank * v // tp, (rank + 1) * v // tp)
+        return hidden, weight, target, rows, cols
+
+    hidden, weight, target, rows, cols = problem(1024, 512, 8192, seed=1)
+    _, exp_dh, exp_dw = linear_loss_and_grads_float64(hidden, weight, target, torch.ones(1024, device="cuda"),
+                                                      z_loss_coeff=Z)
+    h, w = hidden[rows].clone().requires_grad_(), weight[cols].clone().requires_grad_()
+    w.main_grad = torch.zeros(w.shape, device="cuda")
+    linear_cross_entropy_zloss(h, w, target, Z, tp_group=group, sequence_parallel=True,
+                               token_weights=(target != -100).float(), grad_scale=1.0,
+                               gradient_accumulation_fusion=True, grads="forward")[0].sum().backward()
+    lines += [f"float64 check at 1024 x 512 x 8192, rank {rank}: dhidden rel. error "
+              f"{relative_error(h.grad, exp_dh[rows]):.2e}, dweight (main_grad) {relative_error(w.main_grad, exp_dw[cols]):.2e}",
+              "", "| N x h x V | implementation | rows per block | ms | / unfused | peak extra (x this rank's logits) |",
+              "|---|---|---|---|---|---|"]
+    for shape in args.shapes:
+        n, hdim, v = (int(x) for x in shape.split("x"))
+        hidden, weight, target, rows, cols = problem(n, hdim, v)
+        h, w = hidden[rows].clone().requires_grad_(), weight[cols].clone().requires_grad_()
+        mask = (target != -100).float()
+        del hidden, weight
+        logits_bytes = n * (v // tp) * 2
+
+        def unfused():
+            h.grad = w.grad = None
+            full = torch.cat(all_gather(h, group=group))
+            vocab_parallel_cross_entropy_zloss(full @ w.t(), target, Z, tp_group=group)[0].sum().backward()
+
+        base = time_and_peak(unfused, logits_bytes, args)
+        results = [("unfused: all-gather + cuBLAS + cez op", "", base)]
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
+        for fraction in FRACTIONS:
+            def fused():
+                h.grad = w.grad = None
+                linear_cross_entropy_zloss(h, w, target, Z, tp_group=group, sequence_parallel=True, token_weights=mask,
+                                           grad_scale=1.0, gradient_accumulation_fusion=True, grads="forward",
+                                           block_fraction=fraction)[0].sum().backward()
+            label = "default path, fraction 0.5" if fraction == 0.5 else f"dial: fraction {fraction}"
+            results.append((label, default_row_block(n, v // tp, fraction), time_and_peak(fused, logits_bytes, args)))
+        for name, block, (ms, extra) in results:
+            lines.append(f"| {shape} | {name} | {block} | {ms:.2f} | {ms / base[0]:.3f} | {extra:.2f} |")
+            if rank == 0:
+                print(lines[-1], flush=True)
+        del h, w
+        torch.cuda.empty_cache()
+    dist.barrier()
+    return lines if rank == 0 else None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=SHAPES)
@@ -410,13 +482,18 @@ def main(argv=None):
     parser.add_argument("--accumulations", action="store_true",
                         help="the default path with each fp32 accumulation forced, and the block dial's curve")
     parser.add_argument("--tune-accumulate", action="store_true", help="the Triton accumulation kernel's tile sweep")
+    parser.add_argument("--tp", action="store_true", help="TP=2 + SP over NCCL (torchrun --nproc-per-node 2): the dial")
     parser.add_argument("--tune-shapes", nargs="+", default=TUNE_SHAPES, help="V x h x rows for --tune-accumulate")
     parser.add_argument("--impls", nargs="*", default=[], help="only the implementations whose names hold one of these")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    if args.tune_accumulate:
+    if args.tp:
+        report = sweep_tp(args)
+        if report is None:
+            return
+    elif args.tune_accumulate:
         report = tune_accumulate(args)
     elif args.accumulations:
         report = sweep_accumulations(args)
