@@ -227,7 +227,9 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
     ``k = sum(g*w) / sum(w*w)`` in backward.
 
     Either way anything else trips a device-side assert in backward (no host sync), never a silent
-    number; and a forward that adds into ``main_grad`` must be followed by its backward."""
+    number; and a forward that adds into ``main_grad`` must be followed by its backward (checked:
+    :func:`check_forward_gradients`). Under ``torch.no_grad()`` the op takes the recompute path's
+    forward instead: the loss alone, nothing into ``main_grad``."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, token_weights, grad_scale, z_loss_coeff, label_smoothing, ignore_index,
@@ -428,7 +430,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
             token count and the number of micro-batches). Each block's gradient is then made for it:
             ``dhidden`` as the unfused path makes it, ``dweight`` added into ``weight.main_grad`` during
             the forward with ``gradient_accumulation_fusion`` (no buffer; the forward must be followed by
-            its backward). Backward checks the gradient on the device, as for ``token_weights``.
+            its backward: :func:`check_forward_gradients` raises otherwise; under ``torch.no_grad()``
+            nothing is added). Backward checks the gradient on the device, as for ``token_weights``.
         grads: ``"recompute"`` (default): backward recomputes the logits one vocab chunk at a time
             (four GEMMs; any upstream gradient). ``"forward"``: the gradients are made during the
             forward, ``row_block`` tokens at a time (three GEMMs, ``dweight`` held in fp32 until backward).
