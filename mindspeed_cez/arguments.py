@@ -70,8 +70,9 @@ def add_lm_z_loss_args(parser):
         help="Compute the GPT output layer and the LM loss (CE + z-loss) as one fused op, without the "
              "logits tensor (labels given: training and validation; logits are still made without labels). "
              "'forward' (default): the gradients are made during the forward, blocks of half the tokens "
-             "(--lm-fused-output-layer-block), for the upstream gradient Megatron's schedule gives the loss mask (3 GEMMs; the weight's "
-             "gradient added into its main_grad); 'recompute': backward recomputes the logits in vocab "
+             "(--lm-fused-output-layer-block), for the upstream gradient Megatron's schedule gives the loss "
+             "mask (3 GEMMs; the weight's gradient added into its main_grad); 'recompute': backward recomputes "
+             "the logits in vocab "
              "chunks (4 GEMMs; any upstream gradient).",
     )
     group.add_argument(
