@@ -72,8 +72,7 @@ def add_lm_z_loss_args(parser):
              "'forward' (default): the gradients are made during the forward, blocks of half the tokens "
              "(--lm-fused-output-layer-block), for the upstream gradient Megatron's schedule gives the loss "
              "mask (3 GEMMs; the weight's gradient added into its main_grad); 'recompute': backward recomputes "
-             "the logits in vocab "
-             "chunks (4 GEMMs; any upstream gradient).",
+             "the logits in vocab chunks (4 GEMMs; any upstream gradient).",
     )
     group.add_argument(
         FLAG_OUTPUT_LAYER_BLOCK, type=float, default=None, dest="lm_fused_output_layer_block", metavar="F",
