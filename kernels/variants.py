@@ -13,13 +13,15 @@ import triton
 from . import logit_transform
 from . import triton_cross_entropy as tce
 from . import triton_linear_cross_entropy as tlce
+from . import triton_matmul_accumulate as tma
 
 # The logit transforms compiled besides none, by name: the kernels' TRANSFORM constexpr.
 TRANSFORMS = {logit_transform.KIND_NAMES[k]: k for k in (logit_transform.SCALE, logit_transform.SOFTCAP)}
 
 # Arguments that Triton's launcher finds divisible by 16 in real use (it specializes on that at
 # run time): every pointer, the row strides, and the vocab width (a multiple of 128 in Megatron).
-DIVISIBLE = ("row_stride", "logits_row_stride", "grad_row_stride", "n_cols", "x_row_stride", "w_row_stride", "h")
+DIVISIBLE = ("row_stride", "logits_row_stride", "grad_row_stride", "n_cols", "x_row_stride", "w_row_stride", "h",
+             "c_stride_m", "n")
 
 
 @dataclass(frozen=True)
@@ -109,4 +111,24 @@ def linear_variants(device_type, dtype="bf16"):
     out.append(Variant("linear merge", tlce._merge_kernel,
                        {"groups_ptr": "*fp32", "out_ptr": "*fp32", "n_rows": "i32", "n_groups": "i32"},
                        {"BLOCK": tlce.MERGE_BLOCK}, 4))
+    out += accumulate_variants(device_type, dtype)
     return out
+
+
+def accumulate_variants(device_type, dtype="bf16"):
+    """The fp32 weight-gradient accumulation kernel (``triton_matmul_accumulate``) under
+    ``device_type``'s tiles, for 16-bit ``dtype`` (fp32 operands take torch's GEMM): the weight
+    gradient's layout (``a = dlogits.T``: unit stride along m), with and without a k tail."""
+    if dtype == "fp32":
+        return []
+    c = tma.launch_settings(device_type)
+    sig = {"a_ptr": f"*{dtype}", "a_stride_m": "constexpr", "a_stride_k": "i32", "b_ptr": f"*{dtype}",
+           "b_stride_k": "i32", "b_stride_n": "constexpr", "c_ptr": "*fp32", "c_stride_m": "i32",
+           "m": "i32", "n": "i32", "k": "i32"}
+    options = {"num_stages": c["stages"]} if device_type == "cuda" else {}
+    return [Variant(f"fp32 accumulation even_k={even_k}", tma._accumulate_kernel,
+                    {k: v for k, v in sig.items() if v != "constexpr"},
+                    {"a_stride_m": 1, "b_stride_n": 1, "BLOCK_M": c["block_m"], "BLOCK_N": c["block_n"],
+                     "BLOCK_K": c["block_k"], "GROUP_M": c["group_m"], "EVEN_K": even_k, "WIDEN": False,
+                     "PRELOAD_C": c["preload_c"]}, c["warps"], options=options)
+            for even_k in (True, False)]

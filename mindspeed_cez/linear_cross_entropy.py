@@ -24,10 +24,12 @@ reduce-scattered back; without it every rank holds all of ``hidden`` and ``dhidd
 """
 
 import math
+import weakref
 
 import torch
 
 from mindspeed_cez import kernels
+from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.cross_entropy_zloss import _check_target_range, check_coefficients
 from mindspeed_cez.kernels.logit_transform import LogitTransform
@@ -86,38 +88,6 @@ def _main_grad_placeholder(weight):
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
-def _addmm_has_out_dtype():
-    """Whether ``torch.addmm`` takes ``out_dtype`` (a 16-bit GEMM into an fp32 output; torch 2.8 on)."""
-    schemas = torch._C._jit_get_schemas_for_operator("aten::addmm")
-    return any(arg.name == "out_dtype" for schema in schemas for arg in schema.arguments)
-
-
-ADDMM_OUT_DTYPE = _addmm_has_out_dtype()
-
-
-def accumulate_mm_fp32_out(out, a, b):
-    """``out += a @ b``, 16-bit ``a``, ``b`` into fp32 ``out``: one GEMM with an fp32 output."""
-    torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-
-
-def accumulate_mm_fp32_copies(out, a, b):
-    """``out += a @ b`` on fp32 copies of ``a`` and ``b`` (exact: 16-bit values are fp32 values)."""
-    out.addmm_(a.float(), b.float())
-
-
-def _accumulate_mm(out, a, b):
-    """``out += a @ b`` into fp32 ``out`` from bf16 / fp16 ``a``, ``b``: one GEMM with an fp32
-    output on CUDA where torch has it, fp32 copies of the (chunk-sized) operands elsewhere. A 16-bit
-    ``out`` (Megatron's ``main_grad`` without fp32 gradient accumulation) takes one GEMM in its
-    dtype, as Megatron's own weight-gradient accumulation does there."""
-    if out.dtype != torch.float32:
-        out.addmm_(a.to(out.dtype), b.to(out.dtype))
-    elif out.is_cuda and a.dtype != torch.float32 and ADDMM_OUT_DTYPE:
-        accumulate_mm_fp32_out(out, a, b)
-    else:
-        accumulate_mm_fp32_copies(out, a, b)
-
-
 class LinearCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
@@ -157,14 +127,15 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         n, v_local = rows.shape[0], weight.shape[0]
         step = chunked_linear.chunk_width(chunk_cols, n, v_local)
         chunk = rows.new_empty((rows.shape[0], step))
+        accumulate = Accumulator(rows.device)
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
             dlogits = linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss, ignore_index,
                                          vocab_start + c, z_loss_coeff, label_smoothing, global_vocab, ce_backend=backend,
                                          transform=transform)
-            _accumulate_mm(drows, dlogits, w)  # fp32 sum over vocab chunks
+            accumulate(drows, dlogits, w)  # fp32 sum over vocab chunks
             if into_main_grad:
-                _accumulate_mm(weight.main_grad[c:c + step], dlogits.t(), rows)
+                accumulate(weight.main_grad[c:c + step], dlogits.t(), rows)
             else:
                 torch.matmul(dlogits.t(), rows, out=dweight[c:c + step])
         dhidden = reduce_dhidden(drows.to(rows.dtype).view(full.shape), tp_group, tp_size, sequence_parallel)
@@ -173,18 +144,73 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         return dhidden, dweight, *(None,) * 11
 
 
-ROW_BLOCK_MIN, ROW_BLOCK_MAX = 1024, 4096
+RECOMPUTE_FIX = "--lm-fused-output-layer recompute (the op: grads='recompute')"
 
 
-def default_row_block(n_rows, v_local):
-    """Token rows per block of the gradients-in-forward path: an eighth of the tokens (a block's
-    logits are 1/8 of the logits), or where that is under ``CHUNK_LOGITS`` logits (128 MiB in bf16:
-    narrow vocab slices) as many rows as make that; a power of two in [1024, 4096], at most the
-    tokens. Each block reads and writes the fp32 ``dweight`` once: ``8 V h`` bytes against
-    ``6 rows V h`` FLOPs of its three GEMMs, ~30 % of an H100's GEMM time at 1024 rows, ~8 % at 4096
-    (bench/results/2026-11-25_h100/fused_layer/)."""
-    rows = max(n_rows // 8, chunked_linear.CHUNK_LOGITS // max(v_local, 1), 1)
-    return min(n_rows, max(ROW_BLOCK_MIN, min(ROW_BLOCK_MAX, 1 << (rows.bit_length() - 1))))
+class ForwardGradientError(RuntimeError):
+    """A weight gradient added into ``main_grad`` during a forward whose backward never came."""
+
+
+class _OwedBackward:
+    """Made by a forward that added ``weight``'s gradient into ``main_grad``; its backward marks it
+    paid. Held by the autograd graph only: freed unpaid means the graph went without a backward."""
+
+    __slots__ = ("what", "paid", "__weakref__")
+
+    def __init__(self, what):
+        self.what, self.paid = what, False
+        _OWED.add(self)
+
+    def __del__(self):
+        if not self.paid:
+            _DROPPED.append(self.what)
+
+
+_OWED = weakref.WeakSet()  # forwards whose graph is alive and backward not yet run
+_DROPPED = []  # forwards whose graph was freed without a backward
+
+
+def check_forward_gradients(backward_pending_ok=False):
+    """Raise :class:`ForwardGradientError` where a forward of ``grads="forward"`` added a weight
+    gradient into ``main_grad`` whose backward never came: its graph freed without one (an extra
+    forward with autograd on, output discarded), or, unless ``backward_pending_ok``, not run yet.
+    Called by the op's forwards (pending backwards are fine there: pipelined micro-batches) and by
+    the adaptor before Megatron's gradient sync (``finish_grad_sync``), so such a gradient never
+    reaches the optimizer. No device work."""
+    dropped, pending = list(_DROPPED), [] if backward_pending_ok else [t.what for t in _OWED if not t.paid]
+    _DROPPED.clear()
+    if dropped:
+        raise ForwardGradientError(
+            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {dropped[0]} into main_grad "
+            f"during a forward ({len(dropped)} such forward(s)) whose output was freed without a backward: main_grad "
+            "now holds a gradient no loss asked for. An extra forward with autograd on (e.g. a metric computed in "
+            "training mode) must run under torch.no_grad(); or run with " + RECOMPUTE_FIX + ", which adds nothing "
+            "in forward.")
+    if pending:
+        for token in list(_OWED):
+            token.paid = True  # reported once
+        raise ForwardGradientError(
+            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {pending[0]} into main_grad "
+            f"during a forward whose backward has not run ({len(pending)} such forward(s)) before the gradients are "
+            "used (Megatron's gradient sync): every training forward of the loss needs its backward. Run other "
+            "forwards under torch.no_grad(), or run with " + RECOMPUTE_FIX + ".")
+
+
+ROW_BLOCK_MIN = 1024
+BLOCK_FRACTION = 0.5  # the default: a block's logits are half the logits
+LEAN_BLOCK_FRACTION = 0.125  # the lean setting: an eighth
+
+
+def default_row_block(n_rows, v_local, block_fraction=None):
+    """Token rows per block of the gradients-in-forward path: ``block_fraction`` of the tokens
+    (None: ``BLOCK_FRACTION``, 1/2), rounded down to a power of two, at least ``ROW_BLOCK_MIN``
+    (1024: GEMMs of fewer rows lose speed) and at most the tokens. A block's logits (then their
+    gradient) are the path's working memory: ``block_fraction`` x the logits. Each block reads and
+    writes the fp32 ``dweight`` once, ``8 V h`` bytes beside ``6 rows V h`` FLOPs of GEMMs: ~30 % of
+    an H100's GEMM time at 1024 rows, ~8 % at 4096, ~4 % at 8192 (docs/weight_gradient.md)."""
+    fraction = BLOCK_FRACTION if block_fraction is None else block_fraction
+    rows = max(int(n_rows * fraction), 1)
+    return min(n_rows, max(ROW_BLOCK_MIN, 1 << (rows.bit_length() - 1)))
 
 
 class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
@@ -203,11 +229,13 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
     ``k = sum(g*w) / sum(w*w)`` in backward.
 
     Either way anything else trips a device-side assert in backward (no host sync), never a silent
-    number; and a forward that adds into ``main_grad`` must be followed by its backward."""
+    number; and a forward that adds into ``main_grad`` must be followed by its backward (checked:
+    :func:`check_forward_gradients`). Under ``torch.no_grad()`` the op takes the recompute path's
+    forward instead: the loss alone, nothing into ``main_grad``."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, token_weights, grad_scale, z_loss_coeff, label_smoothing, ignore_index,
-                tp_group, sequence_parallel, gradient_accumulation_fusion, backend, row_block, transform):
+                tp_group, sequence_parallel, gradient_accumulation_fusion, backend, row_block, block_fraction, transform):
         rank, tp_size = group_rank_and_size(tp_group)
         full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = full.reshape(-1, full.shape[-1])
@@ -219,12 +247,14 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         known = grad_scale is not None
         upstream = weights * grad_scale if known else torch.ones(n, dtype=torch.float32, device=rows.device)
         into_main_grad = known and gradient_accumulation_fusion and hasattr(weight, "main_grad")
+        check_forward_gradients(backward_pending_ok=True)
         out = torch.empty((3, n), dtype=torch.float32, device=rows.device)
         drows = torch.empty(rows.shape, dtype=rows.dtype if known else torch.float32, device=rows.device)
         dweight = weight.main_grad if into_main_grad else torch.zeros(weight.shape, dtype=torch.float32,
                                                                       device=rows.device)
-        step = row_block or default_row_block(n, v_local)
+        step = row_block or default_row_block(n, v_local, block_fraction)
         block = rows.new_empty((min(step, n), v_local))  # one block's logits, then their gradient
+        accumulate = Accumulator(rows.device)
         for r in range(0, n, step):
             x, t = rows[r:r + step], flat_target[r:r + step]
             logits = block[:x.shape[0]]
@@ -236,40 +266,53 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
                                z_loss_coeff, label_smoothing, global_vocab, transform=transform)
             if known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
                 torch.matmul(logits, weight, out=drows[r:r + step])
-                _accumulate_mm(dweight, logits.t(), x)
+                accumulate(dweight, logits.t(), x)
             else:
                 drows[r:r + step] = 0
-                _accumulate_mm(drows[r:r + step], logits, weight)
-                _accumulate_mm(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
+                accumulate(drows[r:r + step], logits, weight)
+                accumulate(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
         ctx.save_for_backward(drows, None if into_main_grad else dweight, weights, upstream, weight,
                               flat_target != ignore_index)
         ctx.settings = (known, into_main_grad, tp_group, tp_size, sequence_parallel, gradient_accumulation_fusion,
                         full.shape, hidden.dtype)
+        ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_main_grad else None
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
         return loss, z_loss, lse
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
+        if ctx.owed is not None:
+            ctx.owed.paid = True
+            if grad_loss is None:
+                raise ForwardGradientError(
+                    "linear_cross_entropy_zloss(grads='forward'): the loss got no gradient, but its forward added the "
+                    "weight gradient into main_grad for grad_scale * token_weights: backpropagate the loss, or run "
+                    "with " + RECOMPUTE_FIX + ".")
         drows, dweight_sum, weights, upstream, weight, counted = ctx.saved_tensors
         known, into_main_grad, tp_group, tp_size, sequence_parallel, accumulate, full_shape, dtype = ctx.settings
         if grad_loss is None:
-            return (None,) * 14
+            return (None,) * 15
         g = grad_loss.reshape(-1).float()
         if known:
             expected = upstream
-            message = "linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights"
+            message = ("linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights "
+                       "as the forward assumed; the loss was weighted otherwise. For custom loss weighting run with "
+                       + RECOMPUTE_FIX)
         else:
             k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
             expected = k * weights
-            message = "linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w"
+            message = ("linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w (one "
+                       "scalar k) as the forward assumed; the loss was weighted otherwise. For custom loss weighting "
+                       "run with " + RECOMPUTE_FIX)
         matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
+        # (CUDA takes assert messages under 255 characters: tests/test_linear_cross_entropy.py checks)
         torch._assert_async(matches.all(), message)
         drows = drows.view(full_shape) if known else (drows * g[:, None]).to(dtype).view(full_shape)
         dhidden = reduce_dhidden(drows, tp_group, tp_size, sequence_parallel)
         if into_main_grad:
-            return dhidden, _main_grad_placeholder(weight), *(None,) * 12
+            return dhidden, _main_grad_placeholder(weight), *(None,) * 13
         if not known:
             dweight_sum.mul_(k)
         if accumulate and hasattr(weight, "main_grad"):
@@ -277,7 +320,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             dweight = _main_grad_placeholder(weight)
         else:
             dweight = dweight_sum.to(weight.dtype)
-        return dhidden, dweight, *(None,) * 12
+        return dhidden, dweight, *(None,) * 13
 
 
 GRADS = ("recompute", "forward")
@@ -296,7 +339,15 @@ def _check_grad_scale(grad_scale, target):
         raise ValueError(f"grad_scale must be a finite float or a one-element tensor, got {grad_scale!r}")
 
 
-def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block):
+def check_block_fraction(value, name="block_fraction"):
+    """The one check of the memory/time dial (the op, the adaptor's settings, the flag: ``name``)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+        raise ValueError(f"{name} takes the share of the tokens (and of the logits' memory) one block takes, None "
+                         f"(the default, {BLOCK_FRACTION}) or a number in (0, 1] ({LEAN_BLOCK_FRACTION}: lean), "
+                         f"got {value!r}")
+
+
+def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction=None):
     if grads not in GRADS:
         raise ValueError(f"grads must be one of {GRADS}, got {grads!r}")
     if grads == "recompute" and (token_weights is not None or grad_scale is not None):
@@ -314,6 +365,9 @@ def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_bl
         if token_weights.device != target.device:
             raise ValueError(f"token_weights ({token_weights.device}) and target ({target.device}) are on "
                              "different devices")
+    check_block_fraction(block_fraction)
+    if block_fraction is not None and row_block is not None:
+        raise ValueError("row_block and block_fraction both set the rows per block: pass one of them")
     for name, value in (("chunk_cols", chunk_cols), ("row_block", row_block)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be None (the default width) or an int >= 1, got {value!r}")
@@ -323,14 +377,16 @@ def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0
                                         ignore_index=-100, tp_group=None, sequence_parallel=False,
                                         gradient_accumulation_fusion=False, token_weights=None, *, grad_scale=None,
                                         logit_scale=1.0, logit_softcap=0.0, grads="recompute", backend=None, linear_backend=None,
-                                        chunk_cols=None, row_block=None):
+                                        chunk_cols=None, row_block=None, block_fraction=None):
     """:func:`linear_cross_entropy_zloss` that also returns the detached per-token lse."""
     tp_group = resolve_tp_group(tp_group)
     _check(hidden, weight, target, z_loss_coeff, label_smoothing, logit_scale, logit_softcap,
            group_rank_and_size(tp_group)[1], sequence_parallel)
-    _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block)
+    _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction)
     ce_backend = kernels.backend_for(hidden.device, backend)
     transform = LogitTransform(logit_scale, logit_softcap)
+    if grads == "forward" and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        grads = "recompute"  # no backward will come (torch.no_grad(), no input needing it): the loss alone
     if grads == "recompute":
         linear = kernels.linear_backend_for(hidden.device, linear_backend, backend)
         return LinearCrossEntropyZLoss.apply(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index,
@@ -341,14 +397,14 @@ def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0
     return LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(), grad_scale,
                                                      z_loss_coeff, label_smoothing, ignore_index, tp_group,
                                                      sequence_parallel, gradient_accumulation_fusion, ce_backend,
-                                                     row_block, transform)
+                                                     row_block, block_fraction, transform)
 
 
 def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
                                tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False,
                                token_weights=None, *, grad_scale=None, logit_scale=1.0, logit_softcap=0.0,
                                grads="recompute",
-                               backend=None, linear_backend=None, chunk_cols=None, row_block=None):
+                               backend=None, linear_backend=None, chunk_cols=None, row_block=None, block_fraction=None):
     """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
 
     Args:
@@ -375,7 +431,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
             token count and the number of micro-batches). Each block's gradient is then made for it:
             ``dhidden`` as the unfused path makes it, ``dweight`` added into ``weight.main_grad`` during
             the forward with ``gradient_accumulation_fusion`` (no buffer; the forward must be followed by
-            its backward). Backward checks the gradient on the device, as for ``token_weights``.
+            its backward: :func:`check_forward_gradients` raises otherwise; under ``torch.no_grad()``
+            nothing is added). Backward checks the gradient on the device, as for ``token_weights``.
         grads: ``"recompute"`` (default): backward recomputes the logits one vocab chunk at a time
             (four GEMMs; any upstream gradient). ``"forward"``: the gradients are made during the
             forward, ``row_block`` tokens at a time (three GEMMs, ``dweight`` held in fp32 until backward).
@@ -386,8 +443,11 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
             CUDA and with the torch backend, Triton on other accelerators.
         chunk_cols: vocab rows per chunk of ``grads="recompute"`` (None: 4096, fewer where a chunk's
             logits would pass 2**26, never under 1024; ``kernels.chunked_linear.default_chunk_cols``).
-        row_block: token rows per block of ``grads="forward"`` (None: an eighth of the tokens or 2**26
-            logits, whichever is more, a power of two in [1024, 4096]: :func:`default_row_block`).
+        row_block: token rows per block of ``grads="forward"`` (None: from ``block_fraction``).
+        block_fraction: the memory/time dial of ``grads="forward"``: the share of the tokens one block
+            takes, so its working memory is ``block_fraction`` x the logits (None: 0.5; 0.125 the lean
+            setting); rounded down to a power of two of rows, at least 1024 (:func:`default_row_block`).
+            Fewer blocks, fewer read-modify-writes of the fp32 ``dweight``: docs/weight_gradient.md.
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``CE + c*lse**2`` per token and the detached
@@ -398,5 +458,6 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, sequence_parallel,
         gradient_accumulation_fusion, token_weights, grad_scale=grad_scale, logit_scale=logit_scale,
         logit_softcap=logit_softcap, grads=grads,
-        backend=backend, linear_backend=linear_backend, chunk_cols=chunk_cols, row_block=row_block)
+        backend=backend, linear_backend=linear_backend, chunk_cols=chunk_cols, row_block=row_block,
+        block_fraction=block_fraction)
     return loss, z_loss

@@ -16,6 +16,9 @@ Flags (one argument group, shown in ``--help``):
     Compute GPT's output layer and the LM loss as one op (``linear_cross_entropy_zloss``): no
     logits tensor on the training path; turns the fused loss on like ``--lm-fused-ce``.
     ``forward``: gradients made in the forward with the loss mask as token weights.
+``--lm-fused-output-layer-block F``  (default 0.5)
+    ``forward``'s memory/time dial: each block of token rows takes the share F of the tokens, so
+    the loss works in F x the logits' memory; fewer blocks, less time (0.125: the lean setting).
 
 Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider`` and
 :func:`validate_lm_z_loss_args` as a validation hook (it raises ``ValueError`` naming the flag).
@@ -28,7 +31,7 @@ import os
 import sys
 
 from mindspeed_cez.cross_entropy_zloss import check_z_loss_coeff
-from mindspeed_cez.linear_cross_entropy import GRADS
+from mindspeed_cez.linear_cross_entropy import GRADS, check_block_fraction
 from mindspeed_cez.patches import mindspeed_llm
 from mindspeed_cez.patches.settings import Settings, backends_from_environment
 
@@ -38,6 +41,7 @@ FLAG_NO_FUSED = "--no-lm-fused-ce"
 FLAG_LOG_LSE = "--lm-z-loss-log-lse"
 FLAG_OUTPUT_LAYER = "--lm-fused-output-layer"
 OUTPUT_LAYER_GRADS = GRADS
+FLAG_OUTPUT_LAYER_BLOCK = "--lm-fused-output-layer-block"
 GROUP_TITLE = "mindspeed_cez: fused LM cross entropy + z-loss"
 
 __all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate_lm_z_loss_args", "validate_flags",
@@ -83,10 +87,17 @@ def add_lm_z_loss_args(parser):
         dest="lm_fused_output_layer",
         help="Compute the GPT output layer and the LM loss (CE + z-loss) as one fused op, without the "
              "logits tensor (labels given: training and validation; logits are still made without labels). "
-             "'forward' (default): the gradients are made during the forward, blocks of 1/8 of the tokens, "
-             "for the upstream gradient Megatron's schedule gives the loss mask (3 GEMMs; the weight's "
-             "gradient added into its main_grad); 'recompute': backward recomputes the logits in vocab "
-             "chunks (4 GEMMs; any upstream gradient).",
+             "'forward' (default): the gradients are made during the forward, blocks of half the tokens "
+             "(--lm-fused-output-layer-block), for the upstream gradient Megatron's schedule gives the loss "
+             "mask (3 GEMMs; the weight's gradient added into its main_grad); 'recompute': backward recomputes "
+             "the logits in vocab chunks (4 GEMMs; any upstream gradient).",
+    )
+    group.add_argument(
+        FLAG_OUTPUT_LAYER_BLOCK, type=float, default=None, dest="lm_fused_output_layer_block", metavar="F",
+        help="With --lm-fused-output-layer forward: the share of the tokens each block of the fused output "
+             "layer takes, 0 < F <= 1; the loss then works in F x the logits' memory, and each block "
+             "rewrites the fp32 main_grad once (fewer blocks, less time). Default 0.5; 0.125: lean "
+             "(docs/weight_gradient.md).",
     )
     return parser
 
@@ -121,6 +132,12 @@ def validate_lm_z_loss_args(args, defaults=None):
     mode = getattr(args, "lm_fused_output_layer", None)
     if mode not in (None, False, True, *OUTPUT_LAYER_GRADS):
         raise ValueError(f"{FLAG_OUTPUT_LAYER} takes one of {OUTPUT_LAYER_GRADS}, got {mode!r}")
+    block = getattr(args, "lm_fused_output_layer_block", None)
+    if block is not None:
+        check_block_fraction(block, FLAG_OUTPUT_LAYER_BLOCK)
+        if mode != "forward" and mode is not True:
+            raise ValueError(f"{FLAG_OUTPUT_LAYER_BLOCK} sets the blocks of {FLAG_OUTPUT_LAYER} forward; it has "
+                             f"none with {FLAG_OUTPUT_LAYER} {mode or '(off)'}: drop it or use forward")
     if mode:
         if fused is False:
             raise ValueError(f"{FLAG_OUTPUT_LAYER} is a fused kernel, but {FLAG_NO_FUSED} turns it off")
@@ -179,6 +196,7 @@ def settings_from_args(args):
         fused_output_layer=bool(getattr(args, "lm_fused_output_layer", None)),
         output_layer_grads=(getattr(args, "lm_fused_output_layer", None) if
                             getattr(args, "lm_fused_output_layer", None) in OUTPUT_LAYER_GRADS else "forward"),
+        output_layer_block_fraction=getattr(args, "lm_fused_output_layer_block", None),
         logit_transform=mindspeed_llm.logit_transform(args),
         **backends_from_environment(),
     )

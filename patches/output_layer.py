@@ -18,7 +18,8 @@ import functools
 
 import torch
 
-from mindspeed_cez.linear_cross_entropy import linear_cross_entropy_zloss_with_lse
+from mindspeed_cez.linear_cross_entropy import check_forward_gradients, linear_cross_entropy_zloss_with_lse
+from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.logit_transform import TransformedLogits
 
 FLAG = "--lm-fused-output-layer"
@@ -150,7 +151,8 @@ def megatron_grad_scale(config, loss_mask):
     loss_scale = scale_func(one).float().reshape(()) if scale_func is not None else one
     if getattr(config, "calculate_per_token_loss", False):
         return loss_scale
-    return loss_scale / (loss_mask.float().sum() * num_microbatches)
+    # clamped as Megatron's schedule clamps its token count: an all-masked micro-batch gets gradient 0
+    return loss_scale / (loss_mask.float().sum().clamp(min=1) * num_microbatches)
 
 
 def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, settings, token_weights=None,
@@ -172,4 +174,21 @@ def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, setti
         gradient_accumulation_fusion=into_main_grad,
         token_weights=token_weights if forward else None, grad_scale=grad_scale if forward else None,
         grads="forward" if forward else "recompute", backend=settings.backend, linear_backend=settings.linear_backend,
-        logit_scale=logit_scale, logit_softcap=logit_softcap)
+        logit_scale=logit_scale, logit_softcap=logit_softcap,
+        block_fraction=settings.output_layer_block_fraction if forward else None)
+
+
+def finish_grad_sync_wrapper(fn):
+    """``DistributedDataParallel.finish_grad_sync`` (``finalize_model_grads``, before the optimizer
+    reads ``main_grad``): with the flag on, first checks that every forward that added the output
+    weight's gradient into ``main_grad`` got its backward (:func:`check_forward_gradients`)."""
+
+    @functools.wraps(fn)
+    def finish_grad_sync(self, *args, **kwargs):
+        settings = _settings.ACTIVE
+        if settings is not None and settings.fused_output_layer:
+            check_forward_gradients()
+        return fn(self, *args, **kwargs)
+
+    finish_grad_sync.__cez_wraps__ = fn
+    return finish_grad_sync

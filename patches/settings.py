@@ -15,7 +15,7 @@ from typing import Optional
 from mindspeed_cez import cann, kernels
 from mindspeed_cez.cross_entropy_zloss import check_label_smoothing, check_z_loss_coeff
 from mindspeed_cez.kernels.logit_transform import LogitTransform
-from mindspeed_cez.linear_cross_entropy import GRADS
+from mindspeed_cez.linear_cross_entropy import GRADS, check_block_fraction
 from mindspeed_cez.patches import metrics
 from mindspeed_cez.patches.metrics import LM_LSE, LM_Z_LOSS
 
@@ -39,6 +39,9 @@ class Settings:
     output_layer_grads: ``"forward"`` (default: gradients made in the forward with the loss mask as
         token weights and Megatron's upstream gradient, where both are known; else as ``"recompute"``)
         or ``"recompute"`` (logits recomputed in backward): the op's ``grads``.
+    output_layer_block_fraction: ``"forward"``'s memory/time dial, the op's ``block_fraction``: the
+        share of the tokens (and of the logits' memory) one block takes; None: the op's default (0.5),
+        0.125 the lean setting (``--lm-fused-output-layer-block``).
     logit_transform: the :class:`~mindspeed_cez.kernels.logit_transform.LogitTransform` the model
         applies to the main head's logits with torch ops before the loss (MindSpeed-LLM's
         ``--output-multiplier-scale`` / ``--output-logit-softcapping``), or None (no transform).
@@ -55,6 +58,7 @@ class Settings:
     log_lse: bool = False
     fused_output_layer: bool = False
     output_layer_grads: str = "forward"
+    output_layer_block_fraction: Optional[float] = None
     logit_transform: Optional[LogitTransform] = None
     backend: Optional[str] = None
     linear_backend: Optional[str] = None
@@ -65,6 +69,7 @@ class Settings:
             check_label_smoothing(self.label_smoothing)
         if self.output_layer_grads not in GRADS:
             raise ValueError(f"output_layer_grads must be one of {GRADS}, got {self.output_layer_grads!r}")
+        check_block_fraction(self.output_layer_block_fraction, "output_layer_block_fraction")
         if self.logit_transform is not None and not isinstance(self.logit_transform, LogitTransform):
             raise TypeError(f"logit_transform must be None or a LogitTransform, got {self.logit_transform!r}")
         if self.backend not in (None, *BACKENDS):

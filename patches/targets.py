@@ -24,6 +24,8 @@ def patch_targets():
         ("megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy", mc.fused_vocab_parallel_cross_entropy_wrapper),
         (f"{lm}.te_parallel_cross_entropy", mc.te_parallel_cross_entropy_wrapper),
         ("megatron.core.tensor_parallel.layers.ColumnParallelLinear.forward", output_layer.column_parallel_forward_wrapper),
+        ("megatron.core.distributed.distributed_data_parallel.DistributedDataParallel.finish_grad_sync",
+         output_layer.finish_grad_sync_wrapper),
     ]
     targets += [(path, mc.loss_context_wrapper) for path in mc.loss_context_paths()]
     report = moe_tracker.report_path()

@@ -23,6 +23,12 @@ def _parse(argv):
         (["--lm-z-loss-coeff", "inf"], "--lm-z-loss-coeff"),
         (["--lm-z-loss-coeff", "1e-4", "--no-lm-fused-ce"], "--no-lm-fused-ce"),
         (["--lm-fused-output-layer", "--no-lm-fused-ce"], "--lm-fused-output-layer .*--no-lm-fused-ce"),
+        (["--lm-fused-output-layer", "--lm-fused-output-layer-block", "0"], "-block takes .* in \\(0, 1\\]"),
+        (["--lm-fused-output-layer", "--lm-fused-output-layer-block", "1.5"], "-block takes .*got 1.5"),
+        (["--lm-fused-output-layer", "recompute", "--lm-fused-output-layer-block", "0.25"],
+         "-block sets the blocks of --lm-fused-output-layer forward; it has none with --lm-fused-output-layer "
+         "recompute"),
+        (["--lm-fused-output-layer-block", "0.25"], "none with --lm-fused-output-layer \\(off\\)"),
     ],
 )
 def test_invalid_values_fail_validation_naming_the_flag(argv, message):
@@ -40,7 +46,9 @@ def test_settings_from_flags():
     assert math.isclose(s.z_loss_coeff, 3e-4) and s.metric_names() == ["lm_z_loss", "lm_lse"]
     s = arguments.settings_from_args(_parse(["--lm-fused-output-layer"]))
     assert s is not None and s.fused_output_layer and s.z_loss_coeff == 0.0
-    assert s.output_layer_grads == "forward"
+    assert s.output_layer_grads == "forward" and s.output_layer_block_fraction is None
+    s = arguments.settings_from_args(_parse(["--lm-fused-output-layer", "--lm-fused-output-layer-block", "0.125"]))
+    assert s.output_layer_grads == "forward" and s.output_layer_block_fraction == 0.125
     s = arguments.settings_from_args(_parse(["--lm-fused-output-layer", "recompute", "--lm-z-loss-coeff", "1e-4"]))
     assert s.fused_output_layer and s.output_layer_grads == "recompute" and s.metric_names() == ["lm_z_loss"]
     s = arguments.settings_from_args(_parse(["--lm-z-loss-coeff", "1e-4"]))

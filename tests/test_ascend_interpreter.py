@@ -26,6 +26,7 @@ from support import cross_entropy_zloss_float64, loss_and_grad_float64, relative
 from mindspeed_cez import kernels  # noqa: E402
 from mindspeed_cez.kernels import triton_cross_entropy as tce  # noqa: E402
 from mindspeed_cez.kernels import triton_linear_cross_entropy as tlce  # noqa: E402
+from mindspeed_cez.kernels import triton_matmul_accumulate as tma  # noqa: E402
 from mindspeed_cez.kernels.variants import linear_variants, variants  # noqa: E402
 
 IGNORE = -100
@@ -142,6 +143,20 @@ def test_fused_output_projection_kernels(dtype, smoothing, scale, cap):
            label_smoothing=smoothing, logit_scale=scale, logit_softcap=cap)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("k", [128, 100])  # a multiple of the NPU's 64-wide k step, and a k tail
+def test_fp32_accumulation_kernel(dtype, k):
+    """``main_grad += dlogits.T @ hidden`` as the fused layer calls it: ``a`` a transposed view."""
+    gen = torch.Generator().manual_seed(11 + k + len(dtype))
+    dlogits = torch.randn(k, 200, generator=gen).to(LINEAR_DTYPES[dtype])  # [tokens, vocab rows]
+    hidden = torch.randn(k, 72, generator=gen).to(LINEAR_DTYPES[dtype])  # [tokens, h]
+    main_grad = torch.randn(200, 72, generator=gen)
+    expected = main_grad.double() + dlogits.double().t() @ hidden.double()
+    with kernels.launch_as("npu"):
+        tma.matmul_accumulate(main_grad, dlogits.t(), hidden)
+    assert relative_error(main_grad, expected) < 1e-6
+
+
 def test_launch_as_is_scoped_and_refused_on_accelerator_tensors():
     logits, target, _ = _inputs(torch.float32, seed=3, n_rows=4)
     with kernels.launch_as("npu"):
@@ -177,6 +192,6 @@ def test_every_npu_variant_was_executed():
     expected = []
     for dtype in LINEAR_DTYPES:
         expected += [v for v in variants(tce.launch_settings("npu", N_COLS), dtype, N_COLS) if not v.cuda_only]
-        expected += linear_variants("npu", dtype)
+        expected += linear_variants("npu", dtype)  # with the fp32 accumulation kernel's
     missing = sorted({v.name for v in expected if not _matches(v, LAUNCHED)})
     assert not missing, f"variants of the NPU setting never executed here: {missing}"

@@ -7,7 +7,8 @@ the Ascend launch setting through the ``ttir`` and ``ttadapter`` stages for Asce
 forward (one rank: FINISH; several: partials; with and without the smoothing sum), the TP
 path's rescale and loss-from-partials kernels, the gradient kernel; bf16, fp16, fp32 logits; a
 wide and a narrow vocab slice; and the fused output projection's ``tl.dot`` kernels (partials,
-merge, gradient tiles) for the three input dtypes; the streaming and ``tl.dot`` kernels also with
+merge, gradient tiles) for the three input dtypes, and the fp32 weight-gradient accumulation kernel
+(bf16, fp16; with and without a k tail); the streaming and ``tl.dot`` kernels also with
 the logit scale and the soft cap (``TRANSFORM``: the exp2-based tanh) compiled in. A failure names the variant and carries the compiler's message.
 The forward's target assert (``CHECK_TARGETS``) is compiled on CUDA only and not lowered here.
 ``npubin`` needs CANN and is not run.
@@ -42,7 +43,8 @@ def test_every_kernel_variant_lowers_for_ascend():
     names = {r["name"] for r in rows}
     linear = {"linear partials logit_sum=False", "linear partials logit_sum=True", "linear grad", "linear merge",
               "linear partials logit_sum=True transform=scale", "linear partials logit_sum=True transform=softcap",
-              "linear grad transform=scale", "linear grad transform=softcap"}
+              "linear grad transform=scale", "linear grad transform=softcap",
+              "fp32 accumulation even_k=True", "fp32 accumulation even_k=False"}
     assert names == {
         "forward finish=True logit_sum=False", "forward finish=True logit_sum=True",
         "forward finish=False logit_sum=False", "forward finish=False logit_sum=True",
@@ -50,7 +52,7 @@ def test_every_kernel_variant_lowers_for_ascend():
         "forward finish=False logit_sum=True transform=softcap",
         "grad", "grad transform=scale", "grad transform=softcap", "rescale", "loss from partials", *linear,
     }, names
-    assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"} and len(rows) == 12 * 3 * 2 + 8 * 3
+    assert {r["dtype"] for r in rows} == {"bf16", "fp16", "fp32"} and len(rows) == 12 * 3 * 2 + 8 * 3 + 2 * 2
     assert not any(r["cuda_only"] for r in rows)
     assert all(r["constexprs"]["CHECK_TARGETS"] is False for r in rows if r["name"].startswith("forward"))
     forward = next(r for r in rows if r["name"].startswith("forward") and r["n_cols"] == 151936)

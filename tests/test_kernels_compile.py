@@ -39,7 +39,8 @@ def test_kernels_compile_for_sm90(settings, n_cols):
     rows = json.loads(result.stdout.strip().splitlines()[-1])
     names = [row[0] for row in rows]
     assert "grad" in names and "forward finish=True logit_sum=False check_targets" in names
-    assert {"linear partials logit_sum=False", "linear grad", "linear merge"} <= set(names) and len(rows) == 23
+    assert {"linear partials logit_sum=False", "linear grad", "linear merge", "fp32 accumulation even_k=True",
+            "fp32 accumulation even_k=False"} <= set(names) and len(rows) == 25
     assert {"forward finish=True logit_sum=True check_targets transform=softcap", "grad transform=softcap",
             "linear partials logit_sum=True transform=softcap", "linear grad transform=softcap"} <= set(names)
     for name, warps, registers, stack, shared, ctas in rows:

@@ -185,13 +185,23 @@ def test_grad_scale_needs_that_upstream_gradient():
 
 
 def test_default_row_block():
-    """An eighth of the tokens, or 2**26 logits where that is more, a power of two in [1024, 4096],
-    never more than the tokens."""
+    """``block_fraction`` of the tokens (default 1/2, lean 1/8), a power of two, at least 1024 rows,
+    never more than the tokens; a bad dial names itself and its range."""
     from mindspeed_cez.linear_cross_entropy import default_row_block
-    assert [default_row_block(n, 151936) for n in (100, 3000, 8192, 16384, 20000, 32768, 131072)] == \
-        [100, 1024, 1024, 2048, 2048, 4096, 4096]
-    assert [default_row_block(n, v) for n, v in ((8192, 37984), (8192, 16160), (2048, 16160), (16384, 75968))] == \
-        [1024, 4096, 2048, 2048]
+    assert [default_row_block(n, 151936) for n in (100, 3000, 8192, 16384, 20000, 32768)] == \
+        [100, 1024, 4096, 8192, 8192, 16384]
+    assert [default_row_block(n, 151936, 0.125) for n in (100, 3000, 8192, 16384, 20000, 32768)] == \
+        [100, 1024, 1024, 2048, 2048, 4096]
+    assert [default_row_block(8192, 16160, f) for f in (1.0, 0.5, 0.25, 0.125, 0.01)] == [8192, 4096, 2048, 1024, 1024]
+    gen = torch.Generator().manual_seed(17)
+    hidden, weight, target, _ = _problem(torch.float32, 1, gen)
+    mask, _ = _token_weights(target, gen)
+    for bad in (0, 1.5, "0.5", True, float("nan")):
+        with pytest.raises(ValueError, match="block_fraction takes .* a number in \\(0, 1\\]"):
+            linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_fraction=bad)
+    with pytest.raises(ValueError, match="row_block and block_fraction"):
+        linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_fraction=0.5,
+                                   row_block=16)
 
 
 def test_token_weights_need_an_upstream_gradient_proportional_to_them():
@@ -415,3 +425,87 @@ def test_settings_are_arguments_and_bad_ones_name_theirs():
             linear_cross_entropy_zloss(hidden, weight, target, **kwargs)
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         vocab_parallel_cross_entropy_zloss(hidden[..., :5], target.clamp(max=4), backend="cuda")
+
+
+def _main_grad_problem(seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden, weight, target, _ = _problem(torch.float32, 1, gen)
+    mask, upstream = _token_weights(target, gen)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    w.main_grad = torch.full(w.shape, 0.25)
+    w.grad_added_to_main_grad = False
+    return h, w, target, mask, upstream
+
+
+def _forward_into_main_grad(h, w, target, mask):
+    return linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask, grad_scale=K,
+                                      gradient_accumulation_fusion=True, grads="forward", row_block=16)
+
+
+def test_no_grad_never_writes_main_grad():
+    """grads='forward' with grad_scale under torch.no_grad() (or with no input needing a gradient):
+    the loss alone, as the recompute path's forward makes it; main_grad untouched."""
+    from mindspeed_cez.linear_cross_entropy import check_forward_gradients
+
+    h, w, target, mask, _ = _main_grad_problem(14)
+    exp_loss = _float64(h.detach(), w.detach(), target, torch.ones(target.shape), 1e-3, 0.0)[0]
+    with torch.no_grad():
+        loss, _ = _forward_into_main_grad(h, w, target, mask)
+    assert torch.equal(w.main_grad, torch.full(w.shape, 0.25)) and not loss.requires_grad
+    assert relative_error(loss, exp_loss) < 1e-5
+    loss, _ = _forward_into_main_grad(h.detach(), w.detach(), target, mask)
+    assert torch.equal(w.main_grad, torch.full(w.shape, 0.25))
+    check_forward_gradients()  # nothing owed
+
+
+def test_a_forward_without_its_backward_is_detected():
+    """A forward that added the weight gradient into main_grad and whose loss was discarded (an
+    extra forward with autograd on) fails at the op's next forward and at the check Megatron's
+    gradient sync runs, naming the cause and the fix; one whose backward has not run yet fails only
+    at that check (pipelined micro-batches run forwards ahead of backwards)."""
+    from mindspeed_cez.linear_cross_entropy import ForwardGradientError, check_forward_gradients
+
+    h, w, target, mask, upstream = _main_grad_problem(15)
+    loss, _ = _forward_into_main_grad(h, w, target, mask)
+    del loss  # the graph goes without a backward
+    with pytest.raises(ForwardGradientError, match="freed without a backward.*torch.no_grad.*--lm-fused-output-layer "
+                                                   "recompute"):
+        _forward_into_main_grad(h, w, target, mask)
+    check_forward_gradients()  # reported once
+
+    first, _ = _forward_into_main_grad(h, w, target, mask)
+    second, _ = _forward_into_main_grad(h, w, target, mask)  # a backward pending is fine here
+    with pytest.raises(ForwardGradientError, match="backward has not run \\(2 such"):
+        check_forward_gradients()
+    (first * upstream).sum().backward()
+    (second * upstream).sum().backward()
+    check_forward_gradients()
+
+    loss, _ = _forward_into_main_grad(h, w, target, mask)
+    (loss * upstream).sum().backward()  # the normal case: nothing to report
+    check_forward_gradients()
+    loss, _ = _forward_into_main_grad(h, w, target, mask)
+    del loss
+    with pytest.raises(ForwardGradientError, match="weight \\(53, 24\\)"):
+        check_forward_gradients()
+
+
+def test_the_mismatch_message_names_the_cause_and_the_fix(monkeypatch):
+    """On the CPU an exception, on CUDA the device-side assert's text (under 255 characters, CUDA's
+    limit on assert messages; tests/test_linear_cross_entropy_gpu.py checks the device side)."""
+    messages, real_assert = [], torch._assert_async
+
+    def recording(condition, message):
+        messages.append(message)
+        return real_assert(condition, message)
+
+    monkeypatch.setattr(torch, "_assert_async", recording)
+    h, w, target, mask, upstream = _main_grad_problem(16)
+    loss, _ = _forward_into_main_grad(h, w, target, mask)
+    with pytest.raises(RuntimeError, match="loss was weighted otherwise. For custom loss weighting run with "
+                                           "--lm-fused-output-layer recompute"):
+        (loss * upstream * 2).sum().backward()
+    loss, _ = linear_cross_entropy_zloss(h, w, target, token_weights=mask, grads="forward")
+    with pytest.raises(RuntimeError, match="must be k \\* w .*--lm-fused-output-layer recompute"):
+        (loss * torch.rand(mask.shape)).sum().backward()
+    assert len(messages) == 2 and all(len(m) < 255 for m in messages), [len(m) for m in messages]

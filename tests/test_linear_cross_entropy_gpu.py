@@ -95,3 +95,83 @@ def test_triton_path_captures_in_a_cuda_graph(transform):
         torch.cuda.synchronize()
         for replayed, eager in zip(out, step()):
             assert torch.equal(replayed, eager)
+
+
+CUDA_ACCUMULATIONS = ["addmm_out_dtype", "triton", "gemm_add"]
+
+
+@pytest.mark.parametrize("kind", CUDA_ACCUMULATIONS)
+def test_each_cuda_accumulation_matches_float64(kind):
+    """``out += a @ b`` into fp32 through each CUDA way, forced in turn, at a weight gradient's shape
+    (``a`` the transposed view ``dlogits.T``), against float64: fp32 sums where the product is not
+    rounded (out_dtype, the Triton kernel's epilogue), one bf16 rounding of it (gemm_add)."""
+    from mindspeed_cez import fp32_accumulation as acc
+
+    if kind == "addmm_out_dtype" and not acc.ADDMM_OUT_DTYPE:
+        pytest.skip("torch.addmm has no out_dtype before torch 2.8")
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for n, v, h in ((4096, 5000, 1024), (1000, 32768, 2048)):  # tiles divide neither / the vocab
+        dlogits = torch.randn(n, v, device="cuda", generator=g).bfloat16()
+        x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+        out = torch.randn(v, h, device="cuda", generator=g)
+        expected = out.double() + dlogits.double().t() @ x.double()
+        with acc.forced(kind):
+            acc.Accumulator(out.device)(out, dlogits.t(), x)
+        assert relative_error(out, expected) < (5e-3 if kind == "gemm_add" else 1e-5), (kind, n, v, h)
+
+
+@pytest.mark.parametrize("path", ["main_grad", "recompute_main_grad"])
+@pytest.mark.parametrize("kind", CUDA_ACCUMULATIONS)
+def test_the_op_on_each_cuda_accumulation(kind, path):
+    """The fused op's weight gradient into fp32 main_grad with each CUDA accumulation forced (the
+    torch < 2.8 path on this torch: ``triton``), against float64 and the unfused path."""
+    from mindspeed_cez import fp32_accumulation as acc
+
+    if kind == "addmm_out_dtype" and not acc.ADDMM_OUT_DTYPE:
+        pytest.skip("torch.addmm has no out_dtype before torch 2.8")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    hidden = torch.randn(N, H, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(V, H, device="cuda", generator=g) * 4 / H**0.5).bfloat16()
+    target = torch.randint(0, V, (N,), device="cuda", generator=g)
+    mask = (torch.rand(N, device="cuda", generator=g) < 0.9).float()
+    upstream = mask / mask.sum()
+    _, exp_dh, exp_dw = linear_loss_and_grads_float64(hidden, weight, target, upstream, z_loss_coeff=Z)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    w.main_grad = torch.zeros(w.shape, device="cuda")
+    forward = path == "main_grad"
+    with acc.forced(kind):
+        loss, _ = linear_cross_entropy_zloss(h, w, target, Z, token_weights=mask if forward else None,
+                                             grad_scale=1 / mask.sum() if forward else None,
+                                             gradient_accumulation_fusion=True,
+                                             grads="forward" if forward else "recompute")
+        (loss * upstream).sum().backward()
+    hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, Z)
+    (lu * upstream).sum().backward()
+    for ours, unfused, exp in ((h.grad, hu.grad, exp_dh), (w.main_grad, wu.grad, exp_dw)):
+        assert relative_error(ours, exp) <= 1.5 * relative_error(unfused, exp) + 1e-4, (
+            kind, path, relative_error(ours, exp), relative_error(unfused, exp))
+
+
+def test_the_device_assert_names_the_fix():
+    """A loss weighted other than the forward assumed: the CUDA device-side assert's text names the
+    cause and ``--lm-fused-output-layer recompute`` (a fresh process: the assert ends its CUDA context)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from mindspeed_cez import linear_cross_entropy_zloss\n"
+        "h = torch.randn(64, 32, device='cuda').requires_grad_()\n"
+        "w = torch.randn(100, 32, device='cuda').requires_grad_()\n"
+        "t = torch.randint(0, 100, (64,), device='cuda')\n"
+        "m = torch.ones(64, device='cuda')\n"
+        "loss, _ = linear_cross_entropy_zloss(h, w, t, token_weights=m, grad_scale=0.5, grads='forward')\n"
+        "(loss * torch.rand(64, device='cuda')).sum().backward()\n"
+        "torch.cuda.synchronize()\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode != 0
+    assert "For custom loss weighting run with --lm-fused-output-layer recompute" in run.stderr + run.stdout, (
+        run.stderr[-3000:])

@@ -9,7 +9,7 @@ import torch
 
 from backends import backend_devices, backend_ids
 from support import cross_entropy_zloss_float64, relative_error
-import mindspeed_cez.linear_cross_entropy as op
+from mindspeed_cez import fp32_accumulation as acc
 from mindspeed_cez import linear_cross_entropy_zloss
 from mindspeed_cez._requirements import TORCH_MIN, check_torch
 
@@ -35,26 +35,22 @@ def test_int32_targets_through_the_fused_output_layer(backend_device):
 
 def test_addmm_out_dtype_is_detected_from_the_operator_schema():
     newer = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
-    assert op.ADDMM_OUT_DTYPE == newer, (torch.__version__, op.ADDMM_OUT_DTYPE)
+    assert acc.ADDMM_OUT_DTYPE == newer, (torch.__version__, acc.ADDMM_OUT_DTYPE)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_both_accumulation_branches(dtype):
-    """The fp32-copy fallback is exact against float64 on the CPU; the ``out_dtype`` branch takes its
-    arguments on this torch (meta tensors: the CPU has no kernel for it, GPUs run it in tests/test_gpu.py)."""
-    gen = torch.Generator().manual_seed(5)
-    a, b = torch.randn(33, 20, generator=gen).to(dtype), torch.randn(20, 17, generator=gen).to(dtype)
-    start = torch.randn(33, 17, generator=gen)
-    out = start.clone()
-    op.accumulate_mm_fp32_copies(out, a, b)
-    expected = start.double() + a.double() @ b.double()
-    assert relative_error(out, expected) < 1e-6
-    if not op.ADDMM_OUT_DTYPE:
-        with pytest.raises(TypeError, match="out_dtype"):  # why the branch is feature-detected
-            op.accumulate_mm_fp32_out(torch.empty(33, 17, device="meta"), a.to("meta"), b.to("meta"))
-        return
+def test_the_out_dtype_branch_takes_its_arguments_on_this_torch(dtype):
+    """Meta tensors (the CPU has no kernel for it; GPUs run it in tests/test_linear_cross_entropy_gpu.py);
+    on a torch without it (2.7.1), forcing it is an error naming the version it needs."""
+    a, b = torch.empty(33, 20, dtype=dtype, device="meta"), torch.empty(20, 17, dtype=dtype, device="meta")
     meta = torch.empty(33, 17, device="meta")
-    op.accumulate_mm_fp32_out(meta, a.to("meta"), b.to("meta"))
+    if not acc.ADDMM_OUT_DTYPE:
+        with pytest.raises(ValueError, match="needs torch >= 2.8"):
+            with acc.forced("addmm_out_dtype"):
+                pass
+        return
+    with acc.forced("addmm_out_dtype"):
+        acc.Accumulator(meta.device)(meta, a, b)
     assert meta.dtype == torch.float32 and meta.shape == (33, 17)
 
 

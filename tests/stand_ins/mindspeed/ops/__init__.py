@@ -1,0 +1,1 @@
+"""Stand-in for ``mindspeed.ops`` (see ../../README.md)."""
