@@ -409,7 +409,8 @@ def main(argv=None, group=None):
     """Run, print the table (rank 0), write --json; returns the exit status (0: all passed)."""
     args = parse_args(argv)
     device = current_device()
-    if group is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    created = group is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if created:  # under torchrun: the group this run makes, and destroys at its end
         dist.init_process_group({"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo"))
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
@@ -437,6 +438,8 @@ def main(argv=None, group=None):
             else:
                 with open(args.json, "w") as f:
                     f.write(report + "\n")
+    if created:
+        dist.destroy_process_group()
     return 0 if ok else 1
 
 
