@@ -35,7 +35,7 @@ import warnings
 import torch
 
 from mindspeed_cez.patches import metrics
-from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
+from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 from mindspeed_cez.patches import output_layer as _output_layer
 from mindspeed_cez.kernels.logit_transform import IDENTITY
@@ -85,7 +85,7 @@ def loss_in_megatron_convention(logits, target, tp_group, label_smoothing_megatr
     tp_group = resolve_tp_group(tp_group)
     global_vocab = logits.shape[-1] * _tp_world_size(tp_group)
     smoothing = megatron_to_torch_smoothing(label_smoothing_megatron, global_vocab)
-    loss, z_loss, lse = cross_entropy_zloss_with_lse(
+    loss, z_loss, lse = vocab_parallel_cross_entropy_zloss(
         logits,
         target,
         z_loss_coeff=z_loss_coeff,
@@ -94,6 +94,7 @@ def loss_in_megatron_convention(logits, target, tp_group, label_smoothing_megatr
         backend=backend,
         logit_scale=transform.scale,
         logit_softcap=transform.cap,
+        return_lse=True,
     )
     return ce_value_with_z_loss_gradient(loss, z_loss, z_loss_coeff), z_loss, lse
 
