@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from mindspeed_cez.linear_cross_entropy import check_forward_gradients, linear_cross_entropy_zloss_with_lse
+from mindspeed_cez.linear_cross_entropy import check_forward_gradients, linear_cross_entropy_zloss
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.logit_transform import TransformedLogits
 
@@ -168,14 +168,14 @@ def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, setti
     # into it as the layer would with --gradient-accumulation-fusion (which needs apex / TE, the op not)
     into_main_grad = bool(getattr(layer, "gradient_accumulation_fusion", False)) or (
         hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad"))
-    return linear_cross_entropy_zloss_with_lse(
+    return linear_cross_entropy_zloss(
         deferred.hidden, weight, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
         tp_group=tp_group, sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
         gradient_accumulation_fusion=into_main_grad,
         token_weights=token_weights if forward else None, grad_scale=grad_scale if forward else None,
         grads="forward" if forward else "recompute", backend=settings.backend, linear_backend=settings.linear_backend,
         logit_scale=logit_scale, logit_softcap=logit_softcap,
-        block_fraction=settings.output_layer_block_fraction if forward else None)
+        block_fraction=settings.output_layer_block_fraction if forward else None, return_lse=True)
 
 
 def finish_grad_sync_wrapper(fn):
