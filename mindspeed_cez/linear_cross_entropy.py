@@ -27,14 +27,14 @@ import math
 import weakref
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from mindspeed_cez import kernels
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
-from mindspeed_cez.cross_entropy_zloss import _check_target_range, check_coefficients, check_target
+from mindspeed_cez.cross_entropy_zloss import CrossEntropyOptions, _check_target_range, check_coefficients, check_target
 from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
                                            resolve_tp_group)
@@ -89,18 +89,12 @@ def _main_grad_placeholder(weight):
 
 
 @dataclass(frozen=True, eq=False)
-class LinearLossOptions:
-    """What both paths' autograd Functions take besides their tensors, checked by
-    :func:`linear_cross_entropy_zloss` before it is made."""
+class LinearLossOptions(CrossEntropyOptions):
+    """What both paths' autograd Functions take besides their tensors: the loss's options and the
+    projection's tensor parallelism, checked by :func:`linear_cross_entropy_zloss` before it is made."""
 
-    z_loss_coeff: float
-    label_smoothing: float
-    ignore_index: int
-    tp_group: Any  # a resolved process group (None: a single rank)
-    sequence_parallel: bool
-    gradient_accumulation_fusion: bool
-    backend: ModuleType  # the cross-entropy backend, kernels.backend_for's module
-    transform: LogitTransform
+    sequence_parallel: bool = False
+    gradient_accumulation_fusion: bool = False
 
 
 @dataclass(frozen=True, eq=False)
