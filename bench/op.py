@@ -187,7 +187,6 @@ def run_tp(args, device):
     """Per rank: our kernels alone on the shard, the op at TP=1 on the shard, the op at TP=world."""
     from mindspeed_cez import kernels as cez_kernels
     from mindspeed_cez import vocab_parallel_cross_entropy_zloss as op
-    from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
 
     t_begin = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -232,7 +231,7 @@ def run_tp(args, device):
 
     # lse for the gradient kernel (computed once, untimed): the op's value at TP=world
     with torch.no_grad():
-        loss_ref, _, lse = cross_entropy_zloss_with_lse(shard, target, Z_LOSS_COEFF, tp_group=group)
+        loss_ref, _, lse = op(shard, target, Z_LOSS_COEFF, tp_group=group, return_lse=True)
     grad_loss = upstream.float()
 
     def kernel_fwd(x):

@@ -92,11 +92,9 @@ def _rows_loss(rows, target, valid, z_loss_coeff, label_smoothing):
     return torch.where(valid, loss, zero), torch.where(valid, z_loss.detach(), zero), lse
 
 
-def cross_entropy_zloss_with_lse(logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_size,
-                                 logit_scale=1.0, logit_softcap=0.0):
-    """The op's ``(loss, z_loss, lse)`` (fp32, shape of ``target``) through the vendor op; the
-    arguments are already checked by the op, except what only this backend refuses."""
-    check_applies(tp_size, logit_scale, logit_softcap)
+def cross_entropy_zloss(logits, target, z_loss_coeff, label_smoothing, ignore_index):
+    """``(loss, z_loss, lse)`` (fp32, shape of ``target``) through the vendor op, for arguments
+    :func:`mindspeed_cez.vocab_parallel_cross_entropy_zloss` checked (:func:`check_applies` included)."""
     rows = logits.reshape(-1, logits.shape[-1])
     flat = target.reshape(-1)
     valid = flat != ignore_index

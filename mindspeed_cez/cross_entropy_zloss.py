@@ -19,6 +19,9 @@ forward is one kernel); the collectives are the steps of :mod:`mindspeed_cez.ten
 """
 
 import math
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,11 +33,16 @@ from mindspeed_cez.tensor_parallel import group_rank_and_size, merged_loss, reso
 _checked_shard_widths = {}
 
 
+def check_target(target):
+    """The one type check of ``target`` (both ops)."""
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"target must be an integer tensor of vocab ids, got {getattr(target, 'dtype', type(target))}")
+
+
 def _check_arguments(logits, target, z_loss_coeff, label_smoothing):
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor (bf16/fp16/fp32), got {getattr(logits, 'dtype', type(logits))}")
-    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise TypeError(f"target must be an integer tensor of vocab ids, got {getattr(target, 'dtype', type(target))}")
+    check_target(target)
     if logits.dim() < 2 or tuple(logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(
             f"logits must be target's shape plus a vocab dimension: logits {tuple(logits.shape)}, target {tuple(target.shape)}"
@@ -107,24 +115,44 @@ def _as_rows(logits):
     return rows
 
 
+@dataclass(frozen=True, eq=False)
+class CrossEntropyOptions:
+    """Everything :class:`VocabParallelCrossEntropyZLoss` takes besides its tensors, checked by
+    :func:`vocab_parallel_cross_entropy_zloss` before it is made."""
+
+    z_loss_coeff: float
+    label_smoothing: float
+    ignore_index: int
+    tp_group: Any  # a resolved process group (None: a single rank)
+    backend: ModuleType  # kernels.backend_for's module
+    transform: LogitTransform
+
+
 class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
+    """``(loss, z_loss, lse)`` of this rank's vocab slice of the logits; ``z_loss`` and ``lse`` are
+    detached. Backward writes the logits' gradient, into their own buffer where they are an
+    intermediate of the graph."""
+
     @staticmethod
-    def forward(ctx, logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, backend, transform):
-        rank, world_size = group_rank_and_size(tp_group)
+    def forward(ctx, logits, target, options):
+        backend, ignore_index = options.backend, options.ignore_index
+        rank, world_size = group_rank_and_size(options.tp_group)
         v_local = logits.shape[-1]
         global_vocab = v_local * world_size
         if world_size > 1:
-            _check_equal_shards(v_local, tp_group, logits.device)
+            _check_equal_shards(v_local, options.tp_group, logits.device)
         rows = _as_rows(logits)
         flat_target = target.reshape(-1)
         vocab_start = rank * v_local
         _check_target_range(flat_target, global_vocab, ignore_index, backend)
         if world_size == 1:
-            out = backend.fused_loss(rows, flat_target, ignore_index, z_loss_coeff, label_smoothing, transform=transform)
+            out = backend.fused_loss(rows, flat_target, ignore_index, options.z_loss_coeff, options.label_smoothing,
+                                     transform=options.transform)
         else:
             partials = backend.shard_partials(rows, flat_target, vocab_start, global_vocab, ignore_index,
-                                              label_smoothing, transform=transform)
-            out = merged_loss(backend, partials, flat_target, ignore_index, z_loss_coeff, tp_group, world_size)
+                                              options.label_smoothing, transform=options.transform)
+            out = merged_loss(backend, partials, flat_target, ignore_index, options.z_loss_coeff, options.tp_group,
+                              world_size)
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)  # one view op for the three
 
         # The gradient goes into the logits' own buffer when they are an intermediate of the
@@ -132,14 +160,10 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         # parameters or user data, so those get a fresh gradient tensor.
         base = logits._base if logits._base is not None else logits
         ctx.in_place = logits.grad_fn is not None and base.grad_fn is not None
-        ctx.backend = backend
+        ctx.options = options
         ctx.logits_shape = logits.shape
         ctx.vocab_start = vocab_start
         ctx.global_vocab = global_vocab
-        ctx.z_loss_coeff = float(z_loss_coeff)
-        ctx.label_smoothing = float(label_smoothing)
-        ctx.ignore_index = ignore_index
-        ctx.transform = transform
         ctx.save_for_backward(rows, flat_target, lse)
         ctx.set_materialize_grads(False)  # no zero tensors for the gradients of z_loss and lse
         ctx.mark_non_differentiable(z_loss, lse)
@@ -148,26 +172,27 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
         rows, flat_target, lse = ctx.saved_tensors
+        options = ctx.options
         lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
         grad = rows if ctx.in_place else torch.empty_like(rows)
-        ctx.backend.write_grad(
+        options.backend.write_grad(
             rows,
             grad,
             flat_target,
             lse,
             grad_loss,
-            ctx.ignore_index,
+            options.ignore_index,
             ctx.vocab_start,
-            ctx.z_loss_coeff,
-            ctx.label_smoothing,
+            options.z_loss_coeff,
+            options.label_smoothing,
             ctx.global_vocab,
-            transform=ctx.transform,
+            transform=options.transform,
         )
         if ctx.in_place:
             # The logits now hold their gradient: any later use of them in backward must fail loudly.
             torch.autograd.graph.increment_version(rows)
-        return grad.view(ctx.logits_shape), *(None,) * 7
+        return grad.view(ctx.logits_shape), None, None
 
 
 def vocab_parallel_cross_entropy_zloss(
@@ -181,6 +206,7 @@ def vocab_parallel_cross_entropy_zloss(
     logit_scale=1.0,
     logit_softcap=0.0,
     backend=None,
+    return_lse=False,
 ):
     """Fused cross entropy + z-loss on this rank's vocab slice of the logits.
 
@@ -201,39 +227,27 @@ def vocab_parallel_cross_entropy_zloss(
             accelerators where it imports, else torch (``mindspeed_cez.kernels.backend_for``);
             ``"cann"``: torch_npu's ``npu_cross_entropy_loss`` on Ascend, tensor-parallel size 1, no
             scale / soft cap (:mod:`mindspeed_cez.cann`; its gradient is not written in place).
+        return_lse: also return the per-token log-sum-exp the op computed anyway (detached, fp32,
+            of the transformed logits): the adaptor logs its mean as ``lm_lse`` without another pass.
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``loss = CE + c*lse**2`` per token and the
         detached ``z_loss = c*lse**2`` (for logging), both 0 where ``target == ignore_index``; CE and
-        lse of the transformed logits.
+        lse of the transformed logits. ``(loss, z_loss, lse)`` with ``return_lse=True``.
 
     Backward writes d(loss)/d(logits) in the logits' dtype; when ``logits`` is an intermediate
     of the autograd graph (the usual case: the output layer's result) the gradient reuses the
     logits' buffer, so the logits must not be read after backward.
     """
-    loss, z_loss, _ = cross_entropy_zloss_with_lse(
-        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, logit_scale=logit_scale,
-        logit_softcap=logit_softcap, backend=backend,
-    )
-    return loss, z_loss
-
-
-def cross_entropy_zloss_with_lse(
-    logits, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100, tp_group=None, *, logit_scale=1.0,
-    logit_softcap=0.0, backend=None
-):
-    """The op, also returning the detached per-token log-sum-exp (fp32, shape of target) it
-    computed anyway (of the transformed logits): the adaptor logs its mean as ``lm_lse`` without
-    another pass."""
     _check_arguments(logits, target, z_loss_coeff, label_smoothing)
     transform = LogitTransform(logit_scale, logit_softcap)
     tp_group = resolve_tp_group(tp_group)
     if backend == cann.NAME:  # the vendor op (torch_npu), TP = 1: its own autograd
         cann.check_applies(group_rank_and_size(tp_group)[1], logit_scale, logit_softcap)
         _check_target_range(target.reshape(-1), logits.shape[-1], ignore_index, kernels.torch_reference)
-        return cann.cross_entropy_zloss_with_lse(logits, target, z_loss_coeff, label_smoothing, ignore_index, 1,
-                                                 logit_scale, logit_softcap)
-    return VocabParallelCrossEntropyZLoss.apply(
-        logits, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
-        kernels.backend_for(logits.device, backend), transform,
-    )
+        loss, z_loss, lse = cann.cross_entropy_zloss(logits, target, z_loss_coeff, label_smoothing, ignore_index)
+    else:
+        options = CrossEntropyOptions(float(z_loss_coeff), float(label_smoothing), ignore_index, tp_group,
+                                      kernels.backend_for(logits.device, backend), transform)
+        loss, z_loss, lse = VocabParallelCrossEntropyZLoss.apply(logits, target, options)
+    return (loss, z_loss, lse) if return_lse else (loss, z_loss)

@@ -25,20 +25,22 @@ reduce-scattered back; without it every rank holds all of ``hidden`` and ``dhidd
 
 import math
 import weakref
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Optional
 
 import torch
 
 from mindspeed_cez import kernels
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
-from mindspeed_cez.cross_entropy_zloss import _check_target_range, check_coefficients
+from mindspeed_cez.cross_entropy_zloss import CrossEntropyOptions, _check_target_range, check_coefficients, check_target
 from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
                                            resolve_tp_group)
 
 
-def _check(hidden, weight, target, z_loss_coeff, label_smoothing, logit_scale, logit_softcap, tp_size,
-           sequence_parallel):
+def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, sequence_parallel):
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() not in (2, 3):
         raise TypeError(f"hidden must be a floating-point [s, b, h] or [n, h] tensor, got "
                         f"{getattr(hidden, 'dtype', type(hidden))} {tuple(getattr(hidden, 'shape', ()))}")
@@ -51,8 +53,7 @@ def _check(hidden, weight, target, z_loss_coeff, label_smoothing, logit_scale, l
         raise ValueError("weight has no vocab rows: [v_local, h] needs v_local >= 1")
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"hidden width {hidden.shape[-1]} does not match weight [v_local, h] {tuple(weight.shape)}")
-    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.dtype == torch.bool:
-        raise TypeError(f"target must be an integer tensor of vocab ids, got {getattr(target, 'dtype', type(target))}")
+    check_target(target)
     rows = hidden.shape[0] * (tp_size if sequence_parallel else 1)
     expected = (rows, *hidden.shape[1:-1])
     if tuple(target.shape) != expected:
@@ -61,7 +62,6 @@ def _check(hidden, weight, target, z_loss_coeff, label_smoothing, logit_scale, l
     if target.device != hidden.device:
         raise ValueError(f"target ({target.device}) and hidden ({hidden.device}) are on different devices")
     check_coefficients(z_loss_coeff, label_smoothing)
-    LogitTransform(logit_scale, logit_softcap)
 
 
 def _check_targets(target, global_vocab, ignore_index):
@@ -88,26 +88,52 @@ def _main_grad_placeholder(weight):
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
+@dataclass(frozen=True, eq=False)
+class LinearLossOptions(CrossEntropyOptions):
+    """What both paths' autograd Functions take besides their tensors: the loss's options and the
+    projection's tensor parallelism, checked by :func:`linear_cross_entropy_zloss` before it is made."""
+
+    sequence_parallel: bool = False
+    gradient_accumulation_fusion: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class RecomputeOptions(LinearLossOptions):
+    """:class:`LinearCrossEntropyZLoss`'s options: the projection's backend and its vocab chunk."""
+
+    linear: Optional[ModuleType] = None  # kernels.linear_backend_for's module
+    chunk_cols: Optional[int] = None
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardGradsOptions(LinearLossOptions):
+    """:class:`LinearCrossEntropyZLossForwardGrads`'s options: the token rows per block."""
+
+    row_block: Optional[int] = None
+    block_fraction: Optional[float] = None
+
+
 class LinearCrossEntropyZLoss(torch.autograd.Function):
+    """``(loss, z_loss, lse)`` of ``hidden @ weight.T`` without the logits; backward recomputes
+    them one vocab chunk at a time."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group,
-                sequence_parallel, gradient_accumulation_fusion, backend, linear, chunk_cols, transform):
-        rank, tp_size = group_rank_and_size(tp_group)
-        full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
+    def forward(ctx, hidden, weight, target, options):
+        rank, tp_size = group_rank_and_size(options.tp_group)
+        full = gather_sequence(hidden, options.tp_group, tp_size, options.sequence_parallel)
         rows = _rows(full)
         flat_target = target.reshape(-1)
-        n, v_local = rows.shape[0], weight.shape[0]
+        v_local = weight.shape[0]
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
-        _check_targets(flat_target, global_vocab, ignore_index)
-        stats = linear.linear_partials(rows, weight, flat_target, vocab_start, global_vocab, ignore_index,
-                                       label_smoothing, ce_backend=backend, chunk_cols=chunk_cols, transform=transform)
-        out = merged_loss(backend, stats, flat_target, ignore_index, z_loss_coeff, tp_group, tp_size)
+        _check_targets(flat_target, global_vocab, options.ignore_index)
+        stats = options.linear.linear_partials(rows, weight, flat_target, vocab_start, global_vocab, options.ignore_index,
+                                         options.label_smoothing, ce_backend=options.backend, chunk_cols=options.chunk_cols,
+                                         transform=options.transform)
+        out = merged_loss(options.backend, stats, flat_target, options.ignore_index, options.z_loss_coeff, options.tp_group, tp_size)
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
 
         ctx.save_for_backward(hidden, weight, flat_target, lse)
-        ctx.settings = (float(z_loss_coeff), float(label_smoothing), ignore_index, tp_group, tp_size,
-                        sequence_parallel, gradient_accumulation_fusion, vocab_start, global_vocab, backend, linear,
-                        chunk_cols, transform)
+        ctx.options, ctx.tp_size, ctx.vocab_start, ctx.global_vocab = options, tp_size, vocab_start, global_vocab
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
         return loss, z_loss, lse
@@ -115,33 +141,32 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
         hidden, weight, flat_target, lse = ctx.saved_tensors
-        (z_loss_coeff, label_smoothing, ignore_index, tp_group, tp_size, sequence_parallel,
-         accumulate, vocab_start, global_vocab, backend, linear, chunk_cols, transform) = ctx.settings
-        full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
+        options, tp_size = ctx.options, ctx.tp_size
+        full = gather_sequence(hidden, options.tp_group, tp_size, options.sequence_parallel)
         rows = _rows(full)
         lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
-        into_main_grad = accumulate and hasattr(weight, "main_grad")
+        into_main_grad = options.gradient_accumulation_fusion and hasattr(weight, "main_grad")
         dweight = None if into_main_grad else torch.empty_like(weight)
         drows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
         n, v_local = rows.shape[0], weight.shape[0]
-        step = chunked_linear.chunk_width(chunk_cols, n, v_local)
+        step = chunked_linear.chunk_width(options.chunk_cols, n, v_local)
         chunk = rows.new_empty((rows.shape[0], step))
         accumulate = Accumulator(rows.device)
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
-            dlogits = linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss, ignore_index,
-                                         vocab_start + c, z_loss_coeff, label_smoothing, global_vocab, ce_backend=backend,
-                                         transform=transform)
+            dlogits = options.linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss, options.ignore_index,
+                                           ctx.vocab_start + c, options.z_loss_coeff, options.label_smoothing, ctx.global_vocab,
+                                           ce_backend=options.backend, transform=options.transform)
             accumulate(drows, dlogits, w)  # fp32 sum over vocab chunks
             if into_main_grad:
                 accumulate(weight.main_grad[c:c + step], dlogits.t(), rows)
             else:
                 torch.matmul(dlogits.t(), rows, out=dweight[c:c + step])
-        dhidden = reduce_dhidden(drows.to(rows.dtype).view(full.shape), tp_group, tp_size, sequence_parallel)
+        dhidden = reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, tp_size, options.sequence_parallel)
         if into_main_grad:
             dweight = _main_grad_placeholder(weight)
-        return dhidden, dweight, *(None,) * 11
+        return dhidden, dweight, None, None
 
 
 RECOMPUTE_FIX = "--lm-fused-output-layer recompute (the op: grads='recompute')"
@@ -234,8 +259,10 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
     forward instead: the loss alone, nothing into ``main_grad``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, token_weights, grad_scale, z_loss_coeff, label_smoothing, ignore_index,
-                tp_group, sequence_parallel, gradient_accumulation_fusion, backend, row_block, block_fraction, transform):
+    def forward(ctx, hidden, weight, target, token_weights, grad_scale, options):
+        ignore_index, backend, transform = options.ignore_index, options.backend, options.transform
+        z_loss_coeff, label_smoothing = options.z_loss_coeff, options.label_smoothing
+        tp_group, sequence_parallel = options.tp_group, options.sequence_parallel
         rank, tp_size = group_rank_and_size(tp_group)
         full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = full.reshape(-1, full.shape[-1])
@@ -244,15 +271,15 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         n, v_local = rows.shape[0], weight.shape[0]
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
         _check_target_range(flat_target, global_vocab, ignore_index, backend)
-        known = grad_scale is not None
-        upstream = weights * grad_scale if known else torch.ones(n, dtype=torch.float32, device=rows.device)
-        into_main_grad = known and gradient_accumulation_fusion and hasattr(weight, "main_grad")
+        upstream_known = grad_scale is not None  # the upstream gradient is grad_scale * weights
+        upstream = weights * grad_scale if upstream_known else torch.ones(n, dtype=torch.float32, device=rows.device)
+        into_main_grad = upstream_known and options.gradient_accumulation_fusion and hasattr(weight, "main_grad")
         check_forward_gradients(backward_pending_ok=True)
         out = torch.empty((3, n), dtype=torch.float32, device=rows.device)
-        drows = torch.empty(rows.shape, dtype=rows.dtype if known else torch.float32, device=rows.device)
+        drows = torch.empty(rows.shape, dtype=rows.dtype if upstream_known else torch.float32, device=rows.device)
         dweight = weight.main_grad if into_main_grad else torch.zeros(weight.shape, dtype=torch.float32,
                                                                       device=rows.device)
-        step = row_block or default_row_block(n, v_local, block_fraction)
+        step = options.row_block or default_row_block(n, v_local, options.block_fraction)
         block = rows.new_empty((min(step, n), v_local))  # one block's logits, then their gradient
         accumulate = Accumulator(rows.device)
         for r in range(0, n, step):
@@ -264,7 +291,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             out[:, r:r + step] = merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size)
             backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], ignore_index, vocab_start,
                                z_loss_coeff, label_smoothing, global_vocab, transform=transform)
-            if known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
+            if upstream_known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
                 torch.matmul(logits, weight, out=drows[r:r + step])
                 accumulate(dweight, logits.t(), x)
             else:
@@ -274,8 +301,8 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
         ctx.save_for_backward(drows, None if into_main_grad else dweight, weights, upstream, weight,
                               flat_target != ignore_index)
-        ctx.settings = (known, into_main_grad, tp_group, tp_size, sequence_parallel, gradient_accumulation_fusion,
-                        full.shape, hidden.dtype)
+        ctx.options, ctx.tp_size, ctx.upstream_known, ctx.into_main_grad = options, tp_size, upstream_known, into_main_grad
+        ctx.full_shape, ctx.input_dtype = full.shape, hidden.dtype
         ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_main_grad else None
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
@@ -290,12 +317,13 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
                     "linear_cross_entropy_zloss(grads='forward'): the loss got no gradient, but its forward added the "
                     "weight gradient into main_grad for grad_scale * token_weights: backpropagate the loss, or run "
                     "with " + RECOMPUTE_FIX + ".")
-        drows, dweight_sum, weights, upstream, weight, counted = ctx.saved_tensors
-        known, into_main_grad, tp_group, tp_size, sequence_parallel, accumulate, full_shape, dtype = ctx.settings
+        no_grads = (None,) * 4  # target, token_weights, grad_scale, options
         if grad_loss is None:
-            return (None,) * 15
+            return None, None, *no_grads
+        drows, dweight_sum, weights, upstream, weight, counted = ctx.saved_tensors
+        options = ctx.options
         g = grad_loss.reshape(-1).float()
-        if known:
+        if ctx.upstream_known:
             expected = upstream
             message = ("linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights "
                        "as the forward assumed; the loss was weighted otherwise. For custom loss weighting run with "
@@ -309,18 +337,21 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
         # (CUDA takes assert messages under 255 characters: tests/test_linear_cross_entropy.py checks)
         torch._assert_async(matches.all(), message)
-        drows = drows.view(full_shape) if known else (drows * g[:, None]).to(dtype).view(full_shape)
-        dhidden = reduce_dhidden(drows, tp_group, tp_size, sequence_parallel)
-        if into_main_grad:
-            return dhidden, _main_grad_placeholder(weight), *(None,) * 13
-        if not known:
+        if ctx.upstream_known:
+            drows = drows.view(ctx.full_shape)
+        else:
+            drows = (drows * g[:, None]).to(ctx.input_dtype).view(ctx.full_shape)
+        dhidden = reduce_dhidden(drows, options.tp_group, ctx.tp_size, options.sequence_parallel)
+        if ctx.into_main_grad:
+            return dhidden, _main_grad_placeholder(weight), *no_grads
+        if not ctx.upstream_known:
             dweight_sum.mul_(k)
-        if accumulate and hasattr(weight, "main_grad"):
+        if options.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
             weight.main_grad.add_(dweight_sum)
             dweight = _main_grad_placeholder(weight)
         else:
             dweight = dweight_sum.to(weight.dtype)
-        return dhidden, dweight, *(None,) * 13
+        return dhidden, dweight, *no_grads
 
 
 GRADS = ("recompute", "forward")
@@ -347,9 +378,14 @@ def check_block_fraction(value, name="block_fraction"):
                          f"got {value!r}")
 
 
+def check_grads(value, name="grads"):
+    """The one check of the path's name (the op's ``grads``, the adaptor's settings, the flag: ``name``)."""
+    if value not in GRADS:
+        raise ValueError(f"{name} must be one of {GRADS}, got {value!r}")
+
+
 def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction=None):
-    if grads not in GRADS:
-        raise ValueError(f"grads must be one of {GRADS}, got {grads!r}")
+    check_grads(grads)
     if grads == "recompute" and (token_weights is not None or grad_scale is not None):
         name = "token_weights" if token_weights is not None else "grad_scale"
         raise ValueError(f"{name}: token_weights (and grad_scale) are the weights of the gradients made during the "
@@ -373,38 +409,11 @@ def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_bl
             raise ValueError(f"{name} must be None (the default width) or an int >= 1, got {value!r}")
 
 
-def linear_cross_entropy_zloss_with_lse(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0,
-                                        ignore_index=-100, tp_group=None, sequence_parallel=False,
-                                        gradient_accumulation_fusion=False, token_weights=None, *, grad_scale=None,
-                                        logit_scale=1.0, logit_softcap=0.0, grads="recompute", backend=None, linear_backend=None,
-                                        chunk_cols=None, row_block=None, block_fraction=None):
-    """:func:`linear_cross_entropy_zloss` that also returns the detached per-token lse."""
-    tp_group = resolve_tp_group(tp_group)
-    _check(hidden, weight, target, z_loss_coeff, label_smoothing, logit_scale, logit_softcap,
-           group_rank_and_size(tp_group)[1], sequence_parallel)
-    _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction)
-    ce_backend = kernels.backend_for(hidden.device, backend)
-    transform = LogitTransform(logit_scale, logit_softcap)
-    if grads == "forward" and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
-        grads = "recompute"  # no backward will come (torch.no_grad(), no input needing it): the loss alone
-    if grads == "recompute":
-        linear = kernels.linear_backend_for(hidden.device, linear_backend, backend)
-        return LinearCrossEntropyZLoss.apply(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index,
-                                             tp_group, sequence_parallel, gradient_accumulation_fusion, ce_backend,
-                                             linear, chunk_cols, transform)
-    if isinstance(grad_scale, torch.Tensor):
-        grad_scale = grad_scale.detach().reshape(()).float()
-    return LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(), grad_scale,
-                                                     z_loss_coeff, label_smoothing, ignore_index, tp_group,
-                                                     sequence_parallel, gradient_accumulation_fusion, ce_backend,
-                                                     row_block, block_fraction, transform)
-
-
 def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
                                tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False,
                                token_weights=None, *, grad_scale=None, logit_scale=1.0, logit_softcap=0.0,
-                               grads="recompute",
-                               backend=None, linear_backend=None, chunk_cols=None, row_block=None, block_fraction=None):
+                               grads="recompute", backend=None, linear_backend=None, chunk_cols=None, row_block=None,
+                               block_fraction=None, return_lse=False):
     """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
 
     Args:
@@ -448,16 +457,33 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
             takes, so its working memory is ``block_fraction`` x the logits (None: 0.5; 0.125 the lean
             setting); rounded down to a power of two of rows, at least 1024 (:func:`default_row_block`).
             Fewer blocks, fewer read-modify-writes of the fp32 ``dweight``: docs/weight_gradient.md.
+        return_lse: also return the detached per-token log-sum-exp, as
+            :func:`vocab_parallel_cross_entropy_zloss`.
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``CE + c*lse**2`` per token and the detached
-        ``c*lse**2``, 0 where ignored. ``dhidden`` comes back as ``ColumnParallelLinear`` gives it:
-        this rank's chunk with ``sequence_parallel``, else the full gradient on every rank.
+        ``c*lse**2``, 0 where ignored; ``(loss, z_loss, lse)`` with ``return_lse=True``. ``dhidden``
+        comes back as ``ColumnParallelLinear`` gives it: this rank's chunk with ``sequence_parallel``,
+        else the full gradient on every rank.
     """
-    loss, z_loss, _ = linear_cross_entropy_zloss_with_lse(
-        hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_group, sequence_parallel,
-        gradient_accumulation_fusion, token_weights, grad_scale=grad_scale, logit_scale=logit_scale,
-        logit_softcap=logit_softcap, grads=grads,
-        backend=backend, linear_backend=linear_backend, chunk_cols=chunk_cols, row_block=row_block,
-        block_fraction=block_fraction)
-    return loss, z_loss
+    tp_group = resolve_tp_group(tp_group)
+    _check(hidden, weight, target, z_loss_coeff, label_smoothing, group_rank_and_size(tp_group)[1], sequence_parallel)
+    _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction)
+    common = dict(z_loss_coeff=float(z_loss_coeff), label_smoothing=float(label_smoothing), ignore_index=ignore_index,
+                  tp_group=tp_group, sequence_parallel=bool(sequence_parallel),
+                  gradient_accumulation_fusion=bool(gradient_accumulation_fusion),
+                  backend=kernels.backend_for(hidden.device, backend),
+                  transform=LogitTransform(logit_scale, logit_softcap))
+    if grads == "forward" and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        grads = "recompute"  # no backward will come (torch.no_grad(), no input needing it): the loss alone
+    if grads == "recompute":
+        options = RecomputeOptions(**common, linear=kernels.linear_backend_for(hidden.device, linear_backend, backend),
+                                   chunk_cols=chunk_cols)
+        loss, z_loss, lse = LinearCrossEntropyZLoss.apply(hidden, weight, target, options)
+    else:
+        if isinstance(grad_scale, torch.Tensor):
+            grad_scale = grad_scale.detach().reshape(()).float()
+        options = ForwardGradsOptions(**common, row_block=row_block, block_fraction=block_fraction)
+        loss, z_loss, lse = LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(),
+                                                                      grad_scale, options)
+    return (loss, z_loss, lse) if return_lse else (loss, z_loss)

@@ -31,7 +31,7 @@ import os
 import sys
 
 from mindspeed_cez.cross_entropy_zloss import check_z_loss_coeff
-from mindspeed_cez.linear_cross_entropy import GRADS, check_block_fraction
+from mindspeed_cez.linear_cross_entropy import GRADS, check_block_fraction, check_grads
 from mindspeed_cez.patches import mindspeed_llm
 from mindspeed_cez.patches.settings import Settings, backends_from_environment
 
@@ -130,8 +130,8 @@ def validate_lm_z_loss_args(args, defaults=None):
     if fused is False and getattr(args, "lm_z_loss_log_lse", False):
         raise ValueError(f"{FLAG_LOG_LSE} needs the fused kernel, but {FLAG_NO_FUSED} turns it off")
     mode = getattr(args, "lm_fused_output_layer", None)
-    if mode not in (None, False, True, *OUTPUT_LAYER_GRADS):
-        raise ValueError(f"{FLAG_OUTPUT_LAYER} takes one of {OUTPUT_LAYER_GRADS}, got {mode!r}")
+    if mode not in (None, False, True):  # off, or on with the default
+        check_grads(mode, FLAG_OUTPUT_LAYER)
     block = getattr(args, "lm_fused_output_layer_block", None)
     if block is not None:
         check_block_fraction(block, FLAG_OUTPUT_LAYER_BLOCK)

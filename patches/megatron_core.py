@@ -34,8 +34,8 @@ import warnings
 
 import torch
 
-from mindspeed_cez.patches import metrics
-from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
+from mindspeed_cez.patches import loss_context, metrics
+from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 from mindspeed_cez.patches import output_layer as _output_layer
 from mindspeed_cez.kernels.logit_transform import IDENTITY
@@ -85,7 +85,7 @@ def loss_in_megatron_convention(logits, target, tp_group, label_smoothing_megatr
     tp_group = resolve_tp_group(tp_group)
     global_vocab = logits.shape[-1] * _tp_world_size(tp_group)
     smoothing = megatron_to_torch_smoothing(label_smoothing_megatron, global_vocab)
-    loss, z_loss, lse = cross_entropy_zloss_with_lse(
+    loss, z_loss, lse = vocab_parallel_cross_entropy_zloss(
         logits,
         target,
         z_loss_coeff=z_loss_coeff,
@@ -94,6 +94,7 @@ def loss_in_megatron_convention(logits, target, tp_group, label_smoothing_megatr
         backend=backend,
         logit_scale=transform.scale,
         logit_softcap=transform.cap,
+        return_lse=True,
     )
     return ce_value_with_z_loss_gradient(loss, z_loss, z_loss_coeff), z_loss, lse
 
@@ -101,9 +102,6 @@ def loss_in_megatron_convention(logits, target, tp_group, label_smoothing_megatr
 # ----------------------------------------------------------------------------------------------
 # the loss-mask context: GPTModel._postprocess (or forward) -> compute_language_model_loss
 # ----------------------------------------------------------------------------------------------
-
-_MASK_CONTEXT = []  # stack of (labels, loss_mask) of the GPT loss computations in progress
-
 
 # Models whose forward takes the training script's labels and loss mask: (module, class, the
 # method that receives both, in order of preference).
@@ -142,8 +140,9 @@ def loss_context_paths(methods=_LOSS_CONTEXT_METHODS, loaded_only=False):
 
 
 def loss_context_wrapper(fn):
-    """Remember ``(labels, loss_mask)`` of the LM loss in progress, for the ``lm_z_loss`` metric, and
-    open the output layer's deferral of ``--lm-fused-output-layer`` (:mod:`.output_layer`)."""
+    """Open a :class:`~.loss_context.LossContext` for the model forward: its labels and loss mask
+    (the ``lm_z_loss`` metric, the main head told from MTP heads) and its main head's output layer
+    call (:mod:`.output_layer`)."""
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
@@ -151,25 +150,13 @@ def loss_context_wrapper(fn):
         if _settings.ACTIVE is None:
             return fn(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs).arguments
-        _MASK_CONTEXT.append((bound.get("labels"), bound.get("loss_mask")))
-        _output_layer.push(_output_layer.pending_for(self, bound, _settings.ACTIVE))
-        try:
+        context = loss_context.LossContext(bound.get("labels"), bound.get("loss_mask"),
+                                           _output_layer.main_head_call(self, bound, _settings.ACTIVE))
+        with loss_context.opened(context):
             return fn(self, *args, **kwargs)
-        finally:
-            _output_layer.pop()
-            _MASK_CONTEXT.pop()
 
     with_loss_context.__cez_wraps__ = fn
     return with_loss_context
-
-
-def _main_loss_mask(labels):
-    """``(is_main, loss_mask)``: whether ``labels`` are those of the GPT loss in progress (not an
-    MTP head's rolled labels), and its loss mask."""
-    if not _MASK_CONTEXT:
-        return True, None  # no model that passes a loss mask around us: every token counts
-    ctx_labels, loss_mask = _MASK_CONTEXT[-1]
-    return ctx_labels is labels, loss_mask
 
 
 _WARNED_NO_MASK = set()
@@ -191,14 +178,30 @@ def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context):
     )
 
 
-def _checked_transform(logits, settings):
-    """The transform the model applied to ``logits`` (recorded), which must be the one its flags set."""
-    recorded = logits.transform()
-    if recorded != settings.logit_transform:
-        raise LogitTransformError(
-            f"mindspeed_cez: the model applied {recorded} to the logits, but its flags set {settings.logit_transform} "
-            "(--output-multiplier-scale / --output-logit-softcapping); the fused loss computes only the latter")
-    return recorded
+def _logits_and_transform(module, logits, is_main, context, settings):
+    """What the loss got: ``(logits, transform)``, ``logits`` a tensor or the deferred output layer
+    call (:class:`~.output_layer.DeferredLogits`), ``transform`` the one the model applied to them
+    (recorded by :class:`~.logit_transform.TransformedLogits`, checked against its flags)."""
+    transform = IDENTITY
+    if isinstance(logits, TransformedLogits):  # MindSpeed-LLM's scaling / soft cap, in the kernels
+        if not is_main:
+            raise LogitTransformError("mindspeed_cez: an MTP head's loss got the main head's transformed logits")
+        transform, logits = logits.transform(), logits.logits
+        if transform != settings.logit_transform:
+            raise LogitTransformError(
+                f"mindspeed_cez: the model applied {transform} to the logits, but its flags set "
+                f"{settings.logit_transform} (--output-multiplier-scale / --output-logit-softcapping); the fused loss "
+                "computes only the latter")
+    elif (is_main and not isinstance(logits, _output_layer.DeferredLogits) and context is not None
+          and context.main_head_call is not None):  # the forward was to hand the loss one of those two
+        raise _output_layer.FusedOutputLayerError(
+            f"mindspeed_cez ({_output_layer.FLAG} or the logit transform): the LM loss got a tensor, not the "
+            f"output layer call the adaptor handed out (output layer {type(getattr(module, 'output_layer', None)).__name__}); "
+            "this model's forward is not served")
+    if isinstance(logits, _output_layer.DeferredLogits) and not is_main:
+        raise _output_layer.FusedOutputLayerError(
+            f"{_output_layer.FLAG}: an MTP head's loss got the main head's deferred output layer call")
+    return logits, transform
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,43 +217,33 @@ def compute_language_model_loss_wrapper(fn):
         settings = _settings.ACTIVE
         if settings is None:
             return fn(self, labels, logits)
+        context = loss_context.innermost()  # None: no model that passes a loss mask around us
+        is_main = context is None or context.labels is labels  # an MTP head's labels are rolled copies
+        loss_mask = context.loss_mask if context is not None else None
+        coeff = settings.z_loss_coeff if is_main else 0.0  # MTP heads: plain CE
         smoothing = settings.label_smoothing
         if smoothing is None:
             smoothing = getattr(self.config, "label_smoothing", 0.0) or 0.0
-        is_main, loss_mask = _main_loss_mask(labels)
-        coeff = settings.z_loss_coeff if is_main else 0.0  # MTP heads: plain CE
-        # [b s] => [s b], as Megatron does
-        target = labels.transpose(0, 1).contiguous()
-        tp_group = _module_tp_group(self)
-        transform = IDENTITY
-        handed_out = isinstance(logits, (TransformedLogits, _output_layer.DeferredLogits))  # by the output layer's patch
-        if isinstance(logits, TransformedLogits):  # MindSpeed-LLM's scaling / soft cap, in the kernels
-            if not is_main:
-                raise LogitTransformError("mindspeed_cez: an MTP head's loss got the main head's transformed logits")
-            transform, logits = _checked_transform(logits, settings), logits.logits
-        if isinstance(logits, _output_layer.DeferredLogits):
-            if not is_main:
-                raise _output_layer.FusedOutputLayerError(
-                    f"{_output_layer.FLAG}: an MTP head's loss got the main head's deferred output layer call")
-            global_vocab = logits.weight.shape[0] * _tp_world_size(tp_group)
-            weights = grad_scale = None
-            if settings.output_layer_grads == "forward" and loss_mask is not None:
-                weights = loss_mask.transpose(0, 1).to(torch.float32)  # [b s] => [s b]
-                grad_scale = _output_layer.megatron_grad_scale(self.config, loss_mask)
-            loss, z_loss, lse = _output_layer.linear_loss(
-                logits, target, tp_group, megatron_to_torch_smoothing(smoothing, global_vocab), coeff, settings, weights,
-                grad_scale, logit_scale=transform.scale, logit_softcap=transform.cap)
-            loss = ce_value_with_z_loss_gradient(loss, z_loss, coeff)
+        logits, transform = _logits_and_transform(self, logits, is_main, context, settings)
+        if not isinstance(logits, _output_layer.DeferredLogits):
+            path = "unfused"
+        elif settings.output_layer_grads == "forward" and loss_mask is not None and torch.is_grad_enabled():
+            path = "forward"  # gradients made in forward, for the upstream gradient of Megatron's schedule
         else:
-            if is_main and not handed_out and _output_layer.expects_deferred():
-                raise _output_layer.FusedOutputLayerError(
-                    f"mindspeed_cez ({_output_layer.FLAG} or the logit transform): the LM loss got a tensor, not the "
-                    f"output layer call the adaptor handed out (output layer {type(getattr(self, 'output_layer', None)).__name__}); "
-                    "this model's forward is not served")
+            path = "recompute"
+        target = labels.transpose(0, 1).contiguous()  # [b s] => [s b], as Megatron does
+        tp_group = _module_tp_group(self)
+        if path == "unfused":
             loss, z_loss, lse = loss_in_megatron_convention(logits, target, tp_group, smoothing, coeff, settings.backend,
                                                             transform)
+        else:
+            global_vocab = logits.weight.shape[0] * _tp_world_size(tp_group)
+            loss, z_loss, lse = _output_layer.linear_loss(
+                logits, target, tp_group, megatron_to_torch_smoothing(smoothing, global_vocab), coeff, settings,
+                transform, path, loss_mask, self.config)
+            loss = ce_value_with_z_loss_gradient(loss, z_loss, coeff)
         if is_main:
-            _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, bool(_MASK_CONTEXT))
+            _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, context is not None)
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged
         return loss.transpose(0, 1).contiguous()
 

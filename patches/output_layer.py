@@ -1,6 +1,6 @@
 """``--lm-fused-output-layer``: a GPT model's output layer and LM loss as one op, no logits tensor.
 
-While a GPT model's forward runs with labels (the loss context of :mod:`.megatron_core`) and
+While a GPT model's forward runs with labels (a :class:`~.loss_context.LossContext` is open) and
 ``Settings.fused_output_layer`` is on, the output layer's call for the main head returns
 :class:`DeferredLogits` (its input and weight) instead of logits, and the patched
 ``compute_language_model_loss`` hands them to :func:`mindspeed_cez.linear_cross_entropy_zloss`.
@@ -18,7 +18,8 @@ import functools
 
 import torch
 
-from mindspeed_cez.linear_cross_entropy import check_forward_gradients, linear_cross_entropy_zloss_with_lse
+from mindspeed_cez.linear_cross_entropy import check_forward_gradients, linear_cross_entropy_zloss
+from mindspeed_cez.patches import loss_context
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.logit_transform import TransformedLogits
 
@@ -44,10 +45,11 @@ class DeferredLogits:
             "makes; only the LM loss may take them. Run without the flag for this model.")
 
 
-class Pending:
-    """One forward's main-head output layer call, number ``main_call`` (0-based) of ``layer``: made
-    later by the loss (``defer``) and / or wrapped to record the model's logit transform
-    (``transform``)."""
+class MainHeadCall:
+    """What the main head's output layer call does in one model forward: it is call number
+    ``main_call`` (0-based) of ``layer`` (MTP heads call it first); ``defer``: return
+    :class:`DeferredLogits` for the loss to make; ``transform``: wrap the result in
+    :class:`TransformedLogits` to record the model's logit transform."""
 
     __slots__ = ("layer", "main_call", "calls", "defer", "transform")
 
@@ -55,12 +57,9 @@ class Pending:
         self.layer, self.main_call, self.calls, self.defer, self.transform = layer, main_call, 0, defer, transform
 
 
-_PENDING = []  # stack, one entry per GPT forward with labels in progress (None: no deferral)
-
-
-def pending_for(model, bound_args, settings):
-    """What the main head's output layer call does in a model forward with ``bound_args``, or None
-    (neither setting on, no labels, no output layer on this stage, inference)."""
+def main_head_call(model, bound_args, settings):
+    """The :class:`MainHeadCall` of a model forward with ``bound_args``, or None (neither setting
+    on, no labels, no output layer on this stage, inference)."""
     if settings is None or not (settings.fused_output_layer or settings.logit_transform is not None):
         return None
     if bound_args.get("labels") is None:
@@ -72,16 +71,8 @@ def pending_for(model, bound_args, settings):
         return None
     if settings.fused_output_layer and getattr(getattr(model, "config", None), "use_mup", False):
         raise FusedOutputLayerError(f"{FLAG} does not serve MuP's output scaling (--use-mup)")
-    return Pending(layer, getattr(model.config, "mtp_num_layers", None) or 0, settings.fused_output_layer,
-                   settings.logit_transform is not None)
-
-
-def push(pending):
-    _PENDING.append(pending)
-
-
-def pop():
-    _PENDING.pop()
+    return MainHeadCall(layer, getattr(model.config, "mtp_num_layers", None) or 0, settings.fused_output_layer,
+                        settings.logit_transform is not None)
 
 
 def _check_layer(layer, runtime_gather_output):
@@ -102,13 +93,14 @@ def column_parallel_forward_wrapper(fn):
 
     @functools.wraps(fn)
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        pending = _PENDING[-1] if _PENDING else None
-        if pending is None or pending.layer is not self:
+        context = loss_context.innermost()
+        main_head = context.main_head_call if context is not None else None
+        if main_head is None or main_head.layer is not self:
             return fn(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
-        call, pending.calls = pending.calls, pending.calls + 1
-        if call != pending.main_call:
+        call, main_head.calls = main_head.calls, main_head.calls + 1
+        if call != main_head.main_call:
             return fn(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
-        if pending.defer:
+        if main_head.defer:
             _check_layer(self, runtime_gather_output)
             if weight is None:
                 weight = self.weight
@@ -118,16 +110,10 @@ def column_parallel_forward_wrapper(fn):
             logits, bias = DeferredLogits(input_, weight, self), None
         else:
             logits, bias = fn(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
-        return (TransformedLogits(logits) if pending.transform else logits), bias
+        return (TransformedLogits(logits) if main_head.transform else logits), bias
 
     forward.__cez_wraps__ = fn
     return forward
-
-
-def expects_deferred():
-    """Whether the innermost forward was to hand its main head's loss a ``DeferredLogits`` or a
-    ``TransformedLogits`` rather than a tensor."""
-    return bool(_PENDING) and _PENDING[-1] is not None
 
 
 def megatron_grad_scale(config, loss_mask):
@@ -155,27 +141,28 @@ def megatron_grad_scale(config, loss_mask):
     return loss_scale / (loss_mask.float().sum().clamp(min=1) * num_microbatches)
 
 
-def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, settings, token_weights=None,
-                grad_scale=None, logit_scale=1.0, logit_softcap=0.0):
+def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, settings, transform, grads, loss_mask,
+                config):
     """``(loss, z_loss, lse)`` of the deferred output layer, ``[s, b]``, as the op returns them
-    (``loss = CE + c*lse**2``), with the backends of ``settings``. ``settings.output_layer_grads``
-    is the op's ``grads``; ``"forward"`` needs ``token_weights`` (``[s, b]``, the loss mask) and a
-    backward to come: without them (no mask, or autograd not recording) the logits are recomputed.
-    ``grad_scale`` (:func:`megatron_grad_scale`): the weight gradient goes into ``main_grad`` in forward."""
+    (``loss = CE + c*lse**2``), with the backends of ``settings``. ``grads`` is the op's path;
+    ``"forward"`` makes the gradients for the upstream gradient Megatron's schedule sends: the
+    ``loss_mask`` ``[b, s]`` as token weights, scaled by :func:`megatron_grad_scale` of ``config``
+    (with it the weight gradient goes into ``main_grad`` during the forward)."""
     layer, weight = deferred.layer, deferred.weight
-    forward = settings.output_layer_grads == "forward" and token_weights is not None and torch.is_grad_enabled()
+    forward = grads == "forward"
     # Megatron's DDP gives the weight an fp32 main_grad and reads grad_added_to_main_grad: the op adds
     # into it as the layer would with --gradient-accumulation-fusion (which needs apex / TE, the op not)
     into_main_grad = bool(getattr(layer, "gradient_accumulation_fusion", False)) or (
         hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad"))
-    return linear_cross_entropy_zloss_with_lse(
+    return linear_cross_entropy_zloss(
         deferred.hidden, weight, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
         tp_group=tp_group, sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
         gradient_accumulation_fusion=into_main_grad,
-        token_weights=token_weights if forward else None, grad_scale=grad_scale if forward else None,
-        grads="forward" if forward else "recompute", backend=settings.backend, linear_backend=settings.linear_backend,
-        logit_scale=logit_scale, logit_softcap=logit_softcap,
-        block_fraction=settings.output_layer_block_fraction if forward else None)
+        token_weights=loss_mask.transpose(0, 1).to(torch.float32) if forward else None,  # [b s] => [s b]
+        grad_scale=megatron_grad_scale(config, loss_mask) if forward else None,
+        grads=grads, backend=settings.backend, linear_backend=settings.linear_backend,
+        logit_scale=transform.scale, logit_softcap=transform.cap,
+        block_fraction=settings.output_layer_block_fraction if forward else None, return_lse=True)
 
 
 def finish_grad_sync_wrapper(fn):

@@ -15,7 +15,7 @@ from typing import Optional
 from mindspeed_cez import cann, kernels
 from mindspeed_cez.cross_entropy_zloss import check_label_smoothing, check_z_loss_coeff
 from mindspeed_cez.kernels.logit_transform import LogitTransform
-from mindspeed_cez.linear_cross_entropy import GRADS, check_block_fraction
+from mindspeed_cez.linear_cross_entropy import check_block_fraction, check_grads
 from mindspeed_cez.patches import metrics
 from mindspeed_cez.patches.metrics import LM_LSE, LM_Z_LOSS
 
@@ -67,8 +67,7 @@ class Settings:
         check_z_loss_coeff(self.z_loss_coeff)
         if self.label_smoothing is not None:
             check_label_smoothing(self.label_smoothing)
-        if self.output_layer_grads not in GRADS:
-            raise ValueError(f"output_layer_grads must be one of {GRADS}, got {self.output_layer_grads!r}")
+        check_grads(self.output_layer_grads, "output_layer_grads")
         check_block_fraction(self.output_layer_block_fraction, "output_layer_block_fraction")
         if self.logit_transform is not None and not isinstance(self.logit_transform, LogitTransform):
             raise TypeError(f"logit_transform must be None or a LogitTransform, got {self.logit_transform!r}")

@@ -88,8 +88,6 @@ def test_scaled_and_soft_capped_logits(backend_device, dtype, logit_scale, logit
 def test_transform_lse_and_custom_ignore_index(backend_device):
     """The lse returned for logging is the transformed logits' lse; a custom ignore_index holds."""
     from support import cross_entropy_zloss_float64
-    from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
-
     backend, device = backend_device
     gen = torch.Generator().manual_seed(22)
     base = random_logits((5, 3, 4097), torch.bfloat16, device, gen)
@@ -97,7 +95,8 @@ def test_transform_lse_and_custom_ignore_index(backend_device):
     target[::2, 0] = 4
     target = target.to(device)
     transform = {"logit_scale": 0.8, "logit_softcap": 12.0}
-    loss, z_loss, lse = cross_entropy_zloss_with_lse(base, target, 1e-3, 0.1, 4, backend=backend, **transform)
+    loss, z_loss, lse = vocab_parallel_cross_entropy_zloss(base, target, 1e-3, 0.1, 4, backend=backend, return_lse=True,
+                                                           **transform)
     exp_loss, exp_z, exp_lse = cross_entropy_zloss_float64(base, target, 1e-3, 0.1, 4, **transform)
     assert relative_error(lse, exp_lse) < LOSS_TOLERANCE and relative_error(loss, exp_loss) < LOSS_TOLERANCE
     assert relative_error(z_loss, exp_z) < LOSS_TOLERANCE and torch.count_nonzero(loss[::2, 0]) == 0
@@ -220,13 +219,11 @@ def test_int32_targets(backend_device):
 
 def test_lse_output_for_logging(backend_device):
     from support import cross_entropy_zloss_float64
-    from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
-
     backend, device = backend_device
     gen = torch.Generator().manual_seed(17)
     base = random_logits((6, 5, 300), torch.bfloat16, device, gen)
     target = torch.randint(0, 300, (6, 5), generator=gen).to(device)
-    loss, z_loss, lse = cross_entropy_zloss_with_lse(base, target, z_loss_coeff=1e-3, backend=backend)
+    loss, z_loss, lse = vocab_parallel_cross_entropy_zloss(base, target, z_loss_coeff=1e-3, backend=backend, return_lse=True)
     _, _, exp_lse = cross_entropy_zloss_float64(base, target, z_loss_coeff=1e-3)
     assert lse.shape == target.shape and not lse.requires_grad
     assert relative_error(lse, exp_lse) < LOSS_TOLERANCE
