@@ -1,20 +1,14 @@
 #!/usr/bin/env python3
 """Benchmark: fused vocab-parallel cross entropy + z-loss against its peers.
 
-One run times forward and forward+backward (median of CUDA-event timings, L2 flushed, with a
-head start for the host), the memory each implementation adds on top of its inputs, and the loss /
-gradient error against a float64 reference, for the implementations below; for this package's op
-also its device time alone (forward+backward replayed from a CUDA graph):
-
-  1. mindspeed_cez (this package),
-  2. Megatron-Core's vocab_parallel_cross_entropy + a separate z-loss,
-  3. Megatron-Core's fused_vocab_parallel_cross_entropy + the same z-loss,
-  4. Liger-Kernel's cross entropy with its built-in z-loss (lse_square_scale),
-  5. torch.compile of F.cross_entropy + z-loss.
-
-Times are set beside a floor from the device-to-device copy bandwidth measured in the same
-run: forward reads the logits once (1 pass), forward+backward reads them twice and writes the
-gradient once (3 passes). bench/NOTES.md explains the method.
+Times forward and forward+backward (median of CUDA-event timings, L2 flushed, with a head start for
+the host), the memory each implementation adds on top of its inputs, and the loss / gradient error
+against float64, for: this package's op (also its device time, replayed from a CUDA graph);
+Megatron-Core's vocab_parallel_cross_entropy and fused_vocab_parallel_cross_entropy, each + a separate
+z-loss; Liger-Kernel's cross entropy with its z-loss (lse_square_scale); torch.compile of
+F.cross_entropy + z-loss. Times are set beside the copy-bandwidth floor measured in the same run:
+forward reads the logits once (1 pass), forward+backward reads them twice and writes the gradient
+(3 passes). bench/NOTES.md explains the method.
 
     python bench/op.py --out out/bench.md            # one GPU
     torchrun --nproc-per-node 2 bench/op.py --tp     # per-rank TP=2 timings
@@ -24,6 +18,7 @@ An implementation that does not import, or fails, gets a row saying so; the run 
 """
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -31,13 +26,14 @@ import traceback
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from harness import (BACKEND, LOGIT_SCALE, LogitsSource, Timer, check_correctness, cleanup, copy_bandwidth,
-                     graph_replay_ms, is_oom, log, make_inputs, make_inputs_on_device, reset_compiled, time_impl)
-from peers import build_impls
-from report import fmt_mem, fmt_ms, fmt_per_token, fmt_ratio, header_lines, short, write_report
+from harness import (Timer, cleanup, copy_bandwidth, graph_replay_ms, is_oom, log, short, version,
+                     write_report)
 from support import free_port, loss_and_grad_float64, relative_error  # tests/support.py, on the path by harness
 
+BACKEND = os.environ.get("MINDSPEED_CEZ_BACKEND") or None  # the benchmark's choice of the op's backend
+LOGIT_SCALE = 3.0  # logits ~ N(0, 3^2): a spread like a language model's output layer
 GPU_SHAPES = [(8192, 151936), (8192, 37984), (16384, 16160), (4096, 262144)]
 SMOKE_SHAPES = [(64, 1000), (48, 2053)]
 GPU_CHECK_SHAPE = (512, 50257)  # correctness: odd vocab, not a multiple of any block width
@@ -46,7 +42,184 @@ TP_GLOBAL_SHAPE = (8192, 151936)
 SMOKE_TP_GLOBAL_SHAPE = (32, 1000)
 Z_LOSS_COEFF = 1e-4
 
-ROW_UNAVAILABLE = "unavailable"
+
+# --------------------------------------------------------------------------- the implementations
+
+
+def _z_loss_separate(logits, coeff):
+    """The usual add-on z-loss: c * logsumexp(logits)^2 in fp32, its own autograd graph."""
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    return coeff * lse * lse
+
+
+def _peer(impls, name, build):
+    """Append ``(name, fn, note)`` from ``build() -> (fn, note)``; a peer that fails to build: fn None."""
+    try:
+        impls.append((name, *build()))
+    except Exception as exc:  # noqa: BLE001
+        impls.append((name, None, short(exc)))
+
+
+def build_impls(tp_group, device, coeff):
+    """[(name, callable(logits, target) -> (loss, z_loss) or None, note)]."""
+    impls = []
+
+    def ours():
+        import mindspeed_cez
+        from mindspeed_cez import kernels
+
+        backend = kernels.backend_for(device, BACKEND).__name__.rsplit(".", 1)[-1]
+        return (lambda x, t: mindspeed_cez.vocab_parallel_cross_entropy_zloss(
+            x, t, z_loss_coeff=coeff, tp_group=tp_group, backend=BACKEND)), f"backend {backend}"
+
+    def with_z(ce):
+        def fn(x, t):
+            z = _z_loss_separate(x, coeff)
+            return ce(x, t) + z, z.detach()
+        return fn
+
+    def mcore_native():
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        takes_group = "tp_group" in inspect.signature(vocab_parallel_cross_entropy).parameters
+        kwargs = {"tp_group": tp_group} if takes_group else {}
+        return with_z(lambda x, t: vocab_parallel_cross_entropy(x, t, **kwargs)), ""
+
+    def mcore_fused():
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+        return with_z(lambda x, t: fused_vocab_parallel_cross_entropy(x, t, tp_group)), ""
+
+    def liger():
+        from liger_kernel.transformers.functional import liger_cross_entropy
+
+        missing = [p for p in ("lse_square_scale", "return_z_loss", "reduction")
+                   if p not in inspect.signature(liger_cross_entropy).parameters]
+        if missing:
+            raise ImportError(f"liger_cross_entropy has no {missing}")
+
+        def fn(x, t):
+            out = liger_cross_entropy(x, t, reduction="none", lse_square_scale=coeff, return_z_loss=True)
+            return (out.loss, out.z_loss) if hasattr(out, "loss") else (out[0], out[1])
+        return fn, f"v{version('liger-kernel')}, loss in logits dtype"
+
+    def compiled():
+        import torch._dynamo as dynamo
+
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo.config, knob):
+                setattr(dynamo.config, knob, 64)
+
+        def ce_z(x, t):
+            xf = x.float()
+            lse = torch.logsumexp(xf, dim=-1)
+            z = coeff * lse * lse
+            return F.cross_entropy(xf, t, reduction="none") + z, z.detach()
+        return torch.compile(ce_z, dynamic=False), ""
+
+    for name, build in (("mindspeed_cez", ours), ("megatron native CE + z", mcore_native),
+                        ("megatron fused CE + z", mcore_fused), ("liger-kernel CE(z)", liger),
+                        ("torch.compile CE + z", compiled)):
+        _peer(impls, name, build)
+    return impls
+
+
+# --------------------------------------------------------------------------- inputs and measuring
+
+
+class LogitsSource(torch.autograd.Function):
+    """Fresh logits for each iteration, as a NON-leaf tensor of the autograd graph (in training the
+    loss gets the output layer's result, which nobody reads after the loss; Liger and this package
+    overwrite their input). The copy is made before the timed region; backward hands the gradient
+    that reaches it to ``sink`` (for the correctness check) and passes nothing further."""
+
+    @staticmethod
+    def forward(ctx, base, anchor, sink):
+        ctx.sink = sink
+        return base.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.sink is not None:
+            ctx.sink.append(grad.detach().clone())
+        return None, None, None
+
+
+def make_inputs(n, v, device, seed, global_vocab=None, on_device=True):
+    """bf16 logits, targets and upstream gradient (random loss_mask / num_tokens); drawn on a CUDA
+    device where ``on_device`` (the CPU would take seconds per GiB), in fp32 chunks of <= 1 GiB."""
+    gen_device = device if on_device and device.type == "cuda" else torch.device("cpu")
+    gen = torch.Generator(device=gen_device).manual_seed(seed)
+    base = torch.empty(n, v, dtype=torch.bfloat16, device=device)
+    chunk = max(1, (1 << 28) // v)
+    for start in range(0, n, chunk):
+        rows = min(chunk, n - start)
+        base[start : start + rows] = torch.randn(rows, v, device=gen_device, generator=gen) * LOGIT_SCALE
+    target = torch.randint(0, global_vocab or v, (n,), device=gen_device, generator=gen).to(device)
+    mask = (torch.rand(n, device=gen_device, generator=gen) < 0.95).float()
+    return base, target, (mask / mask.sum().clamp_min(1.0)).to(device)
+
+
+def check_correctness(fn, base, target, upstream, ref):
+    sink = []
+    loss, z = fn(LogitsSource.apply(base, torch.zeros((), device=base.device, requires_grad=True), sink), target)
+    torch.autograd.backward(loss, upstream.to(loss.dtype))
+    if not sink:
+        raise RuntimeError("no gradient reached the logits")
+    return relative_error(loss.detach(), ref[0]), relative_error(z.detach(), ref[1]), relative_error(sink[0], ref[2])
+
+
+def time_impl(fn, base, target, upstream, timer, warmup, iters):
+    """Median ms of forward and of forward+backward, and memory (bytes) beyond the inputs."""
+    anchor, grads = torch.zeros((), device=base.device, requires_grad=True), {}
+
+    def grad_for(loss):  # the upstream gradient in the loss's dtype, cast once (outside the timings)
+        if loss.dtype not in grads:
+            grads[loss.dtype] = upstream.to(loss.dtype)
+        return grads[loss.dtype]
+
+    for _ in range(warmup):
+        loss, z = fn(LogitsSource.apply(base, anchor, None), target)
+        torch.autograd.backward(loss, grad_for(loss))
+    results = {}
+    for mode in ("fwd", "fwd+bwd"):
+        for _ in range(iters):
+            x = LogitsSource.apply(base, anchor, None)
+            timer.prepare()
+            started = timer.start()
+            loss, z = fn(x, target)
+            if mode == "fwd+bwd":
+                torch.autograd.backward(loss, grad_for(loss))
+            timer.stop(started)
+            del x, loss, z
+        results[mode] = timer.median_ms()
+    results["held"] = results["peak"] = None
+    if base.device.type == "cuda":
+        x = LogitsSource.apply(base, anchor, None)
+        cleanup(base.device)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss, z = fn(x, target)
+        torch.cuda.synchronize()
+        results["held"] = torch.cuda.memory_allocated() - before  # saved for backward + outputs
+        torch.autograd.backward(loss, grad_for(loss))
+        torch.cuda.synchronize()
+        results["peak"] = torch.cuda.max_memory_allocated() - before
+        del x, loss, z
+    results["graph"] = None
+    return results
+
+
+def fmt_ms(ms):
+    return "-" if ms is None else (f"{ms:.3f}" if ms < 10 else f"{ms:.2f}")
+
+
+def fmt_ratio(a, b):
+    return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}"
+
+
+def fmt_mem(nbytes, logits_bytes):
+    return "n/a" if nbytes is None else f"{nbytes / 2**30:.2f} ({nbytes / logits_bytes:.1f}x)"
 
 
 # --------------------------------------------------------------------------- single-process run
@@ -54,20 +227,17 @@ ROW_UNAVAILABLE = "unavailable"
 
 def init_single_process(device):
     """World size 1 (NCCL on a GPU, gloo on the CPU) and Megatron's parallel state, TP=1."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    tp_group, note = dist.group.WORLD, "tp_group = WORLD (size 1)"
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         from megatron.core import parallel_state
 
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1)
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        note = "Megatron parallel_state TP=1"
+        return parallel_state.get_tensor_model_parallel_group(), "Megatron parallel_state TP=1"
     except Exception as exc:  # noqa: BLE001
-        note += f"; Megatron parallel_state not initialized ({short(exc, 100)})"
-    return tp_group, note
+        return dist.group.WORLD, f"tp_group = WORLD (size 1); Megatron parallel_state not initialized ({short(exc, 100)})"
 
 
 def run_single(args, device):
@@ -76,108 +246,88 @@ def run_single(args, device):
     impls = build_impls(tp_group, device, Z_LOSS_COEFF)
     if args.impls:
         impls = [impl for impl in impls if any(impl[0].startswith(prefix) for prefix in args.impls)]
-    shapes = args.shapes or (SMOKE_SHAPES if args.smoke else GPU_SHAPES)
-    check_shape = SMOKE_CHECK_SHAPE if args.smoke else GPU_CHECK_SHAPE
-
     bw = copy_bandwidth(device)
     log(f"copy bandwidth: {bw / 1e12:.3f} TB/s (read + write)")
-    head = header_lines(
-        device,
-        [
-            f"- {tp_note}; z_loss_coeff {Z_LOSS_COEFF}; bf16 logits ~ N(0, {LOGIT_SCALE:g}^2); "
-            f"warm-up {args.warmup}, timed {args.iters} (median)",
-            f"- device-to-device copy bandwidth (read + write): {bw / 1e12:.3f} TB/s; "
-            "floor: forward = 1 pass over the logits, forward+backward = 3 passes (read, read + write)",
-        ],
-    )
 
-    # correctness on one small shape vs float64
-    n, v = check_shape
-    base, target, upstream = make_inputs(n, v, device, seed=1234)
+    n, v = SMOKE_CHECK_SHAPE if args.smoke else GPU_CHECK_SHAPE
+    base, target, upstream = make_inputs(n, v, device, seed=1234, on_device=False)
     ref = loss_and_grad_float64(base, target, upstream, z_loss_coeff=Z_LOSS_COEFF)
-    check_rows = []
+    report = [f"- {tp_note}; z_loss_coeff {Z_LOSS_COEFF}; bf16 logits ~ N(0, {LOGIT_SCALE:g}^2); "
+              f"warm-up {args.warmup}, timed {args.iters} (median)",
+              f"- device-to-device copy bandwidth (read + write): {bw / 1e12:.3f} TB/s; "
+              "floor: forward = 1 pass over the logits, forward+backward = 3 passes (read, read + write)", "",
+              f"### Correctness at {n} x {v} vs float64 (relative L2 error; upstream = random loss_mask / num_tokens)",
+              "", "| impl | loss rel err | z-loss rel err | grad rel err | note |", "| --- | --- | --- | --- | --- |"]
     for name, fn, note in impls:
         if fn is None:
-            check_rows.append(f"| {name} | - | - | - | {ROW_UNAVAILABLE}: {note} |")
+            report.append(f"| {name} | - | - | - | unavailable: {note} |")
             continue
         try:
-            loss_err, z_err, grad_err = check_correctness(fn, base, target, upstream, ref)
-            check_rows.append(f"| {name} | {loss_err:.1e} | {z_err:.1e} | {grad_err:.1e} | {note} |")
+            errors = check_correctness(fn, base, target, upstream, ref)
+            report.append(f"| {name} | " + " | ".join(f"{e:.1e}" for e in errors) + f" | {note} |")
         except Exception as exc:  # noqa: BLE001
-            check_rows.append(f"| {name} | - | - | - | error: {short(exc)} |")
+            report.append(f"| {name} | - | - | - | error: {short(exc)} |")
             traceback.print_exc()
-        log(check_rows[-1])
+        log(report[-1])
         cleanup(device)
     del base, target, upstream, ref
-    cleanup(device)
-
-    report = head + [
-        "",
-        f"### Correctness at {n} x {v} vs float64 (relative L2 error; upstream = random loss_mask / num_tokens)",
-        "",
-        "| impl | loss rel err | z-loss rel err | grad rel err | note |",
-        "| --- | --- | --- | --- | --- |",
-        *check_rows,
-        "",
-        "### Time (median ms) and memory beyond the inputs",
-        "",
-        "| N x V | impl | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor | fwd+bwd graph replay ms (/ floor) "
-        "| held after fwd GiB (x logits) | peak fwd+bwd GiB (x logits) | peak bytes / token |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    report += ["", "### Time (median ms) and memory beyond the inputs", "",
+               "| N x V | impl | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor | fwd+bwd graph replay ms (/ floor) "
+               "| held after fwd GiB (x logits) | peak fwd+bwd GiB (x logits) | peak bytes / token |",
+               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     log(write_report(args.out, report))
 
-    timer = Timer(device)
-    for n, v in shapes:
-        logits_bytes = n * v * 2
-        floor_fwd = logits_bytes / bw * 1e3
-        floor_all = 3 * logits_bytes / bw * 1e3
-        shape = f"{n} x {v}"
-        report.append(f"| {shape} | floor ({bw / 1e12:.2f} TB/s copy) | {fmt_ms(floor_fwd)} | 1 | {fmt_ms(floor_all)} | 1 "
-                      "| | | | |")
-        reset_compiled()
+    timer, empty = Timer(device), " | | | | | | | |"
+    for n, v in args.shapes or (SMOKE_SHAPES if args.smoke else GPU_SHAPES):
+        logits_bytes, shape = n * v * 2, f"{n} x {v}"
+        floor_fwd, floor_all = logits_bytes / bw * 1e3, 3 * logits_bytes / bw * 1e3
+        report.append(f"| {shape} | floor ({bw / 1e12:.2f} TB/s copy) | {fmt_ms(floor_fwd)} | 1 | {fmt_ms(floor_all)} | 1 | | | | |")
         try:
-            base, target, upstream = make_inputs_on_device(n, v, device, seed=n + v)
+            import torch._dynamo  # each shape compiles for its own static sizes, as in training
+
+            torch._dynamo.reset()
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            base, target, upstream = make_inputs(n, v, device, seed=n + v)
         except Exception as exc:  # noqa: BLE001
-            report.append(f"| {shape} | (inputs) | {'OOM' if is_oom(exc) else 'error'}: {short(exc)} | | | | | | | |")
+            report.append(f"| {shape} | (inputs) | {'OOM' if is_oom(exc) else 'error'}: {short(exc)}{empty}")
             cleanup(device)
             continue
-        for name, fn, note in impls:
-            if fn is None:
-                report.append(f"| {shape} | {name} | {ROW_UNAVAILABLE} | | | | | | | |")
-                continue
-            if args.budget_s and time.time() - t_begin > args.budget_s:
-                report.append(f"| {shape} | {name} | skipped: time budget {args.budget_s} s spent | | | | | | | |")
-                continue
+        for name, fn, _ in impls:
             t0 = time.time()
-            try:
-                r = time_impl(fn, base, target, upstream, timer, args.warmup, args.iters)
-                graphed = graph_replay_ms(fn, base, target, upstream, timer, args.iters) if name == "mindspeed_cez" else None
-                row = (
-                    f"| {shape} | {name} | {fmt_ms(r['fwd'])} | {fmt_ratio(r['fwd'], floor_fwd)} "
-                    f"| {fmt_ms(r['fwd+bwd'])} | {fmt_ratio(r['fwd+bwd'], floor_all)} "
-                    f"| {fmt_ms(graphed)} ({fmt_ratio(graphed, floor_all)}) "
-                    f"| {fmt_mem(r['held'], logits_bytes)} | {fmt_mem(r['peak'], logits_bytes)} "
-                    f"| {fmt_per_token(r['peak'], n)} |"
-                )
-            except Exception as exc:  # noqa: BLE001
-                kind = "OOM" if is_oom(exc) else "error"
-                row = f"| {shape} | {name} | {kind}: {short(exc)} | | | | | | | |"
-                if kind == "error":
-                    traceback.print_exc()
-            timer.pairs = []
+            if fn is None:
+                row = f"| {shape} | {name} | unavailable{empty}"
+            elif args.budget_s and time.time() - t_begin > args.budget_s:
+                row = f"| {shape} | {name} | skipped: time budget {args.budget_s} s spent{empty}"
+            else:
+                try:
+                    r = time_impl(fn, base, target, upstream, timer, args.warmup, args.iters)
+                    if name == "mindspeed_cez":
+                        anchor = torch.zeros((), device=device, requires_grad=True)
+
+                        def step():
+                            loss, _ = fn(LogitsSource.apply(base, anchor, None), target)
+                            torch.autograd.backward(loss, upstream.to(loss.dtype))
+                        r["graph"] = graph_replay_ms(step, timer, args.iters)
+                    per_token = "n/a" if r["peak"] is None else f"{r['peak'] / n:.0f}"
+                    row = (f"| {shape} | {name} | {fmt_ms(r['fwd'])} | {fmt_ratio(r['fwd'], floor_fwd)} "
+                           f"| {fmt_ms(r['fwd+bwd'])} | {fmt_ratio(r['fwd+bwd'], floor_all)} "
+                           f"| {fmt_ms(r['graph'])} ({fmt_ratio(r['graph'], floor_all)}) "
+                           f"| {fmt_mem(r['held'], logits_bytes)} | {fmt_mem(r['peak'], logits_bytes)} | {per_token} |")
+                except Exception as exc:  # noqa: BLE001
+                    row = f"| {shape} | {name} | {'OOM' if is_oom(exc) else 'error'}: {short(exc)}{empty}"
+                    if not is_oom(exc):
+                        traceback.print_exc()
+                timer.pairs = []
             report.append(row)
             log(f"{row}   [{time.time() - t0:.1f} s]")
             cleanup(device)
             write_report(args.out, report)
         del base, target, upstream
         cleanup(device)
-
     report += ["", f"total wall time {time.time() - t_begin:.0f} s"]
-    text = write_report(args.out, report)
-    log("\n" + text)
-    if args.out:
-        log(f"written to {args.out}")
+    log("\n" + write_report(args.out, report))
 
 
 # --------------------------------------------------------------------------- tensor-parallel run
@@ -190,8 +340,7 @@ def run_tp(args, device):
     from mindspeed_cez.cross_entropy_zloss import cross_entropy_zloss_with_lse
 
     t_begin = time.time()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     n, global_vocab = args.tp_shape or (SMOKE_TP_GLOBAL_SHAPE if args.smoke else TP_GLOBAL_SHAPE)
     if global_vocab % world:
         raise SystemExit(f"global vocab {global_vocab} does not divide by {world} ranks")
@@ -199,30 +348,24 @@ def run_tp(args, device):
     vocab_start = rank * v_local
 
     # Each rank draws its own vocab slice; targets and upstream gradient are the same on all ranks.
-    shard, _, _ = make_inputs_on_device(n, v_local, device, seed=1000 + rank, global_vocab=global_vocab)
+    shard, _, _ = make_inputs(n, v_local, device, seed=1000 + rank, global_vocab=global_vocab)
     gen = torch.Generator(device="cpu").manual_seed(77)
     target = torch.randint(0, global_vocab, (n,), generator=gen).to(device)
     mask = (torch.rand(n, generator=gen) < 0.95).float()
     upstream = (mask / mask.sum()).to(device)
     backend = cez_kernels.backend_for(device, BACKEND)
-    backend_name = backend.__name__.rsplit(".", 1)[-1]
     timer = Timer(device)
     anchor = torch.zeros((), device=device, requires_grad=True)
 
-    def aligned():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            dist.barrier(device_ids=[device.index])
-        else:
-            dist.barrier()
-
     def measure(step):
-        """Median ms of step(x) over fresh non-leaf copies x of the shard (the copy is untimed)."""
+        """Median ms of step(x) over fresh non-leaf copies x of the shard, ranks aligned by a barrier."""
         for _ in range(args.warmup):
             step(LogitsSource.apply(shard, anchor, None))
         for _ in range(args.iters):
             x = LogitsSource.apply(shard, anchor, None)
-            aligned()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda" else {}))
             timer.prepare()
             started = timer.start()
             step(x)
@@ -235,17 +378,16 @@ def run_tp(args, device):
         loss_ref, _, lse = cross_entropy_zloss_with_lse(shard, target, Z_LOSS_COEFF, tp_group=group)
     grad_loss = upstream.float()
 
-    def kernel_fwd(x):
-        backend.shard_partials(x.detach(), target, vocab_start, global_vocab, -100)
-
-    def kernel_fwd_bwd(x):
-        rows = x.detach()
-        backend.shard_partials(rows, target, vocab_start, global_vocab, -100)
-        backend.write_grad(rows, rows, target, lse, grad_loss, -100, vocab_start, Z_LOSS_COEFF, 0.0, global_vocab)
+    def kernels(backward):
+        def step(x):
+            rows = x.detach()
+            backend.shard_partials(rows, target, vocab_start, global_vocab, -100)
+            if backward:
+                backend.write_grad(rows, rows, target, lse, grad_loss, -100, vocab_start, Z_LOSS_COEFF, 0.0, global_vocab)
+        return step
 
     # The op's two collectives alone, on buffers of the op's sizes: MAX of [n], SUM of [2, n].
-    max_buffer = torch.rand(n, device=device)
-    sum_buffer = torch.rand(2, n, device=device)
+    max_buffer, sum_buffer = torch.rand(n, device=device), torch.rand(2, n, device=device)
 
     def collectives(_x):
         dist.all_reduce(max_buffer, op=dist.ReduceOp.MAX, group=group)
@@ -256,91 +398,49 @@ def run_tp(args, device):
             loss, _ = op(x, tgt, z_loss_coeff=Z_LOSS_COEFF, tp_group=tp_group)
             if backward:
                 torch.autograd.backward(loss, upstream)
-
         return step
 
     # The op at TP=1 on this shard size: the shard stands for a whole vocab of v_local (targets
     # folded into it), so no collective runs.
-    target_local = target % v_local
-
-    rows = {}
-    rows["kernels alone (this shard)"] = (measure(kernel_fwd), measure(kernel_fwd_bwd))
+    single, tp_key = f"op, TP=1 on a {n} x {v_local} vocab", f"op, TP={world} (with its all-reduces)"
     collective_ms = measure(collectives)
-    rows["the two all-reduces alone"] = (collective_ms, collective_ms)
-    rows[f"op, TP=1 on a {n} x {v_local} vocab"] = (
-        measure(op_step(None, target_local, False)),
-        measure(op_step(None, target_local, True)),
-    )
-    rows[f"op, TP={world} (with its all-reduces)"] = (
-        measure(op_step(group, target, False)),
-        measure(op_step(group, target, True)),
-    )
+    rows = {"kernels alone (this shard)": (measure(kernels(False)), measure(kernels(True))),
+            "the two all-reduces alone": (collective_ms, collective_ms),
+            single: tuple(measure(op_step(None, target % v_local, b)) for b in (False, True)),
+            tp_key: tuple(measure(op_step(group, target, b)) for b in (False, True))}
 
     # Correctness: the TP op's loss vs float64 on the first rows of the gathered global logits.
-    check_rows = min(n, 256)
-    pieces = [torch.empty_like(shard[:check_rows]) for _ in range(world)]
-    dist.all_gather(pieces, shard[:check_rows].contiguous(), group=group)
-    full = torch.cat(pieces, dim=1)
-    ref_loss, _, _ = loss_and_grad_float64(full, target[:check_rows], upstream[:check_rows], z_loss_coeff=Z_LOSS_COEFF)
-    loss_err = relative_error(loss_ref[:check_rows], ref_loss)
-
+    check = min(n, 256)
+    pieces = [torch.empty_like(shard[:check]) for _ in range(world)]
+    dist.all_gather(pieces, shard[:check].contiguous(), group=group)
+    ref_loss, _, _ = loss_and_grad_float64(torch.cat(pieces, dim=1), target[:check], upstream[:check],
+                                           z_loss_coeff=Z_LOSS_COEFF)
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"rank": rank, "rows": rows, "loss_err": loss_err})
+    dist.all_gather_object(gathered, {"rank": rank, "rows": rows, "loss_err": relative_error(loss_ref[:check], ref_loss)})
     if rank != 0:
         return
     bw = copy_bandwidth(device)
-    shard_bytes = n * v_local * 2
-    floor_fwd, floor_all = shard_bytes / bw * 1e3, 3 * shard_bytes / bw * 1e3
-    report = header_lines(
-        device,
-        [
-            f"- TP mode: {world} ranks over {dist.get_backend()}, global {n} x {global_vocab}, "
-            f"shard {n} x {v_local} per rank; backend {backend_name}; z_loss_coeff {Z_LOSS_COEFF}; "
-            f"warm-up {args.warmup}, timed {args.iters} (median); ranks aligned by a barrier before each iteration",
-            f"- NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', '')!r}",
-            f"- copy bandwidth (rank 0): {bw / 1e12:.3f} TB/s; shard floor: fwd {floor_fwd:.3f} ms, fwd+bwd {floor_all:.3f} ms",
-            "",
-            "| rank | what | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ],
-    )
+    floor = (n * v_local * 2 / bw * 1e3, 3 * n * v_local * 2 / bw * 1e3)
+    report = [f"- TP mode: {world} ranks over {dist.get_backend()}, global {n} x {global_vocab}, shard {n} x {v_local} "
+              f"per rank; backend {backend.__name__.rsplit('.', 1)[-1]}; z_loss_coeff {Z_LOSS_COEFF}; warm-up "
+              f"{args.warmup}, timed {args.iters} (median); ranks aligned by a barrier before each iteration",
+              f"- copy bandwidth (rank 0): {bw / 1e12:.3f} TB/s; shard floor: fwd {floor[0]:.3f} ms, fwd+bwd {floor[1]:.3f} ms",
+              "", "| rank | what | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor |", "| --- | --- | --- | --- | --- | --- |"]
     for item in gathered:
-        for what, (fwd, both) in item["rows"].items():
-            report.append(
-                f"| {item['rank']} | {what} | {fmt_ms(fwd)} | {fmt_ratio(fwd, floor_fwd)} "
-                f"| {fmt_ms(both)} | {fmt_ratio(both, floor_all)} |"
-            )
-    report.append("")
-    tp_key, single_key = f"op, TP={world} (with its all-reduces)", f"op, TP=1 on a {n} x {v_local} vocab"
-    kernel_key, coll_key = "kernels alone (this shard)", "the two all-reduces alone"
-    report.append(
-        "Collective cost (op at TP={} minus op at TP=1 on the same shard, fwd / fwd+bwd): ".format(world)
-        + ", ".join(
-            f"rank {i['rank']} {i['rows'][tp_key][0] - i['rows'][single_key][0]:+.3f} / "
-            f"{i['rows'][tp_key][1] - i['rows'][single_key][1]:+.3f} ms"
-            for i in gathered
-        )
-    )
-    report.append("")
-    report.append(
-        f"Op at TP={world} / (kernels alone + the two all-reduces alone), fwd / fwd+bwd (target <= 1.10): "
-        + ", ".join(
-            f"rank {i['rank']} "
-            f"{i['rows'][tp_key][0] / (i['rows'][kernel_key][0] + i['rows'][coll_key][0]):.3f} / "
-            f"{i['rows'][tp_key][1] / (i['rows'][kernel_key][1] + i['rows'][coll_key][1]):.3f}"
-            for i in gathered
-        )
-    )
-    report.append("")
-    report.append(
-        "TP loss vs float64 on the gathered first rows: "
-        + ", ".join(f"rank {i['rank']} rel err {i['loss_err']:.1e}" for i in gathered)
-    )
-    report += ["", f"total wall time {time.time() - t_begin:.0f} s"]
-    text = write_report(args.out, report)
-    log("\n" + text)
-    if args.out:
-        log(f"written to {args.out}")
+        for what, times in item["rows"].items():
+            report.append(f"| {item['rank']} | {what} | " + " | ".join(
+                f"{fmt_ms(ms)} | {fmt_ratio(ms, f)}" for ms, f in zip(times, floor)) + " |")
+
+    def per_rank(text):
+        return ", ".join(f"rank {i['rank']} " + text(i["rows"], i) for i in gathered)
+    report += ["", f"Collective cost (op at TP={world} minus op at TP=1 on the same shard, fwd / fwd+bwd): " + per_rank(
+                   lambda r, i: " / ".join(f"{r[tp_key][k] - r[single][k]:+.3f}" for k in (0, 1)) + " ms"),
+               "", f"Op at TP={world} / (kernels alone + the two all-reduces alone), fwd / fwd+bwd (target <= 1.10): "
+               + per_rank(lambda r, i: " / ".join(f"{r[tp_key][k] / (r['kernels alone (this shard)'][k] + r['the two all-reduces alone'][k]):.3f}"
+                                                  for k in (0, 1))),
+               "", "TP loss vs float64 on the gathered first rows: " + per_rank(lambda r, i: f"rel err {i['loss_err']:.1e}"),
+               "", f"total wall time {time.time() - t_begin:.0f} s"]
+    log("\n" + write_report(args.out, report))
 
 
 # --------------------------------------------------------------------------- main
@@ -355,7 +455,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (perf_counter timing)")
     parser.add_argument("--tp", action="store_true", help="per-rank TP timings; launch with torchrun")
-    parser.add_argument("--out", default=None, help="also write the markdown report here")
+    parser.add_argument("--out", default=None, help="also write the markdown report here (and .json beside it)")
     parser.add_argument("--shapes", type=_shape, nargs="*", default=None, help="N x V shapes, e.g. 8192x151936")
     parser.add_argument("--tp-shape", type=_shape, default=None, help="global N x V for --tp")
     parser.add_argument("--warmup", type=int, default=None)
@@ -365,11 +465,8 @@ def main(argv=None):
     parser.add_argument("--impls", nargs="*", default=None,
                         help="only the implementations whose names start with these (e.g. mindspeed_cez liger)")
     args = parser.parse_args(argv)
-    if args.warmup is None:
-        args.warmup = 2 if args.smoke else 20
-    if args.iters is None:
-        args.iters = 3 if args.smoke else 50
-
+    args.warmup = (2 if args.smoke else 20) if args.warmup is None else args.warmup
+    args.iters = (3 if args.smoke else 50) if args.iters is None else args.iters
     if args.device:
         device = torch.device(args.device)
     elif args.smoke or not torch.cuda.is_available():
@@ -380,9 +477,7 @@ def main(argv=None):
         torch.cuda.set_device(device)
     elif not args.smoke:
         log("no CUDA device: running the CPU smoke shapes (pass --smoke to say so)")
-        args.smoke = True
-        args.warmup, args.iters = min(args.warmup, 2), min(args.iters, 3)
-
+        args.smoke, args.warmup, args.iters = True, min(args.warmup, 2), min(args.iters, 3)
     try:
         if args.tp:
             if not dist.is_initialized():
