@@ -1,29 +1,7 @@
-"""End to end in Megatron's own training loop on one GPU: step time and peak memory per LM loss.
-
-Each variant is one launch of this script as Megatron's ``pretrain`` (``examples/pretrain_gpt.py``
-with the adaptor, as ``-m mindspeed_cez.launch`` runs it; mock data, bf16, the local transformer
-implementation):
-
-==============  ==============================================================================
-``native``      Megatron's own CE, no z-loss
-``fused``       ``--cross-entropy-loss-fusion`` (Megatron's fused CE), no z-loss
-``z_by_hand``   Megatron's CE plus ``c * logsumexp(logits.float())**2`` in torch (what users write)
-``cez``         ``--lm-z-loss-coeff c`` (this package)
-``cez_fol*``    the same with ``--lm-fused-output-layer`` (``forward`` / ``recompute``)
-``*_grok``,     MindSpeed-LLM's logit scale / soft cap, in the kernels or (``*_torch``) as its
-``*_softcap``   torch ops before the op
-==============  ==============================================================================
-
-Variants run alternated (rep 1: a b c d, rep 2: b c d a, ...), each ``--iters`` iterations; a
-run's step time is the median of its iterations after ``--skip`` (Megatron's own "elapsed time
-per iteration" with ``--log-interval 1``). The table gives, per variant, the median over its runs
-and the spread (min-max of the run medians), and the peak allocated memory; ``--profile`` adds the
-GPU-idle and output-layer shares of a step (Megatron's torch-profiler hook); ``e2e_<config>.json``
-holds every run with the commit, device, date and versions (``harness.run_info``).
-
-    python bench/e2e_megatron.py --config busy --pairs 3 --out out/e2e           # on the GPU
-    python bench/e2e_megatron.py --tp 2 --variants native cez --out out/e2e      # 2 GPUs, TP=2
-"""
+"""End to end in Megatron's own ``pretrain`` (this script, relaunched by torchrun as ``worker()``): step
+time and peak memory per LM loss variant, variants alternated and repeated; ``--profile`` adds the
+GPU-idle and output-layer shares; every run lands in ``e2e_<config>.json`` with the run's stamp.
+Variants and method: bench/README.md."""
 
 import argparse
 import bisect

@@ -1,8 +1,6 @@
-"""What the three benchmarks share: timing (CUDA events with L2 flushed and a head start for the
-host; perf_counter on the CPU), device time (CUDA-graph replay, or the torch profiler's kernel sums),
-peak memory, the copy-bandwidth floor, and the report: markdown to read, JSON to process
-(``{"run": {commit, device, date, versions}, "tables": [[{column: cell}, ...], ...]}``), both under
-the run's stamp. Float64 references and CUDA-graph capture come from ``tests/support.py``."""
+"""What the benchmarks share: timing (CUDA events, L2 flushed), device time (CUDA-graph replay or the
+profiler's kernel sums), peak memory, the copy-bandwidth floor, and the report: markdown + JSON under
+the run's stamp (commit, device, date, versions)."""
 
 import datetime
 import functools

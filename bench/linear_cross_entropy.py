@@ -1,20 +1,7 @@
-"""Output projection + CE (+ z-loss) forward+backward on one GPU, beside cuBLAS + this package's op
-and the peers: time over the 3-GEMM floor, peak memory beyond inputs and gradients (in multiples of
-the logits' size), and the error of dhidden / dweight against float64.
-
-Per shape ``N x h x V``: bf16 hidden ``[N, h]``, weight ``[V, h]``, 10 % ignored targets, loss =
-``sum(per-token loss)``, ``c = 1e-4`` where the implementation has a z-loss. The floor: three GEMMs
-of ``N x h x V`` (logits, dX, dW) at the rate cuBLAS gives ``[N, h] @ [h, V]`` in the same run.
-Time: median of CUDA-event timings of forward+backward (host included).
-
-    python bench/linear_cross_entropy.py --out out/linear_ce.md [--profile] [--impls cez liger] [--main-grad-rows 4096]
-    python bench/linear_cross_entropy.py --accumulations --out out/accumulations.md
-        # the default path into main_grad with each fp32 accumulation forced, and the dial's curve
-    python bench/linear_cross_entropy.py --tune-accumulate --out out/tune_accumulate.md
-        # the Triton accumulation kernel alone over tile settings, beside addmm(out_dtype)
-    torchrun --nproc-per-node 2 bench/linear_cross_entropy.py --tp --shapes 8192x4096x151936 --out out/tp2.md
-        # TP=2 + SP: the unfused layer beside the default path at each block fraction
-"""
+"""The fused output layer (``linear_cross_entropy_zloss``) beside cuBLAS + the op and the peers' fused
+linear CE: forward+backward time over the 3-GEMM floor (CUDA events), peak memory, error against
+float64; ``--accumulations``, ``--tune-accumulate``, ``--tp``, ``--profile``: bench/README.md.
+Per ``N x h x V``: bf16 hidden [N, h], weight [V, h], 10 % ignored targets, loss = sum, c = 1e-4."""
 
 import argparse
 import contextlib

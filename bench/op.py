@@ -1,23 +1,10 @@
 #!/usr/bin/env python3
-"""Benchmark: fused vocab-parallel cross entropy + z-loss against its peers.
-
-Times forward and forward+backward (median of CUDA-event timings, L2 flushed, with a head start for
-the host), the memory each implementation adds on top of its inputs, and the loss / gradient error
-against float64, for: this package's op (also its device time, replayed from a CUDA graph);
-Megatron-Core's vocab_parallel_cross_entropy and fused_vocab_parallel_cross_entropy, each + a separate
-z-loss; Liger-Kernel's cross entropy with its z-loss (lse_square_scale); torch.compile of
-F.cross_entropy + z-loss. Times are set beside the copy-bandwidth floor measured in the same run:
-forward reads the logits once (1 pass), forward+backward reads them twice and writes the gradient
-(3 passes). bench/NOTES.md explains the method.
-
-    python bench/op.py --out out/bench.md            # one GPU
-    torchrun --nproc-per-node 2 bench/op.py --tp     # per-rank TP=2 timings
-    python bench/op.py --smoke                       # tiny shapes on the CPU
-
-An implementation that does not import, or fails, gets a row saying so; the run goes on.
-"""
+"""The op (``vocab_parallel_cross_entropy_zloss``) beside its peers: forward and forward+backward time
+over the copy-bandwidth floor, device time by CUDA-graph replay, memory beyond the inputs, error
+against float64; ``--tp``: per rank under torchrun; ``--smoke``: tiny shapes on the CPU (bench/README.md)."""
 
 import argparse
+import contextlib
 import inspect
 import os
 import sys
@@ -34,30 +21,11 @@ from support import free_port, loss_and_grad_float64, relative_error  # tests/su
 
 BACKEND = os.environ.get("MINDSPEED_CEZ_BACKEND") or None  # the benchmark's choice of the op's backend
 LOGIT_SCALE = 3.0  # logits ~ N(0, 3^2): a spread like a language model's output layer
-GPU_SHAPES = [(8192, 151936), (8192, 37984), (16384, 16160), (4096, 262144)]
-SMOKE_SHAPES = [(64, 1000), (48, 2053)]
-GPU_CHECK_SHAPE = (512, 50257)  # correctness: odd vocab, not a multiple of any block width
-SMOKE_CHECK_SHAPE = (24, 517)
-TP_GLOBAL_SHAPE = (8192, 151936)
-SMOKE_TP_GLOBAL_SHAPE = (32, 1000)
+SHAPES = {False: [(8192, 151936), (8192, 37984), (16384, 16160), (4096, 262144)], True: [(64, 1000), (48, 2053)]}
+CHECK_SHAPE = {False: (512, 50257), True: (24, 517)}  # correctness: odd vocab, not a multiple of any block width
+TP_SHAPE = {False: (8192, 151936), True: (32, 1000)}  # global N x V; each dict: GPU, --smoke
 Z_LOSS_COEFF = 1e-4
 
-
-# --------------------------------------------------------------------------- the implementations
-
-
-def _z_loss_separate(logits, coeff):
-    """The usual add-on z-loss: c * logsumexp(logits)^2 in fp32, its own autograd graph."""
-    lse = torch.logsumexp(logits.float(), dim=-1)
-    return coeff * lse * lse
-
-
-def _peer(impls, name, build):
-    """Append ``(name, fn, note)`` from ``build() -> (fn, note)``; a peer that fails to build: fn None."""
-    try:
-        impls.append((name, *build()))
-    except Exception as exc:  # noqa: BLE001
-        impls.append((name, None, short(exc)))
 
 
 def build_impls(tp_group, device, coeff):
@@ -72,9 +40,10 @@ def build_impls(tp_group, device, coeff):
         return (lambda x, t: mindspeed_cez.vocab_parallel_cross_entropy_zloss(
             x, t, z_loss_coeff=coeff, tp_group=tp_group, backend=BACKEND)), f"backend {backend}"
 
-    def with_z(ce):
+    def with_z(ce):  # the usual add-on z-loss: c * logsumexp(logits)^2 in fp32, its own autograd graph
         def fn(x, t):
-            z = _z_loss_separate(x, coeff)
+            lse = torch.logsumexp(x.float(), dim=-1)
+            z = coeff * lse * lse
             return ce(x, t) + z, z.detach()
         return fn
 
@@ -120,18 +89,17 @@ def build_impls(tp_group, device, coeff):
     for name, build in (("mindspeed_cez", ours), ("megatron native CE + z", mcore_native),
                         ("megatron fused CE + z", mcore_fused), ("liger-kernel CE(z)", liger),
                         ("torch.compile CE + z", compiled)):
-        _peer(impls, name, build)
+        try:  # a peer that does not build: its row says why
+            impls.append((name, *build()))
+        except Exception as exc:  # noqa: BLE001
+            impls.append((name, None, short(exc)))
     return impls
 
 
-# --------------------------------------------------------------------------- inputs and measuring
-
 
 class LogitsSource(torch.autograd.Function):
-    """Fresh logits for each iteration, as a NON-leaf tensor of the autograd graph (in training the
-    loss gets the output layer's result, which nobody reads after the loss; Liger and this package
-    overwrite their input). The copy is made before the timed region; backward hands the gradient
-    that reaches it to ``sink`` (for the correctness check) and passes nothing further."""
+    """Fresh logits per iteration, NON-leaf as the output layer's result in training (Liger and this
+    package overwrite their input); backward hands the gradient to ``sink`` and passes nothing on."""
 
     @staticmethod
     def forward(ctx, base, anchor, sink):
@@ -169,31 +137,36 @@ def check_correctness(fn, base, target, upstream, ref):
     return relative_error(loss.detach(), ref[0]), relative_error(z.detach(), ref[1]), relative_error(sink[0], ref[2])
 
 
-def time_impl(fn, base, target, upstream, timer, warmup, iters):
-    """Median ms of forward and of forward+backward, and memory (bytes) beyond the inputs."""
+def median_ms(step, base, timer, iters, align=None):
+    """Median ms of ``step(x)`` over fresh non-leaf copies ``x`` of ``base`` (each copy untimed)."""
+    anchor = torch.zeros((), device=base.device, requires_grad=True)
+    for _ in range(iters):
+        x = LogitsSource.apply(base, anchor, None)
+        if align:
+            align()
+        timer.prepare()
+        started = timer.start()
+        step(x)
+        timer.stop(started)
+        del x
+    return timer.median_ms()
+
+
+def time_impl(fn, base, target, upstream, timer, warmup, iters, graph=False):
+    """Median ms of forward and of forward+backward, memory (bytes) beyond the inputs, and with
+    ``graph`` the device time of forward+backward by CUDA-graph replay."""
     anchor, grads = torch.zeros((), device=base.device, requires_grad=True), {}
 
-    def grad_for(loss):  # the upstream gradient in the loss's dtype, cast once (outside the timings)
-        if loss.dtype not in grads:
+    def fwd_bwd(x):
+        loss, _ = fn(x, target)
+        if loss.dtype not in grads:  # the upstream gradient in the loss's dtype, cast once (outside the timings)
             grads[loss.dtype] = upstream.to(loss.dtype)
-        return grads[loss.dtype]
+        torch.autograd.backward(loss, grads[loss.dtype])
 
     for _ in range(warmup):
-        loss, z = fn(LogitsSource.apply(base, anchor, None), target)
-        torch.autograd.backward(loss, grad_for(loss))
-    results = {}
-    for mode in ("fwd", "fwd+bwd"):
-        for _ in range(iters):
-            x = LogitsSource.apply(base, anchor, None)
-            timer.prepare()
-            started = timer.start()
-            loss, z = fn(x, target)
-            if mode == "fwd+bwd":
-                torch.autograd.backward(loss, grad_for(loss))
-            timer.stop(started)
-            del x, loss, z
-        results[mode] = timer.median_ms()
-    results["held"] = results["peak"] = None
+        fwd_bwd(LogitsSource.apply(base, anchor, None))
+    r = {"fwd": median_ms(lambda x: fn(x, target), base, timer, iters), "fwd+bwd": median_ms(fwd_bwd, base, timer, iters),
+         "held": None, "peak": None, "graph": None}
     if base.device.type == "cuda":
         x = LogitsSource.apply(base, anchor, None)
         cleanup(base.device)
@@ -201,13 +174,14 @@ def time_impl(fn, base, target, upstream, timer, warmup, iters):
         before = torch.cuda.memory_allocated()
         loss, z = fn(x, target)
         torch.cuda.synchronize()
-        results["held"] = torch.cuda.memory_allocated() - before  # saved for backward + outputs
-        torch.autograd.backward(loss, grad_for(loss))
+        r["held"] = torch.cuda.memory_allocated() - before  # saved for backward + outputs
+        torch.autograd.backward(loss, grads[loss.dtype])
         torch.cuda.synchronize()
-        results["peak"] = torch.cuda.max_memory_allocated() - before
+        r["peak"] = torch.cuda.max_memory_allocated() - before
         del x, loss, z
-    results["graph"] = None
-    return results
+        if graph:
+            r["graph"] = graph_replay_ms(lambda: fwd_bwd(LogitsSource.apply(base, anchor, None)), timer, iters)
+    return r
 
 
 def fmt_ms(ms):
@@ -221,8 +195,6 @@ def fmt_ratio(a, b):
 def fmt_mem(nbytes, logits_bytes):
     return "n/a" if nbytes is None else f"{nbytes / 2**30:.2f} ({nbytes / logits_bytes:.1f}x)"
 
-
-# --------------------------------------------------------------------------- single-process run
 
 
 def init_single_process(device):
@@ -249,7 +221,7 @@ def run_single(args, device):
     bw = copy_bandwidth(device)
     log(f"copy bandwidth: {bw / 1e12:.3f} TB/s (read + write)")
 
-    n, v = SMOKE_CHECK_SHAPE if args.smoke else GPU_CHECK_SHAPE
+    n, v = CHECK_SHAPE[args.smoke]
     base, target, upstream = make_inputs(n, v, device, seed=1234, on_device=False)
     ref = loss_and_grad_float64(base, target, upstream, z_loss_coeff=Z_LOSS_COEFF)
     report = [f"- {tp_note}; z_loss_coeff {Z_LOSS_COEFF}; bf16 logits ~ N(0, {LOGIT_SCALE:g}^2); "
@@ -278,16 +250,11 @@ def run_single(args, device):
     log(write_report(args.out, report))
 
     timer, empty = Timer(device), " | | | | | | | |"
-    for n, v in args.shapes or (SMOKE_SHAPES if args.smoke else GPU_SHAPES):
+    for n, v in args.shapes or SHAPES[args.smoke]:
         logits_bytes, shape = n * v * 2, f"{n} x {v}"
         floor_fwd, floor_all = logits_bytes / bw * 1e3, 3 * logits_bytes / bw * 1e3
         report.append(f"| {shape} | floor ({bw / 1e12:.2f} TB/s copy) | {fmt_ms(floor_fwd)} | 1 | {fmt_ms(floor_all)} | 1 | | | | |")
-        try:
-            import torch._dynamo  # each shape compiles for its own static sizes, as in training
-
-            torch._dynamo.reset()
-        except Exception:  # noqa: BLE001
-            pass
+        torch.compiler.reset()  # each shape compiles for its own static sizes, as in training
         try:
             base, target, upstream = make_inputs(n, v, device, seed=n + v)
         except Exception as exc:  # noqa: BLE001
@@ -302,14 +269,7 @@ def run_single(args, device):
                 row = f"| {shape} | {name} | skipped: time budget {args.budget_s} s spent{empty}"
             else:
                 try:
-                    r = time_impl(fn, base, target, upstream, timer, args.warmup, args.iters)
-                    if name == "mindspeed_cez":
-                        anchor = torch.zeros((), device=device, requires_grad=True)
-
-                        def step():
-                            loss, _ = fn(LogitsSource.apply(base, anchor, None), target)
-                            torch.autograd.backward(loss, upstream.to(loss.dtype))
-                        r["graph"] = graph_replay_ms(step, timer, args.iters)
+                    r = time_impl(fn, base, target, upstream, timer, args.warmup, args.iters, name == "mindspeed_cez")
                     per_token = "n/a" if r["peak"] is None else f"{r['peak'] / n:.0f}"
                     row = (f"| {shape} | {name} | {fmt_ms(r['fwd'])} | {fmt_ratio(r['fwd'], floor_fwd)} "
                            f"| {fmt_ms(r['fwd+bwd'])} | {fmt_ratio(r['fwd+bwd'], floor_all)} "
@@ -330,9 +290,6 @@ def run_single(args, device):
     log("\n" + write_report(args.out, report))
 
 
-# --------------------------------------------------------------------------- tensor-parallel run
-
-
 def run_tp(args, device):
     """Per rank: our kernels alone on the shard, the op at TP=1 on the shard, the op at TP=world."""
     from mindspeed_cez import kernels as cez_kernels
@@ -341,7 +298,7 @@ def run_tp(args, device):
 
     t_begin = time.time()
     rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
-    n, global_vocab = args.tp_shape or (SMOKE_TP_GLOBAL_SHAPE if args.smoke else TP_GLOBAL_SHAPE)
+    n, global_vocab = args.tp_shape or TP_SHAPE[args.smoke]
     if global_vocab % world:
         raise SystemExit(f"global vocab {global_vocab} does not divide by {world} ranks")
     v_local = global_vocab // world
@@ -354,24 +311,17 @@ def run_tp(args, device):
     mask = (torch.rand(n, generator=gen) < 0.95).float()
     upstream = (mask / mask.sum()).to(device)
     backend = cez_kernels.backend_for(device, BACKEND)
-    timer = Timer(device)
-    anchor = torch.zeros((), device=device, requires_grad=True)
+    timer, anchor = Timer(device), torch.zeros((), device=device, requires_grad=True)
+
+    def aligned():  # ranks start each timed iteration together
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda" else {}))
 
     def measure(step):
-        """Median ms of step(x) over fresh non-leaf copies x of the shard, ranks aligned by a barrier."""
         for _ in range(args.warmup):
             step(LogitsSource.apply(shard, anchor, None))
-        for _ in range(args.iters):
-            x = LogitsSource.apply(shard, anchor, None)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda" else {}))
-            timer.prepare()
-            started = timer.start()
-            step(x)
-            timer.stop(started)
-            del x
-        return timer.median_ms()
+        return median_ms(step, shard, timer, args.iters, aligned)
 
     # lse for the gradient kernel (computed once, untimed): the op's value at TP=world
     with torch.no_grad():
@@ -403,9 +353,8 @@ def run_tp(args, device):
     # The op at TP=1 on this shard size: the shard stands for a whole vocab of v_local (targets
     # folded into it), so no collective runs.
     single, tp_key = f"op, TP=1 on a {n} x {v_local} vocab", f"op, TP={world} (with its all-reduces)"
-    collective_ms = measure(collectives)
-    rows = {"kernels alone (this shard)": (measure(kernels(False)), measure(kernels(True))),
-            "the two all-reduces alone": (collective_ms, collective_ms),
+    kernels_key, collectives_key, collective_ms = "kernels alone (this shard)", "the two all-reduces alone", measure(collectives)
+    rows = {kernels_key: (measure(kernels(False)), measure(kernels(True))), collectives_key: (collective_ms, collective_ms),
             single: tuple(measure(op_step(None, target % v_local, b)) for b in (False, True)),
             tp_key: tuple(measure(op_step(group, target, b)) for b in (False, True))}
 
@@ -431,24 +380,21 @@ def run_tp(args, device):
             report.append(f"| {item['rank']} | {what} | " + " | ".join(
                 f"{fmt_ms(ms)} | {fmt_ratio(ms, f)}" for ms, f in zip(times, floor)) + " |")
 
-    def per_rank(text):
-        return ", ".join(f"rank {i['rank']} " + text(i["rows"], i) for i in gathered)
-    report += ["", f"Collective cost (op at TP={world} minus op at TP=1 on the same shard, fwd / fwd+bwd): " + per_rank(
-                   lambda r, i: " / ".join(f"{r[tp_key][k] - r[single][k]:+.3f}" for k in (0, 1)) + " ms"),
-               "", f"Op at TP={world} / (kernels alone + the two all-reduces alone), fwd / fwd+bwd (target <= 1.10): "
-               + per_rank(lambda r, i: " / ".join(f"{r[tp_key][k] / (r['kernels alone (this shard)'][k] + r['the two all-reduces alone'][k]):.3f}"
-                                                  for k in (0, 1))),
-               "", "TP loss vs float64 on the gathered first rows: " + per_rank(lambda r, i: f"rel err {i['loss_err']:.1e}"),
+    def per_rank(what, value, unit=""):  # fwd / fwd+bwd per rank
+        return ["", what + ", ".join(f"rank {i['rank']} " + " / ".join(value(i["rows"], k) for k in (0, 1)) + unit
+                                     for i in gathered)]
+    report += per_rank(f"Collective cost (op at TP={world} minus op at TP=1 on the same shard, fwd / fwd+bwd): ",
+                       lambda r, k: f"{r[tp_key][k] - r[single][k]:+.3f}", " ms")
+    report += per_rank(f"Op at TP={world} / (kernels alone + the two all-reduces alone), fwd / fwd+bwd (target <= 1.10): ",
+                       lambda r, k: f"{r[tp_key][k] / (r[kernels_key][k] + r[collectives_key][k]):.3f}")
+    report += ["", "TP loss vs float64 on the gathered first rows: "
+               + ", ".join(f"rank {i['rank']} rel err {i['loss_err']:.1e}" for i in gathered),
                "", f"total wall time {time.time() - t_begin:.0f} s"]
     log("\n" + write_report(args.out, report))
 
 
-# --------------------------------------------------------------------------- main
-
-
 def _shape(text):
-    n, v = text.lower().split("x")
-    return int(n), int(v)
+    return tuple(int(x) for x in text.lower().split("x"))
 
 
 def main(argv=None):
@@ -467,11 +413,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.warmup = (2 if args.smoke else 20) if args.warmup is None else args.warmup
     args.iters = (3 if args.smoke else 50) if args.iters is None else args.iters
-    if args.device:
-        device = torch.device(args.device)
-    elif args.smoke or not torch.cuda.is_available():
-        device = torch.device("cpu")
-    else:
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device(args.device or ("cuda" if cuda else "cpu"))
+    if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -487,12 +431,8 @@ def main(argv=None):
             run_single(args, device)
     finally:
         if dist.is_initialized():
-            parallel_state = sys.modules.get("megatron.core.parallel_state")
-            if parallel_state is not None:
-                try:
-                    parallel_state.destroy_model_parallel()
-                except Exception:  # noqa: BLE001
-                    pass
+            with contextlib.suppress(Exception):
+                sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
             dist.destroy_process_group()
 
 
