@@ -5,6 +5,7 @@ Per ``N x h x V``: bf16 hidden [N, h], weight [V, h], 10 % ignored targets, loss
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 
@@ -57,19 +58,32 @@ def liger():
         h, w, t, lse_square_scale=Z, reduction="sum")}
 
 
-def implementations(main_grad_rows=()):
-    impls = {
-        "unfused: cuBLAS + cez op": unfused,
+def implementations(args):
+    """name -> loss(h, w, t). ``--accumulations``: the unfused op, Liger, the default path into main_grad
+    with each fp32 accumulation forced (``addmm_out_dtype``: torch >= 2.8; ``triton``: what torch < 2.8
+    runs; ``gemm_add``: 16-bit GEMM + fp32 add), and the block dial on the accumulation this torch chooses."""
+    impls = {"unfused: cuBLAS + cez op": unfused}
+    if args.accumulations:
+        from mindspeed_cez import fp32_accumulation as acc
+
+        for kind in ("addmm_out_dtype", "triton", "gemm_add")[0 if acc.ADDMM_OUT_DTYPE else 1:]:
+            step = functools.partial(into_main_grad)
+            step.forced = kind  # stepper() runs it under fp32_accumulation.forced(kind)
+            impls[f"default path (fraction 0.5), {kind}"] = step
+        for fraction in FRACTIONS:
+            impls[f"dial: fraction {fraction}, {acc.kind_for(torch.device('cuda'))}"] = functools.partial(
+                into_main_grad, block_fraction=fraction)
+        return {**impls, **liger()}
+    impls.update({
         "cez fused, Triton tl.dot": lambda h, w, t: fused_loss(h, w, t, linear_backend="triton"),
         "cez fused, cuBLAS chunks": lambda h, w, t: fused_loss(h, w, t, linear_backend="gemm"),
         # the loss mask as token weights (upstream gradient mask / const, as in Megatron)
         "cez fused, grads in forward": lambda h, w, t: fused_loss(h, w, t, token_weights=(t != -100).float(),
                                                                   grads="forward"),
-        "cez fused, grads in forward into main_grad (default rows)": into_main_grad,
-    }
-    for rows in main_grad_rows:
-        impls[f"cez fused, grads in forward into main_grad, {rows} rows"] = (
-            lambda h, w, t, rows=rows: into_main_grad(h, w, t, row_block=rows))
+        "cez fused, grads in forward into main_grad (default rows)": into_main_grad})
+    for rows in args.main_grad_rows:
+        impls[f"cez fused, grads in forward into main_grad, {rows} rows"] = functools.partial(into_main_grad,
+                                                                                              row_block=rows)
     impls.update(liger())
     try:
         from cut_cross_entropy import linear_cross_entropy
@@ -90,9 +104,13 @@ def inputs(n, h, v, seed=0):
 
 
 def stepper(fn, h, w, t):
+    """One forward+backward of ``fn`` (under ``fp32_accumulation.forced(fn.forced)`` where it says)."""
+    from mindspeed_cez import fp32_accumulation as acc
+
     def step():
         h.grad = w.grad = None
-        fn(h, w, t).backward()
+        with acc.forced(fn.forced) if getattr(fn, "forced", None) else contextlib.nullcontext():
+            fn(h, w, t).backward()
     return step
 
 
@@ -109,7 +127,7 @@ def float64_grads():
 
 
 def run(args):
-    impls = implementations(args.main_grad_rows)
+    impls = implementations(args)
     if args.impls:
         impls = {name: fn for name, fn in impls.items() if any(part in name for part in args.impls)}
     lines = [f"Output projection + CE (+ z-loss), fwd+bwd, bf16; median of {args.iters} (CUDA events)", "",
@@ -118,24 +136,27 @@ def run(args):
     hs, ws, ts, exp_dh, exp_dw = float64_grads()  # peers without z differ by it
     for name, fn in impls.items():
         h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
-        fn(h, w, ts).backward()
+        stepper(fn, h, w, ts)()
         dw = w.main_grad if hasattr(w, "main_grad") else w.grad
         lines.append(f"| {name} | {relative_error(h.grad, exp_dh):.2e} | {relative_error(dw, exp_dw):.2e} |")
     lines += ["", "Peak extra: beyond the inputs and their gradients (Megatron's fp32 main_grad where the path writes",
               "it), in multiples of the bf16 logits.", "",
-              "| N x h x V | implementation | ms | / 3-GEMM floor | peak extra (x logits) |", "|---|---|---|---|---|"]
+              "| N x h x V | implementation | ms | / 3-GEMM floor | / unfused | peak extra (x logits) |",
+              "|---|---|---|---|---|---|"]
     for shape in args.shapes:
         n, hdim, v = dims(shape)
-        floor = gemm_floor_ms(n, hdim, v, args)
-        lines.append(f"| {shape} | 3 GEMMs (cuBLAS) | {floor:.3f} | 1.00 | |")
+        floor, unfused_ms = gemm_floor_ms(n, hdim, v, args), None
+        lines.append(f"| {shape} | 3 GEMMs (cuBLAS) | {floor:.3f} | 1.00 | | |")
         for name, fn in impls.items():
             hidden, weight, target = inputs(n, hdim, v)
             try:  # a peer that cannot run a shape is reported
                 ms, extra = time_and_peak(stepper(fn, hidden.requires_grad_(), weight.requires_grad_(), target),
                                           args.warmup, args.iters)
-                lines.append(f"| {shape} | {name} | {ms:.3f} | {ms / floor:.2f} | {extra / (n * v * 2):.2f} |")
+                unfused_ms = ms if name.startswith("unfused") else unfused_ms
+                lines.append(f"| {shape} | {name} | {ms:.3f} | {ms / floor:.2f} | "
+                             f"{f'{ms / unfused_ms:.3f}' if unfused_ms else '-'} | {extra / (n * v * 2):.2f} |")
             except Exception as exc:  # noqa: BLE001
-                lines.append(f"| {shape} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | | |")
+                lines.append(f"| {shape} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | |")
             print(lines[-1], flush=True)
             del hidden, weight, target
             torch.cuda.empty_cache()
@@ -152,61 +173,6 @@ def run(args):
             print(lines[-1], flush=True)
             del hidden, weight, target
             torch.cuda.empty_cache()
-    return lines
-
-
-def sweep_accumulations(args):
-    """Per shape: the unfused op, Liger, the default path into main_grad (block fraction 0.5) with
-    each fp32 accumulation forced (``addmm_out_dtype``: torch >= 2.8; ``triton``: what torch < 2.8
-    runs; ``gemm_add``: 16-bit GEMM + fp32 add), then the dial's curve (time and peak per block
-    fraction) on the accumulation this torch chooses; a float64 check of each accumulation first."""
-    from mindspeed_cez import fp32_accumulation as acc
-    from mindspeed_cez.linear_cross_entropy import default_row_block
-
-    kinds = [k for k in ("addmm_out_dtype", "triton", "gemm_add") if k != "addmm_out_dtype" or acc.ADDMM_OUT_DTYPE]
-    chosen = acc.kind_for(torch.device("cuda"))
-    lines = [f"fp32 accumulation and the block dial, fwd+bwd into an fp32 main_grad, bf16; median of {args.iters} "
-             f"(CUDA events); this torch chooses {chosen}", "",
-             "| accumulation | dweight rel. error (512 x 512 x 8192, vs float64) |", "|---|---|"]
-    hs, ws, ts, _, exp_dw = float64_grads()
-    for kind in kinds:
-        w = ws.clone().requires_grad_()
-        with acc.forced(kind):
-            into_main_grad(hs.clone().requires_grad_(), w, ts).backward()
-        lines.append(f"| {kind} | {relative_error(w.main_grad, exp_dw):.2e} |")
-    lines += ["", "Peak extra: beyond the inputs, their gradients and main_grad, in multiples of the bf16 logits.", "",
-              "| N x h x V | implementation | rows per block | ms | / unfused | / out_dtype | peak extra (x logits) |",
-              "|---|---|---|---|---|---|---|"]
-    for shape in args.shapes:
-        n, hdim, v = dims(shape)
-        hidden, weight, target = inputs(n, hdim, v)
-        h, w, mask = hidden.requires_grad_(), weight.requires_grad_(), (target != -100).float()
-        rows = [("unfused: cuBLAS + cez op", "", time_and_peak(stepper(unfused, h, w, target), args.warmup, args.iters))]
-        for name, fn in liger().items():
-            rows.append((f"{name} 0.8.5", "", time_and_peak(stepper(fn, h, w, target), args.warmup, args.iters)))
-        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-
-        def fused(fraction, kind=None):
-            def step():
-                h.grad = w.grad = None
-                with acc.forced(kind) if kind else contextlib.nullcontext():
-                    into_main_grad(h, w, target, token_weights=mask, block_fraction=fraction).backward()
-            return time_and_peak(step, args.warmup, args.iters)
-
-        out_dtype = None
-        for kind in kinds:
-            result = fused(None, kind)
-            out_dtype = result[0] if kind == "addmm_out_dtype" else out_dtype
-            rows.append((f"default path (fraction 0.5), {kind}", default_row_block(n, v), result))
-        for fraction in FRACTIONS:
-            rows.append((f"dial: fraction {fraction}, {chosen}", default_row_block(n, v, fraction), fused(fraction)))
-        for name, block, (ms, extra) in rows:
-            ratio = f"{ms / out_dtype:.3f}" if out_dtype else ""
-            lines.append(f"| {shape} | {name} | {block} | {ms:.2f} | {ms / rows[0][2][0]:.3f} | {ratio} | "
-                         f"{extra / (n * v * 2):.2f} |")
-            print(lines[-1], flush=True)
-        del h, w, hidden, weight, target
-        torch.cuda.empty_cache()
     return lines
 
 
@@ -333,7 +299,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the op's CPU smoke run: python bench/op.py --smoke)")
     report = (sweep_tp if args.tp else tune_accumulate if args.tune_accumulate
-              else sweep_accumulations if args.accumulations else run)(args)
+              else run)(args)
     if report is not None:
         print(write_report(args.out, report))
 
