@@ -9,8 +9,8 @@ import gzip
 import json
 import os
 import re
-import shlex
 import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -53,13 +53,6 @@ VARIANTS = {
     "cez_fol": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-fused-output-layer"], {}),
     "cez_fol_recompute": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-fused-output-layer", "recompute"], {}),
 }
-# MindSpeed-LLM's logit transforms (worker()): Grok-1's --output-multiplier-scale
-# and Gemma-2's --output-logit-softcapping, as its GPTModel's torch ops before the unfused op
-# ("_torch"), or in the kernels (the unfused op: "cez_"; the fused output layer: "cez_fol_")
-for _name, _transform in (("grok", "scale=0.5773502691896257"), ("softcap", "softcap=30")):
-    for _where, _args in (("cez", VARIANTS["cez"][0]), ("cez_fol", VARIANTS["cez_fol"][0])):
-        VARIANTS[f"{_where}_{_name}"] = (_args, {"CEZ_BENCH_LOGITS": _transform, "CEZ_BENCH_LOGITS_IN": "kernel"})
-    VARIANTS[f"cez_{_name}_torch"] = (VARIANTS["cez"][0], {"CEZ_BENCH_LOGITS": _transform, "CEZ_BENCH_LOGITS_IN": "torch"})
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")
 
@@ -123,8 +116,8 @@ def profile_summary(directory, vocab):
 # --------------------------------------------------------------------------- the runs
 
 
-def launch(variant, config, iters, log_path, tp=1, profile_dir=None, extra=()):
-    """One Megatron run; ``extra``: Megatron arguments after the config's (the last value wins)."""
+def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
+    """One Megatron run of ``variant``: its step times, peak memory, LM losses (and profile summary)."""
     args, env_extra = VARIANTS[variant]
     env_extra = {**CONFIG_ENV.get(config, {}), **env_extra}
     parallel = ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
@@ -134,16 +127,15 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None, extra=()):
                      "--tensorboard-dir", os.path.join(profile_dir, "tb")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), os.path.abspath(__file__), *COMMON, *CONFIGS[config], *parallel,
-           "--train-iters", str(iters), *extra, *args]
+           "--train-iters", str(iters), *args]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1", CEZ_BENCH_WORKER="1", **env_extra)
     start = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     with open(log_path, "w") as fh:
         fh.write(" ".join(cmd) + "\n\n" + proc.stdout + proc.stderr)
-    steps = {int(i): float(ms) for i, ms in STEP.findall(proc.stdout)}
     peaks = [int(v) for v in PEAK.findall(proc.stdout)]  # one line per rank
-    return {"variant": variant, "rc": proc.returncode, "wall_s": time.time() - start, "steps_ms": steps,
-            "peak_bytes": max(peaks) if peaks else None,
+    return {"variant": variant, "rc": proc.returncode, "wall_s": time.time() - start, "peak_bytes": max(peaks, default=None),
+            "steps_ms": {int(i): float(ms) for i, ms in STEP.findall(proc.stdout)},
             # the output layer's ops carry this rank's vocab slice
             "profile": profile_summary(profile_dir, VOCAB // tp) if profile_dir else None,
             "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)]}
@@ -218,9 +210,6 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=float, default=540, help="no new launch after this many seconds")
     parser.add_argument("--profile", action="store_true",
                         help="first rep: torch-profile two steady steps per variant, report the GPU-busy share")
-    parser.add_argument("--extra", type=shlex.split, default=[],
-                        help='Megatron arguments after the config\'s, one string (--extra="--hidden-size 4096"; '
-                             "the last value of a flag wins)")
     parser.add_argument("--out", default="out/e2e")
     args = parser.parse_args(argv)
     variants = args.variants or [v for v in VARIANTS if v != "z_by_hand" or args.tp == 1]
@@ -237,22 +226,19 @@ def main(argv=None):
                 break
             profile_dir = os.path.join(args.out, f"trace_{name}_{variant}") if args.profile and rep == 0 else None
             run = launch(variant, args.config, args.iters, os.path.join(args.out, f"{name}_{variant}_{rep + 1}.log"),
-                         tp=args.tp, profile_dir=profile_dir, extra=args.extra)
+                         tp=args.tp, profile_dir=profile_dir)
             if profile_dir:
-                if run.get("profile"):
-                    print(json.dumps(run["profile"], indent=1), flush=True)
-                subprocess.run(["rm", "-rf", profile_dir])  # traces are large; the summary is kept in the JSON
+                shutil.rmtree(profile_dir, ignore_errors=True)  # traces are large; the summary is kept in the JSON
             runs.append(run)
-            steady = steady_steps(run, args.skip)
-            med = f"{statistics.median(steady):.1f} ms" if steady else "-"
-            peak = f"{run['peak_bytes'] / 1e9:.2f} GB" if run["peak_bytes"] else "-"
-            prof = run.get("profile")
-            busy = f" gpu busy {prof['gpu_busy_share']:.1%}, lm head {prof['lm_head_share']:.1%}" if prof else ""
-            print(f"rep {rep + 1} {variant:10s} rc={run['rc']} median step {med} peak {peak} "
-                  f"wall {run['wall_s']:.0f} s{busy}", flush=True)
+            steady, prof, peak = steady_steps(run, args.skip), run.get("profile"), run["peak_bytes"]
+            print(f"rep {rep + 1} {variant:10s} rc={run['rc']} median step "
+                  + (f"{statistics.median(steady):.1f} ms" if steady else "-")
+                  + (f" peak {peak / 1e9:.2f} GB" if peak else " peak -") + f" wall {run['wall_s']:.0f} s"
+                  + (f" gpu busy {prof['gpu_busy_share']:.1%}, lm head {prof['lm_head_share']:.1%}" if prof else ""),
+                  flush=True)
     summary = summarize(runs, args.skip)
     data = {"config": args.config, "run": run_info(), "args": vars(args),
-            "command": COMMON + CONFIGS[args.config] + args.extra, "summary": summary, "runs": runs}
+            "command": COMMON + CONFIGS[args.config], "summary": summary, "runs": runs}
     with open(os.path.join(args.out, f"e2e_{name}.json"), "w") as fh:
         json.dump(data, fh, indent=1)
     print(table(summary))
@@ -284,10 +270,7 @@ def _sdpa_forward(self, query, key, value, attention_mask, attn_mask_type=None, 
 def worker():
     """``examples/pretrain_gpt.py`` with the adaptor, and what the variant's environment asks for:
     ``CEZ_BENCH_HAND_Z=C``: the LM loss plus ``C * logsumexp(logits.float())**2`` in torch (TP=1);
-    ``CEZ_BENCH_ATTENTION=sdpa``: ``_sdpa_forward``; ``CEZ_BENCH_LOGITS=scale=S|softcap=C``: MindSpeed-LLM's
-    ``--output-multiplier-scale`` / ``--output-logit-softcapping`` (Megatron's GPTModel lacks them), as
-    its torch ops on the main head's logits (``CEZ_BENCH_LOGITS_IN=torch``) or in the kernels
-    (``kernel``, as the adaptor serves MindSpeed-LLM); at exit, ``CEZ_BENCH peak_allocated_bytes=N``."""
+    ``CEZ_BENCH_ATTENTION=sdpa``: ``_sdpa_forward``; at exit, ``CEZ_BENCH peak_allocated_bytes=N``."""
     import atexit
 
     import torch
@@ -309,33 +292,6 @@ def worker():
 
         DotProductAttention.forward = _sdpa_forward
         print("CEZ_BENCH attention: torch scaled_dot_product_attention (causal)", flush=True)
-    if os.environ.get("CEZ_BENCH_LOGITS"):
-        from megatron.core.models.gpt.gpt_model import GPTModel
-
-        from mindspeed_cez.kernels.logit_transform import LogitTransform
-        from mindspeed_cez.patches import mindspeed_llm
-
-        kind, value = os.environ["CEZ_BENCH_LOGITS"].split("=")
-        value, init = float(value), GPTModel.__init__
-
-        def __init__(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            layer = getattr(self, "output_layer", None)
-            if layer is None:
-                return
-
-            def forward(*a, **k):  # the class's forward at call time: the adaptor's patch included
-                logits, bias = type(layer).forward(layer, *a, **k)
-                if kind == "scale":
-                    return logits * value, bias
-                return torch.tanh(logits / value) * value, bias
-
-            layer.forward = forward
-
-        GPTModel.__init__ = __init__
-        transform = LogitTransform(scale=value) if kind == "scale" else LogitTransform(cap=value)
-        in_kernel = os.environ.get("CEZ_BENCH_LOGITS_IN") == "kernel"
-        mindspeed_llm.logit_transform = lambda args: transform if in_kernel else None  # as its flags would set it
     atexit.register(lambda: torch.cuda.is_available() and print(
         f"CEZ_BENCH peak_allocated_bytes={torch.cuda.max_memory_allocated()}", flush=True))
     from mindspeed_cez import launch

@@ -5,6 +5,7 @@ the run's stamp (commit, device, date, versions)."""
 import datetime
 import functools
 import gc
+import importlib.metadata
 import json
 import os
 import platform
@@ -24,18 +25,17 @@ L2_FLUSH_BYTES = 256 << 20
 GEMM_KERNELS = ("gemm", "sm90", "cutlass", "xmma", "nvjet")
 
 
-def log(*args):
-    print(*args, flush=True)
-
-
 def short(exc, limit=160):
     text = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace("|", "/")
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def is_oom(exc):
-    oom = getattr(torch.cuda, "OutOfMemoryError", ())
-    return (oom and isinstance(exc, oom)) or "out of memory" in str(exc).lower()
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def log(*args):
+    print(*args, flush=True)
 
 
 def cleanup(device=None):
@@ -181,12 +181,10 @@ def copy_bandwidth(device, nbytes=2 << 30, iters=20):
 # --------------------------------------------------------------------------- the report
 
 
-def version(module_name):
+def version(distribution):
     try:
-        from importlib import metadata
-
-        return metadata.version(module_name)
-    except Exception:  # noqa: BLE001
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
         return "not installed"
 
 
@@ -210,12 +208,6 @@ def run_info():
     else:
         device = f"CPU ({platform.processor() or platform.machine()})"
     try:
-        import triton
-
-        triton_version = triton.__version__
-    except Exception:  # noqa: BLE001
-        triton_version = "not installed"
-    try:
         import mindspeed_cez
 
         cez = f"{mindspeed_cez.__version__} from {os.path.dirname(mindspeed_cez.__file__)}"
@@ -223,7 +215,7 @@ def run_info():
         cez = short(exc)
     return {"commit": commit(), "device": device,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
+            "python": platform.python_version(), "torch": torch.__version__, "triton": version("triton"),
             "megatron-core": version("megatron-core"), "liger-kernel": version("liger-kernel"), "mindspeed_cez": cez,
             "env": {k: os.environ.get(k, "") for k in ("TRITON_INTERPRET", "MINDSPEED_CEZ_BACKEND", "NCCL_NVLS_ENABLE")}}
 

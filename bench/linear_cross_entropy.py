@@ -220,7 +220,7 @@ def tune_accumulate(args):
         tma.LAUNCH_CONFIG["cuda"].clear()
         tma.LAUNCH_CONFIG["cuda"].update(saved)
         tma.launch_plans_changed()
-        del dlogits, x, out
+        dlogits = x = out = None  # freed before the next shape's
         torch.cuda.empty_cache()
     return lines
 
@@ -229,7 +229,7 @@ def sweep_tp(args):
     """TP=2 over NCCL with sequence parallelism (``torchrun --nproc-per-node 2``): per global shape,
     the unfused layer (all-gathered hidden, cuBLAS logits of this rank's vocab slice, the op; the
     all-gather's backward reduce-scatters dhidden) beside the default path into main_grad at each block
-    fraction; rank 0's time and peak; first a float64 check of the default path at a small shape."""
+    fraction; rank 0's time and peak (the float64 checks of TP + SP: tests/test_linear_cross_entropy*.py)."""
     import torch.distributed as dist
     from torch.distributed.nn.functional import all_gather
 
@@ -239,25 +239,15 @@ def sweep_tp(args):
     rank, tp, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     torch.cuda.set_device(rank)
     lines = [f"TP={tp} + SP over NCCL, fwd+bwd into an fp32 main_grad, bf16; rank 0, median of {args.iters} "
-             "(CUDA events); N x h x V global (each rank: N/2 tokens of hidden, V/2 vocab rows)", ""]
-
-    def problem(n, hdim, v, seed=0):
-        """This rank's hidden rows and weight rows (leaves), the targets, and the slices taken."""
-        hidden, weight, target = inputs(n, hdim, v, seed)  # the same on every rank
-        rows, cols = slice(rank * n // tp, (rank + 1) * n // tp), slice(rank * v // tp, (rank + 1) * v // tp)
-        return hidden[rows].clone().requires_grad_(), weight[cols].clone().requires_grad_(), target, rows, cols
-
-    _, exp_dh, exp_dw = linear_loss_and_grads_float64(*inputs(1024, 512, 8192, seed=1), torch.ones(1024, device="cuda"),
-                                                      z_loss_coeff=Z)
-    h, w, target, rows, cols = problem(1024, 512, 8192, seed=1)
-    into_main_grad(h, w, target, tp_group=group, sequence_parallel=True).backward()
-    lines += [f"float64 check at 1024 x 512 x 8192, rank {rank}: dhidden rel. error "
-              f"{relative_error(h.grad, exp_dh[rows]):.2e}, dweight (main_grad) {relative_error(w.main_grad, exp_dw[cols]):.2e}",
-              "", "| N x h x V | implementation | rows per block | ms | / unfused | peak extra (x this rank's logits) |",
+             "(CUDA events); N x h x V global (each rank: N/2 tokens of hidden, V/2 vocab rows)", "",
+             "| N x h x V | implementation | rows per block | ms | / unfused | peak extra (x this rank's logits) |",
               "|---|---|---|---|---|---|"]
     for shape in args.shapes:
         n, hdim, v = dims(shape)
-        h, w, target, _, _ = problem(n, hdim, v)
+        hidden, weight, target = inputs(n, hdim, v)  # the same on every rank; this rank's rows of hidden and weight:
+        h = hidden[rank * n // tp:(rank + 1) * n // tp].clone().requires_grad_()
+        w = weight[rank * v // tp:(rank + 1) * v // tp].clone().requires_grad_()
+        del hidden, weight
         mask = (target != -100).float()
         torch.cuda.empty_cache()
         base = time_and_peak(stepper(lambda h, w, t: unfused(torch.cat(all_gather(h, group=group)), w, t, group), h, w,

@@ -1,15 +1,7 @@
 #!/usr/bin/env bash
-# One device-tool call, from the repository root with .whl carried (bench/README.md):
-#     bash bench/run_device.sh STEP [STEP ...]        (no STEP: env tests peers)
-# Installs the wheels and this tree into $SITE (kernels/ and patches/ become mindspeed_cez.kernels /
-# .patches through the install), keeps NVLink multicast off; each step writes to $OUT:
-#   env        GPUs, driver, package versions                        env.txt
-#   tests      the op suites on CUDA                                  gpu_tests.log
-#   peers      bench/op.py: the op beside Megatron, Liger, compile     bench.md/.json, bench.log
-#   peers-tp   the same at TP=2 over NCCL (2 GPUs)                    bench_tp.md/.json, bench_tp.log
-#   linear-ce  bench/linear_cross_entropy.py $LINEAR_ARGS              linear_ce.md/.json
-#   e2e        bench/e2e_megatron.py $E2E_ARGS (default: --config busy --variants native cez --pairs 3 --profile)
-# Mind the device tool's 600 s per command: e2e alone takes most of it.
+# One device-tool call from the repository root, .whl carried: bash bench/run_device.sh STEP [STEP ...]
+# (no STEP: env tests peers). Installs the wheels and this tree into $SITE, keeps NVLink multicast off;
+# each step writes to $OUT. Steps, outputs, $LINEAR_ARGS / $E2E_ARGS: bench/README.md.
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 OUT=${OUT:-$PWD/out} SITE=${SITE:-/tmp/site} PY=${PYTHON:-python3}
