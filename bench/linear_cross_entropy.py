@@ -1,6 +1,6 @@
 """The fused output layer (``linear_cross_entropy_zloss``) beside cuBLAS + the op and the peers' fused
-linear CE: forward+backward time over the 3-GEMM floor (CUDA events), peak memory, error against
-float64; ``--accumulations``, ``--tune-accumulate``, ``--tp``, ``--profile``: bench/README.md.
+linear CE: forward+backward time over the 3-GEMM floor (CUDA events), peak memory (error against
+float64: tests/); ``--accumulations``, ``--tune-accumulate``, ``--tp``, ``--profile``: bench/README.md.
 Per ``N x h x V``: bf16 hidden [N, h], weight [V, h], 10 % ignored targets, loss = sum, c = 1e-4."""
 
 import argparse
@@ -13,7 +13,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import kernel_ms, time_and_peak, timed, write_report  # noqa: E402
-from support import linear_loss_and_grads_float64, relative_error  # noqa: E402  (tests/support.py)
 
 Z = 1e-4
 # issue 31's table; the last: a DeepSeek-V3-like vocab slice (V/8)
@@ -119,30 +118,14 @@ def gemm_floor_ms(n, h, v, args):
     return 3 * timed(lambda: a @ b, args.warmup, args.iters)
 
 
-def float64_grads():
-    """Inputs at 512 x 512 x 8192 and the float64 dhidden, dweight (z-loss as implemented)."""
-    hs, ws, ts = inputs(512, 512, 8192, seed=1)
-    _, dh, dw = linear_loss_and_grads_float64(hs, ws, ts, torch.ones(len(ts), device=ts.device), z_loss_coeff=Z)
-    return hs, ws, ts, dh, dw
-
-
 def run(args):
     impls = implementations(args)
     if args.impls:
         impls = {name: fn for name, fn in impls.items() if any(part in name for part in args.impls)}
-    lines = [f"Output projection + CE (+ z-loss), fwd+bwd, bf16; median of {args.iters} (CUDA events)", "",
-             "| implementation | dhidden rel. error | dweight rel. error (512 x 512 x 8192, vs float64 with z-loss) |",
-             "|---|---|---|"]
-    hs, ws, ts, exp_dh, exp_dw = float64_grads()  # peers without z differ by it
-    for name, fn in impls.items():
-        h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
-        stepper(fn, h, w, ts)()
-        dw = w.main_grad if hasattr(w, "main_grad") else w.grad
-        lines.append(f"| {name} | {relative_error(h.grad, exp_dh):.2e} | {relative_error(dw, exp_dw):.2e} |")
-    lines += ["", "Peak extra: beyond the inputs and their gradients (Megatron's fp32 main_grad where the path writes",
-              "it), in multiples of the bf16 logits.", "",
-              "| N x h x V | implementation | ms | / 3-GEMM floor | / unfused | peak extra (x logits) |",
-              "|---|---|---|---|---|---|"]
+    lines = [f"Output projection + CE (+ z-loss), fwd+bwd, bf16; median of {args.iters} (CUDA events). Peak extra: "
+             "beyond the inputs and their gradients (Megatron's fp32 main_grad where the path writes it), in multiples "
+             "of the bf16 logits.", "", "| N x h x V | implementation | ms | / 3-GEMM floor | / unfused "
+             "| peak extra (x logits) |", "|---|---|---|---|---|---|"]
     for shape in args.shapes:
         n, hdim, v = dims(shape)
         floor, unfused_ms = gemm_floor_ms(n, hdim, v, args), None
