@@ -224,7 +224,7 @@ def sweep_tp(args):
     lines = [f"TP={tp} + SP over NCCL, fwd+bwd into an fp32 main_grad, bf16; rank 0, median of {args.iters} "
              "(CUDA events); N x h x V global (each rank: N/2 tokens of hidden, V/2 vocab rows)", "",
              "| N x h x V | implementation | rows per block | ms | / unfused | peak extra (x this rank's logits) |",
-              "|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|"]
     for shape in args.shapes:
         n, hdim, v = dims(shape)
         hidden, weight, target = inputs(n, hdim, v)  # the same on every rank; this rank's rows of hidden and weight:
@@ -244,7 +244,8 @@ def sweep_tp(args):
                                                block_fraction=fraction),
                 h, w, target), args.warmup, args.iters)))
         for name, block, (ms, extra) in results:
-            lines.append(f"| {shape} | {name} | {block} | {ms:.2f} | {ms / base[0]:.3f} | {extra / (n * (v // tp) * 2):.2f} |")
+            lines.append(f"| {shape} | {name} | {block} | {ms:.2f} | {ms / base[0]:.3f} | "
+                         f"{extra / (n * (v // tp) * 2):.2f} |")
             if rank == 0:
                 print(lines[-1], flush=True)
         del h, w
@@ -271,8 +272,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the op's CPU smoke run: python bench/op.py --smoke)")
-    report = (sweep_tp if args.tp else tune_accumulate if args.tune_accumulate
-              else run)(args)
+    report = (sweep_tp if args.tp else tune_accumulate if args.tune_accumulate else run)(args)
     if report is not None:
         print(write_report(args.out, report))
 
