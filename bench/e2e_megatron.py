@@ -1,73 +1,47 @@
-"""End to end in Megatron's own training loop on one GPU: step time and peak memory per LM loss.
-
-Each variant is one launch of ``bench/pretrain_gpt_bench.py`` (Megatron's ``pretrain`` through
-``examples/pretrain_gpt.py``, mock data, bf16, the local transformer implementation):
-
-==============  ==============================================================================
-``native``      Megatron's own CE, no z-loss
-``fused``       ``--cross-entropy-loss-fusion`` (Megatron's fused CE), no z-loss
-``z_by_hand``   Megatron's CE plus ``c * logsumexp(logits.float())**2`` in torch (what users write)
-``cez``         ``--lm-z-loss-coeff c`` (this package)
-``cez_fol*``    the same with ``--lm-fused-output-layer`` (``forward`` / ``recompute``)
-``*_grok``,     MindSpeed-LLM's logit scale / soft cap, in the kernels or (``*_torch``) as its
-``*_softcap``   torch ops before the op
-==============  ==============================================================================
-
-Variants run alternated (rep 1: a b c d, rep 2: b c d a, ...), each ``--iters`` iterations; a
-run's step time is the median of its iterations after ``--skip`` (Megatron's own "elapsed time
-per iteration" with ``--log-interval 1``). The table gives, per variant, the median over its runs
-and the spread (min-max of the run medians), and the peak allocated memory; ``e2e_<config>.json``
-holds every run with the commit, device, date and versions (``report.run_info``).
-
-    python bench/e2e_megatron.py --config busy --pairs 3 --out out/e2e           # on the GPU
-    python bench/e2e_megatron.py --tp 2 --variants native cez --out out/e2e      # 2 GPUs, TP=2
-"""
+"""End to end in Megatron's own ``pretrain`` (this script, relaunched by torchrun as ``worker()``): step
+time and peak memory per LM loss variant, variants alternated and repeated; ``--profile`` adds the
+GPU-idle and output-layer shares; every run lands in ``e2e_<config>.json`` with the run's stamp.
+Variants and method: bench/README.md."""
 
 import argparse
+import bisect
+import gzip
 import json
 import os
 import re
-import shlex
 import statistics
+import shutil
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import step_profile  # noqa: E402
-from report import run_info  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-from support import free_port  # noqa: E402
+from harness import REPO, run_info  # noqa: E402
+from support import free_port  # noqa: E402  (tests/support.py, on the path by harness)
 
 VOCAB = 151936
-ENTRY = os.path.join(HERE, "pretrain_gpt_bench.py")
 Z_COEFF = 1e-4
 
-COMMON = [
-    "--micro-batch-size", "1", "--global-batch-size", "8", "--seq-length", "4096",
-    "--max-position-embeddings", "4096", "--vocab-size", str(VOCAB), "--bf16",
-    "--num-experts", "8", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
-    "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
-    "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--lr", "1e-4", "--lr-decay-style", "constant", "--log-interval", "1", "--eval-iters", "0",
-    "--eval-interval", "100000", "--seed", "1234", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--transformer-impl", "local", "--attention-backend", "unfused", "--no-gradient-accumulation-fusion",
-    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
-    "--no-persist-layer-norm", "--position-embedding-type", "rope", "--distributed-backend", "nccl",
-]
+COMMON = (  # mock data, bf16, MoE of 8 experts top-2, the local transformer implementation, no fusions
+    "--micro-batch-size 1 --global-batch-size 8 --seq-length 4096 --max-position-embeddings 4096 --bf16 "
+    "--num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+    "--moe-token-dispatcher-type alltoall --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --lr 1e-4 "
+    "--lr-decay-style constant --log-interval 1 --eval-iters 0 --eval-interval 100000 --seed 1234 --mock-data "
+    "--tokenizer-type NullTokenizer --transformer-impl local --attention-backend unfused "
+    "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
+    "--no-rope-fusion --no-persist-layer-norm --position-embedding-type rope --distributed-backend nccl "
+    f"--vocab-size {VOCAB}").split()
 CONFIGS = {
     # quick: 4 layers, hidden 1024, 8 experts top-2, seq 4096 (host-bound on an H100)
-    "small": ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size", "4096",
-              "--moe-ffn-hidden-size", "1024", "--num-attention-heads", "16"],
-    # GPU-bound: attention on torch's SDPA (flash kernels, no s^2 scores; what a TE run has), hidden 3072, 8 layers, 4 experts top-2 of ffn 6144, seq 8192; experts padded to
-    # capacity 1.0 (no host sync per MoE layer: the GPU drained at each one); Python's GC off
-    # during training (Megatron's --manual-gc)
-    "busy": ["--num-layers", "8", "--hidden-size", "3072", "--ffn-hidden-size", "12288", "--num-attention-heads", "24",
-             "--num-experts", "4", "--moe-ffn-hidden-size", "6144", "--seq-length", "8192",
-             "--max-position-embeddings", "8192", "--moe-expert-capacity-factor", "1.0",
-             "--moe-pad-expert-input-to-capacity", "--manual-gc"],
+    "small": ("--num-layers 4 --hidden-size 1024 --ffn-hidden-size 4096 --moe-ffn-hidden-size 1024 "
+              "--num-attention-heads 16").split(),
+    # GPU-bound: attention on torch's SDPA (flash kernels, no s^2 scores; what a TE run has), hidden 3072,
+    # 8 layers, 4 experts top-2 of ffn 6144, seq 8192; experts padded to capacity 1.0 (no host sync per MoE
+    # layer: the GPU drained at each one); Python's GC off during training (Megatron's --manual-gc)
+    "busy": ("--num-layers 8 --hidden-size 3072 --ffn-hidden-size 12288 --num-attention-heads 24 --num-experts 4 "
+             "--moe-ffn-hidden-size 6144 --seq-length 8192 --max-position-embeddings 8192 "
+             "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --manual-gc").split(),
 }
 CONFIG_ENV = {"busy": {"CEZ_BENCH_ATTENTION": "sdpa", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 VARIANTS = {
@@ -79,25 +53,71 @@ VARIANTS = {
     "cez_fol": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-fused-output-layer"], {}),
     "cez_fol_recompute": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-fused-output-layer", "recompute"], {}),
 }
-# MindSpeed-LLM's logit transforms (bench/pretrain_gpt_bench.py): Grok-1's --output-multiplier-scale
-# and Gemma-2's --output-logit-softcapping, as its GPTModel's torch ops before the unfused op
-# ("_torch"), or in the kernels (the unfused op: "cez_"; the fused output layer: "cez_fol_")
-for _name, _transform in (("grok", "scale=0.5773502691896257"), ("softcap", "softcap=30")):
-    for _where, _args in (("cez", VARIANTS["cez"][0]), ("cez_fol", VARIANTS["cez_fol"][0])):
-        VARIANTS[f"{_where}_{_name}"] = (_args, {"CEZ_BENCH_LOGITS": _transform, "CEZ_BENCH_LOGITS_IN": "kernel"})
-    VARIANTS[f"cez_{_name}_torch"] = (VARIANTS["cez"][0], {"CEZ_BENCH_LOGITS": _transform, "CEZ_BENCH_LOGITS_IN": "torch"})
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")
 
 
-def _profile_summary(profile_dir, tp):
-    trace = step_profile.find_trace(profile_dir)
-    # the output layer's ops carry this rank's vocab slice
-    return step_profile.summarize(step_profile.load_events(trace), vocab=VOCAB // tp) if trace else None
+# --------------------------------------------------------------------------- the profiled step
 
 
-def launch(variant, config, iters, log_path, tp=1, profile_dir=None, extra=()):
-    """One Megatron run; ``extra``: Megatron arguments after the config's (the last value wins)."""
+def _union(intervals):
+    merged = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def profile_summary(directory, vocab):
+    """From the newest chrome trace under ``directory``, over its ``ProfilerStep#`` span:
+    ``gpu_busy_share`` (union of kernel intervals / wall time) and ``lm_head_share`` (kernels of the
+    output layer and the loss / wall time: this package's Triton kernels, and kernels launched inside
+    a CPU op with ``vocab`` among its input dims (needs ``--pytorch-profiler-collect-shapes``) or
+    inside this package's autograd Functions)."""
+    paths = [os.path.join(root, f) for root, _, files in os.walk(directory) for f in files
+             if f.endswith((".json", ".json.gz"))]
+    if not paths:
+        return None
+    path = max(paths, key=os.path.getmtime)
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as fh:
+        events = json.load(fh)["traceEvents"]
+    steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#") and "dur" in e]
+    if not steps:
+        return None
+    start, end = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+    kernels = [e for e in events if e.get("cat") == "kernel" and e["ts"] < end and e["ts"] + e["dur"] > start]
+    launches = {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in events  # kernel -> its launch's thread, time
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    vocab_ops = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and "dur" in e and (
+                any(vocab in d for d in e.get("args", {}).get("Input Dims", []) if isinstance(d, list))
+                or any(f in e["name"] for f in ("VocabParallelCrossEntropyZLoss", "LinearCrossEntropyZLoss"))):
+            vocab_ops.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    vocab_ops = {tid: _union(v) for tid, v in vocab_ops.items()}
+
+    def in_vocab_op(kernel):
+        tid, t = launches.get(kernel.get("args", {}).get("correlation"), (None, None))
+        merged = vocab_ops.get(tid)
+        i = bisect.bisect_right([a for a, _ in merged], t) - 1 if merged else -1
+        return i >= 0 and t <= merged[i][1]
+
+    ours = ("_forward_kernel", "_grad_kernel", "_rescale_kernel", "_loss_from_partials_kernel", "_partials_kernel",
+            "_merge_kernel")
+    clip = [(k, (max(k["ts"], start), min(k["ts"] + k["dur"], end))) for k in kernels]
+    head = [span for k, span in clip if k["name"].startswith(ours) or in_vocab_op(k)]
+    return {"steps": len({e["name"] for e in steps}), "window_ms": (end - start) / 1e3,
+            "gpu_busy_share": sum(b - a for a, b in _union([span for _, span in clip])) / (end - start),
+            "lm_head_share": sum(b - a for a, b in _union(head)) / (end - start)}
+
+
+# --------------------------------------------------------------------------- the runs
+
+
+def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
+    """One Megatron run of ``variant``: its step times, peak memory, LM losses (and profile summary)."""
     args, env_extra = VARIANTS[variant]
     env_extra = {**CONFIG_ENV.get(config, {}), **env_extra}
     parallel = ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
@@ -106,19 +126,18 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None, extra=()):
                      "--profile-step-end", str(iters - 2), "--profile-ranks", "0", "--pytorch-profiler-collect-shapes",
                      "--tensorboard-dir", os.path.join(profile_dir, "tb")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), ENTRY, *COMMON, *CONFIGS[config], *parallel, "--train-iters", str(iters),
-           *extra, *args]
-    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1", **env_extra)
+           "--master-port", str(free_port()), os.path.abspath(__file__), *COMMON, *CONFIGS[config], *parallel,
+           "--train-iters", str(iters), *args]
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1", CEZ_BENCH_WORKER="1", **env_extra)
     start = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
     with open(log_path, "w") as fh:
-        fh.write(" ".join(cmd) + "\n\n" + log)
-    steps = {int(i): float(ms) for i, ms in STEP.findall(proc.stdout)}
+        fh.write(" ".join(cmd) + "\n\n" + proc.stdout + proc.stderr)
     peaks = [int(v) for v in PEAK.findall(proc.stdout)]  # one line per rank
-    return {"variant": variant, "rc": proc.returncode, "wall_s": time.time() - start, "steps_ms": steps,
-            "peak_bytes": max(peaks) if peaks else None,
-            "profile": _profile_summary(profile_dir, tp) if profile_dir else None,
+    return {"variant": variant, "rc": proc.returncode, "wall_s": time.time() - start, "peak_bytes": max(peaks, default=None),
+            "steps_ms": {int(i): float(ms) for i, ms in STEP.findall(proc.stdout)},
+            # the output layer's ops carry this rank's vocab slice
+            "profile": profile_summary(profile_dir, VOCAB // tp) if profile_dir else None,
             "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)]}
 
 
@@ -191,9 +210,6 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=float, default=540, help="no new launch after this many seconds")
     parser.add_argument("--profile", action="store_true",
                         help="first rep: torch-profile two steady steps per variant, report the GPU-busy share")
-    parser.add_argument("--extra", type=shlex.split, default=[],
-                        help='Megatron arguments after the config\'s, one string (--extra="--hidden-size 4096"; '
-                             "the last value of a flag wins)")
     parser.add_argument("--out", default="out/e2e")
     args = parser.parse_args(argv)
     variants = args.variants or [v for v in VARIANTS if v != "z_by_hand" or args.tp == 1]
@@ -210,27 +226,78 @@ def main(argv=None):
                 break
             profile_dir = os.path.join(args.out, f"trace_{name}_{variant}") if args.profile and rep == 0 else None
             run = launch(variant, args.config, args.iters, os.path.join(args.out, f"{name}_{variant}_{rep + 1}.log"),
-                         tp=args.tp, profile_dir=profile_dir, extra=args.extra)
+                         tp=args.tp, profile_dir=profile_dir)
             if profile_dir:
-                if run.get("profile"):
-                    print(json.dumps(run["profile"], indent=1), flush=True)
-                subprocess.run(["rm", "-rf", profile_dir])  # traces are large; the summary is kept in the JSON
+                shutil.rmtree(profile_dir, ignore_errors=True)  # traces are large; the summary is kept in the JSON
             runs.append(run)
-            steady = steady_steps(run, args.skip)
-            med = f"{statistics.median(steady):.1f} ms" if steady else "-"
-            peak = f"{run['peak_bytes'] / 1e9:.2f} GB" if run["peak_bytes"] else "-"
-            prof = run.get("profile")
-            busy = (f" gpu busy {prof['gpu_busy_share']:.1%}, lm head {prof['lm_head_share']:.1%}, "
-                    f"idle by gap length {prof['idle_by_gap_length']}" if prof else "")
-            print(f"rep {rep + 1} {variant:10s} rc={run['rc']} median step {med} peak {peak} "
-                  f"wall {run['wall_s']:.0f} s{busy}", flush=True)
+            steady, prof, peak = steady_steps(run, args.skip), run.get("profile"), run["peak_bytes"]
+            print(f"rep {rep + 1} {variant:10s} rc={run['rc']} median step "
+                  + (f"{statistics.median(steady):.1f} ms" if steady else "-")
+                  + (f" peak {peak / 1e9:.2f} GB" if peak else " peak -") + f" wall {run['wall_s']:.0f} s"
+                  + (f" gpu busy {prof['gpu_busy_share']:.1%}, lm head {prof['lm_head_share']:.1%}" if prof else ""),
+                  flush=True)
     summary = summarize(runs, args.skip)
     data = {"config": args.config, "run": run_info(), "args": vars(args),
-            "command": COMMON + CONFIGS[args.config] + args.extra, "summary": summary, "runs": runs}
+            "command": COMMON + CONFIGS[args.config], "summary": summary, "runs": runs}
     with open(os.path.join(args.out, f"e2e_{name}.json"), "w") as fh:
         json.dump(data, fh, indent=1)
     print(table(summary))
 
 
+# --------------------------------------------------------------------------- one launch (the worker)
+
+
+def _sdpa_forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                  packed_seq_params=None):
+    """Megatron's local core attention (``DotProductAttention``, which materializes ``[b, heads, s, s]``
+    scores: at sequence 8192 most of the step, unlike any TE or flash-attn run) on torch's SDPA
+    (flash kernels on Hopper): causal self-attention without dropout, bias or packing; else raises."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.enums import AttnMaskType
+
+    mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+    if mask_type != AttnMaskType.causal or attention_bias is not None or packed_seq_params is not None:
+        raise NotImplementedError(f"sdpa attention: causal self-attention only, got {mask_type}")
+    if self.attention_dropout.p or getattr(self.config, "softmax_type", "vanilla") != "vanilla":
+        raise NotImplementedError("sdpa attention: no attention dropout, vanilla softmax only")
+    # [s, b, heads, d] -> [b, heads, s, d]; key / value carry the query groups (GQA)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                         enable_gqa=q.shape[1] > k.shape[1])
+    return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], self.hidden_size_per_partition)
+
+
+def worker():
+    """``examples/pretrain_gpt.py`` with the adaptor, and what the variant's environment asks for:
+    ``CEZ_BENCH_HAND_Z=C``: the LM loss plus ``C * logsumexp(logits.float())**2`` in torch (TP=1);
+    ``CEZ_BENCH_ATTENTION=sdpa``: ``_sdpa_forward``; at exit, ``CEZ_BENCH peak_allocated_bytes=N``."""
+    import atexit
+
+    import torch
+
+    if os.environ.get("CEZ_BENCH_HAND_Z"):
+        from megatron.core.models.common.language_module.language_module import LanguageModule
+
+        coeff, megatron_loss = float(os.environ["CEZ_BENCH_HAND_Z"]), LanguageModule.compute_language_model_loss
+
+        def compute_language_model_loss(self, labels, logits):
+            # logits [s, b, v] (TP=1), in fp32 (a copy: Megatron's CE then works on them in place)
+            fp32 = logits.float() if logits.dtype != torch.float32 else logits.clone()
+            z = coeff * torch.logsumexp(fp32, dim=-1).square()
+            return megatron_loss(self, labels, logits) + z.transpose(0, 1)
+
+        LanguageModule.compute_language_model_loss = compute_language_model_loss
+    if os.environ.get("CEZ_BENCH_ATTENTION") == "sdpa":
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        DotProductAttention.forward = _sdpa_forward
+        print("CEZ_BENCH attention: torch scaled_dot_product_attention (causal)", flush=True)
+    atexit.register(lambda: torch.cuda.is_available() and print(
+        f"CEZ_BENCH peak_allocated_bytes={torch.cuda.max_memory_allocated()}", flush=True))
+    from mindspeed_cez import launch
+
+    sys.exit(launch.main([os.path.join(REPO, "examples", "pretrain_gpt.py"), *sys.argv[1:]]))
+
+
 if __name__ == "__main__":
-    main()
+    worker() if os.environ.get("CEZ_BENCH_WORKER") else main()

@@ -1,90 +1,61 @@
-"""Measuring one implementation of the loss: fresh non-leaf logits per iteration, the
-per-iteration timer (CUDA events on a GPU, perf_counter on the CPU), the copy-bandwidth floor,
-memory beyond the inputs, the check against float64 (``tests/support.py``), and the inputs."""
+"""What the benchmarks share: timing (CUDA events, L2 flushed), device time (CUDA-graph replay or the
+profiler's kernel sums), peak memory, the copy-bandwidth floor, and the report: markdown + JSON under
+the run's stamp (commit, device, date, versions)."""
 
+import datetime
+import functools
 import gc
+import importlib.metadata
+import json
 import os
+import platform
 import statistics
+import subprocess
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from support import capture_cuda_graph, relative_error  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from support import capture_cuda_graph  # noqa: E402
 
-BACKEND = os.environ.get("MINDSPEED_CEZ_BACKEND") or None  # the benchmarks' choice of the op's backend
-LOGIT_SCALE = 3.0  # logits ~ N(0, 3^2): a spread like a language model's output layer
 PRE_DELAY_MS = 2.0  # GPU busy-wait before each timed region so the host queues it whole
 L2_FLUSH_BYTES = 256 << 20
+GEMM_KERNELS = ("gemm", "sm90", "cutlass", "xmma", "nvjet")
+
+
+def short(exc, limit=160):
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_oom(exc):
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
 def log(*args):
     print(*args, flush=True)
 
 
-def is_oom(exc):
-    oom = getattr(torch.cuda, "OutOfMemoryError", ())
-    return (oom and isinstance(exc, oom)) or "out of memory" in str(exc).lower()
-
-
-def reset_compiled():
-    """Forget compiled graphs, so each shape compiles for its own static sizes, as in training
-    (where the loss sees one shape) rather than switching to dynamic-shape kernels after the
-    first recompile. Affects torch.compile and Megatron's jit_fuser (torch.compile) functions."""
-    try:
-        import torch._dynamo
-
-        torch._dynamo.reset()
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def cleanup(device):
+def cleanup(device=None):
     gc.collect()
-    if device.type == "cuda":
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-
-
-class LogitsSource(torch.autograd.Function):
-    """Fresh logits for each iteration, as a NON-leaf tensor of the autograd graph.
-
-    In training the loss gets the output layer's result: an intermediate of the graph, whose
-    buffer nobody reads after the loss. A fresh copy per iteration also matters because two of
-    the implementations overwrite their input (Liger in forward, ours in backward). The copy is
-    made before the timed region starts; backward passes nothing further (the gradient that
-    reaches this node is what the timed implementation produced).
-    """
-
-    @staticmethod
-    def forward(ctx, base, anchor, sink):
-        ctx.sink = sink
-        return base.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.sink is not None:
-            ctx.sink.append(grad.detach().clone())
-        return None, None, None
 
 
 class Timer:
     """Per-iteration device timing: CUDA events on a GPU, perf_counter on the CPU."""
 
     def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.pairs = []
-        self.sleep_cycles = 0
-        self.flush = None
+        self.cuda, self.device, self.pairs, self.sleep_cycles = device.type == "cuda", device, [], 0
         if self.cuda:
             self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
             self.sleep_cycles = self._calibrate_sleep()
 
     def _calibrate_sleep(self):
-        """Cycles of torch.cuda._sleep that last PRE_DELAY_MS at the highest clock seen (at a
-        lower clock the delay only grows, which is harmless)."""
+        """Cycles of torch.cuda._sleep that last PRE_DELAY_MS at the highest clock seen."""
         cycles = 1_000_000
         torch.cuda._sleep(50 * cycles)  # busy the GPU first so its clocks ramp up
         best = float("inf")
@@ -104,19 +75,14 @@ class Timer:
             torch.cuda._sleep(self.sleep_cycles)
 
     def start(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
     def stop(self, started):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.pairs.append((started, ev))
-        else:
-            self.pairs.append((started, time.perf_counter()))
+        self.pairs.append((started, self.start()))
 
     def median_ms(self):
         if self.cuda:
@@ -128,9 +94,8 @@ class Timer:
         return statistics.median(times)
 
 
-
 def timed(fn, warmup, iters):
-    """Median ms of ``fn()`` between CUDA events, synchronized after each call."""
+    """Median ms of ``fn()`` between CUDA events, synchronized after each call (host included)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -144,77 +109,22 @@ def timed(fn, warmup, iters):
     return statistics.median(times)
 
 
-def check_correctness(fn, base, target, upstream, ref):
-    anchor = torch.zeros((), device=base.device, requires_grad=True)
-    sink = []
-    x = LogitsSource.apply(base, anchor, sink)
-    loss, z = fn(x, target)
-    torch.autograd.backward(loss, upstream.to(loss.dtype))
-    ref_loss, ref_z, ref_grad = ref
-    if not sink:
-        raise RuntimeError("no gradient reached the logits")
-    return relative_error(loss.detach(), ref_loss), relative_error(z.detach(), ref_z), relative_error(sink[0], ref_grad)
+def time_and_peak(step, warmup, iters):
+    """(median ms of ``step()``, peak bytes beyond what one step leaves allocated)."""
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return timed(step, warmup, iters), torch.cuda.max_memory_allocated() - base
 
 
-def time_impl(fn, base, target, upstream, timer, warmup, iters):
-    """Median ms of forward and of forward+backward, and memory (bytes) beyond the inputs."""
-    anchor = torch.zeros((), device=base.device, requires_grad=True)
-    grads = {}
-
-    def grad_for(loss):
-        g = grads.get(loss.dtype)
-        if g is None:
-            g = grads[loss.dtype] = upstream.to(loss.dtype)
-        return g
-
-    for _ in range(warmup):
-        x = LogitsSource.apply(base, anchor, None)
-        loss, z = fn(x, target)
-        torch.autograd.backward(loss, grad_for(loss))
-        del x, loss, z
-
-    results = {}
-    for mode in ("fwd", "fwd+bwd"):
-        for _ in range(iters):
-            x = LogitsSource.apply(base, anchor, None)
-            timer.prepare()
-            started = timer.start()
-            loss, z = fn(x, target)
-            if mode == "fwd+bwd":
-                torch.autograd.backward(loss, grad_for(loss))
-            timer.stop(started)
-            del x, loss, z
-        results[mode] = timer.median_ms()
-
-    results["held"] = results["peak"] = None
-    if base.device.type == "cuda":
-        dev = base.device
-        x = LogitsSource.apply(base, anchor, None)
-        cleanup(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
-        loss, z = fn(x, target)
-        torch.cuda.synchronize(dev)
-        results["held"] = torch.cuda.memory_allocated(dev) - before  # saved for backward + outputs
-        torch.autograd.backward(loss, grad_for(loss))
-        torch.cuda.synchronize(dev)
-        results["peak"] = torch.cuda.max_memory_allocated(dev) - before
-        del x, loss, z
-    return results
-
-
-def graph_replay_ms(fn, base, target, upstream, timer, iters):
-    """Device time of one forward+backward: the step captured in a CUDA graph and replayed, L2
-    flushed before each replay (no host or launch cost). None off CUDA."""
-    if base.device.type != "cuda":
+def graph_replay_ms(step, timer, iters):
+    """Device time of ``step()``: captured in a CUDA graph and replayed, L2 flushed before each
+    replay (no host or launch cost). None off CUDA or where capture fails."""
+    if not timer.cuda:
         return None
-    anchor = torch.zeros((), device=base.device, requires_grad=True)
-    g = upstream.float()
-
-    def step():
-        loss, _ = fn(LogitsSource.apply(base, anchor, None), target)
-        torch.autograd.backward(loss, g.to(loss.dtype))
-
     try:
         graph, _ = capture_cuda_graph(step, warmup=2)
     except RuntimeError as exc:  # not capturable here: the event timings still stand
@@ -225,15 +135,34 @@ def graph_replay_ms(fn, base, target, upstream, timer, iters):
         started = timer.start()
         graph.replay()
         timer.stop(started)
-    ms = timer.median_ms()
-    del graph
-    return ms
+    return timer.median_ms()
+
+
+def kernel_ms(step, steps=3):
+    """Device time per ``step()`` from the torch profiler (sum of kernel durations): (GEMM ms,
+    other ms, kernels per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    gemm = other = count = 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            count += 1
+            if any(k in e.name.lower() for k in GEMM_KERNELS):
+                gemm += e.device_time
+            else:
+                other += e.device_time
+    return gemm / 1e3 / steps, other / 1e3 / steps, count / steps
 
 
 def copy_bandwidth(device, nbytes=2 << 30, iters=20):
     """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
-    if device.type != "cuda":
-        nbytes = 64 << 20
+    nbytes = nbytes if device.type == "cuda" else 64 << 20
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
     timer = Timer(device)
@@ -249,26 +178,80 @@ def copy_bandwidth(device, nbytes=2 << 30, iters=20):
     return 2 * nbytes / (ms * 1e-3)
 
 
-def make_inputs(n, v, device, seed, vocab_offset=0, global_vocab=None):
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    base = (torch.randn(n, v, generator=gen) * LOGIT_SCALE).to(torch.bfloat16).to(device)
-    target = torch.randint(0, global_vocab or v, (n,), generator=gen).to(device)
-    mask = (torch.rand(n, generator=gen) < 0.95).float()
-    upstream = (mask / mask.sum().clamp_min(1.0)).to(device)  # loss_mask / num_tokens
-    return base, target, upstream
+# --------------------------------------------------------------------------- the report
 
 
-def make_inputs_on_device(n, v, device, seed, global_vocab=None):
-    """Large inputs are drawn on the device (the CPU would take seconds per GiB)."""
-    if device.type != "cuda":
-        return make_inputs(n, v, device, seed, global_vocab=global_vocab)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    base = torch.empty(n, v, dtype=torch.bfloat16, device=device)
-    chunk = max(1, (1 << 28) // v)
-    for start in range(0, n, chunk):  # fp32 working chunks of <= 1 GiB
-        rows = min(chunk, n - start)
-        base[start : start + rows] = torch.randn(rows, v, device=device, generator=gen) * LOGIT_SCALE
-    target = torch.randint(0, global_vocab or v, (n,), device=device, generator=gen)
-    mask = (torch.rand(n, device=device, generator=gen) < 0.95).float()
-    upstream = mask / mask.sum().clamp_min(1.0)
-    return base, target, upstream
+def version(distribution):
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def commit():
+    """``git rev-parse --short HEAD`` of this checkout (``+dirty`` with uncommitted changes), or why not."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    try:
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
+    except Exception:  # noqa: BLE001 - no git, or not a checkout (a copied working tree)
+        return "unknown (no git checkout)"
+
+
+@functools.lru_cache(maxsize=None)
+def run_info():
+    """Commit, device, date, package versions and the benchmark's environment (once per process)."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        device = f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)"
+    else:
+        device = f"CPU ({platform.processor() or platform.machine()})"
+    try:
+        import mindspeed_cez
+
+        cez = f"{mindspeed_cez.__version__} from {os.path.dirname(mindspeed_cez.__file__)}"
+    except Exception as exc:  # noqa: BLE001
+        cez = short(exc)
+    return {"commit": commit(), "device": device,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "python": platform.python_version(), "torch": torch.__version__, "triton": version("triton"),
+            "megatron-core": version("megatron-core"), "liger-kernel": version("liger-kernel"), "mindspeed_cez": cez,
+            "env": {k: os.environ.get(k, "") for k in ("TRITON_INTERPRET", "MINDSPEED_CEZ_BACKEND", "NCCL_NVLS_ENABLE")}}
+
+
+def run_stamp():
+    """One line: commit, device, date and package versions of this run."""
+    i = run_info()
+    return (f"Run: commit {i['commit']}; {i['device']}; {i['date']}; python {i['python']}, torch {i['torch']}, "
+            f"triton {i['triton']}, megatron-core {i['megatron-core']}, liger-kernel {i['liger-kernel']}; "
+            f"mindspeed_cez {i['mindspeed_cez']}; env {i['env']}")
+
+
+def tables(lines):
+    """The markdown tables in ``lines`` as lists of ``{column: cell}`` rows (separator rows left out)."""
+    found, header = [], None
+    for line in "\n".join(lines).splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+            found.append([])
+        elif not all(set(c) <= set("-: ") for c in cells):
+            found[-1].append(dict(zip(header, cells)))
+    return found
+
+
+def write_report(path, lines):
+    """The report's text under the run's stamp; with ``path``, also written there, and its tables
+    with the run's details to ``path`` with a ``.json`` suffix."""
+    text = run_stamp() + "\n\n" + "\n".join(lines) + "\n"
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(text)
+        with open(os.path.splitext(path)[0] + ".json", "w") as fh:
+            json.dump({"run": run_info(), "tables": tables(lines)}, fh, indent=1)
+    return text

@@ -1,29 +1,11 @@
 #!/usr/bin/env python3
-"""Benchmark: fused vocab-parallel cross entropy + z-loss against its peers.
-
-One run times forward and forward+backward (median of CUDA-event timings, L2 flushed, with a
-head start for the host), the memory each implementation adds on top of its inputs, and the loss /
-gradient error against a float64 reference, for the implementations below; for this package's op
-also its device time alone (forward+backward replayed from a CUDA graph):
-
-  1. mindspeed_cez (this package),
-  2. Megatron-Core's vocab_parallel_cross_entropy + a separate z-loss,
-  3. Megatron-Core's fused_vocab_parallel_cross_entropy + the same z-loss,
-  4. Liger-Kernel's cross entropy with its built-in z-loss (lse_square_scale),
-  5. torch.compile of F.cross_entropy + z-loss.
-
-Times are set beside a floor from the device-to-device copy bandwidth measured in the same
-run: forward reads the logits once (1 pass), forward+backward reads them twice and writes the
-gradient once (3 passes). bench/NOTES.md explains the method.
-
-    python bench/op.py --out out/bench.md            # one GPU
-    torchrun --nproc-per-node 2 bench/op.py --tp     # per-rank TP=2 timings
-    python bench/op.py --smoke                       # tiny shapes on the CPU
-
-An implementation that does not import, or fails, gets a row saying so; the run goes on.
-"""
+"""The op (``vocab_parallel_cross_entropy_zloss``) beside its peers: forward and forward+backward time
+over the copy-bandwidth floor, device time by CUDA-graph replay, memory beyond the inputs (error against
+float64: tests/); ``--tp``: per rank under torchrun; ``--smoke``: tiny shapes on the CPU (bench/README.md)."""
 
 import argparse
+import contextlib
+import inspect
 import os
 import sys
 import time
@@ -31,156 +13,239 @@ import traceback
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from harness import (BACKEND, LOGIT_SCALE, LogitsSource, Timer, check_correctness, cleanup, copy_bandwidth,
-                     graph_replay_ms, is_oom, log, make_inputs, make_inputs_on_device, reset_compiled, time_impl)
-from peers import build_impls
-from report import fmt_mem, fmt_ms, fmt_per_token, fmt_ratio, header_lines, short, write_report
-from support import free_port, loss_and_grad_float64, relative_error  # tests/support.py, on the path by harness
+from harness import (Timer, cleanup, copy_bandwidth, graph_replay_ms, is_oom, log, short, version,
+                     write_report)
+from support import free_port  # tests/support.py, on the path by harness
 
-GPU_SHAPES = [(8192, 151936), (8192, 37984), (16384, 16160), (4096, 262144)]
-SMOKE_SHAPES = [(64, 1000), (48, 2053)]
-GPU_CHECK_SHAPE = (512, 50257)  # correctness: odd vocab, not a multiple of any block width
-SMOKE_CHECK_SHAPE = (24, 517)
-TP_GLOBAL_SHAPE = (8192, 151936)
-SMOKE_TP_GLOBAL_SHAPE = (32, 1000)
+BACKEND = os.environ.get("MINDSPEED_CEZ_BACKEND") or None  # the benchmark's choice of the op's backend
+LOGIT_SCALE = 3.0  # logits ~ N(0, 3^2): a spread like a language model's output layer
+SHAPES = {False: [(8192, 151936), (8192, 37984), (16384, 16160), (4096, 262144)], True: [(64, 1000), (48, 2053)]}
+TP_SHAPE = {False: (8192, 151936), True: (32, 1000)}  # global N x V; each dict: GPU, --smoke
 Z_LOSS_COEFF = 1e-4
 
-ROW_UNAVAILABLE = "unavailable"
 
 
-# --------------------------------------------------------------------------- single-process run
+def build_impls(tp_group, device, coeff):
+    """[(name, callable(logits, target) -> (loss, z_loss) or None, note)]."""
+    impls = []
+
+    def ours():
+        from mindspeed_cez import kernels, vocab_parallel_cross_entropy_zloss as op
+
+        return (lambda x, t: op(x, t, z_loss_coeff=coeff, tp_group=tp_group, backend=BACKEND)), \
+            f"backend {kernels.backend_for(device, BACKEND).__name__.rsplit('.', 1)[-1]}"
+
+    def with_z(ce):  # the usual add-on z-loss: c * logsumexp(logits)^2 in fp32, its own autograd graph
+        def fn(x, t):
+            lse = torch.logsumexp(x.float(), dim=-1)
+            z = coeff * lse * lse
+            return ce(x, t) + z, z.detach()
+        return fn
+
+    def mcore_native():
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        kwargs = {"tp_group": tp_group} if "tp_group" in inspect.signature(vocab_parallel_cross_entropy).parameters else {}
+        return with_z(lambda x, t: vocab_parallel_cross_entropy(x, t, **kwargs)), ""
+
+    def mcore_fused():
+        from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+        return with_z(lambda x, t: fused_vocab_parallel_cross_entropy(x, t, tp_group)), ""
+
+    def liger():
+        from liger_kernel.transformers.functional import liger_cross_entropy
+
+        def fn(x, t):
+            out = liger_cross_entropy(x, t, reduction="none", lse_square_scale=coeff, return_z_loss=True)
+            return (out.loss, out.z_loss) if hasattr(out, "loss") else (out[0], out[1])
+        return fn, f"v{version('liger-kernel')}, loss in logits dtype"
+
+    def compiled():
+        import torch._dynamo as dynamo
+
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo.config, knob):
+                setattr(dynamo.config, knob, 64)
+
+        def ce_z(x, t):
+            xf = x.float()
+            lse = torch.logsumexp(xf, dim=-1)
+            z = coeff * lse * lse
+            return F.cross_entropy(xf, t, reduction="none") + z, z.detach()
+        return torch.compile(ce_z, dynamic=False), ""
+
+    for name, build in (("mindspeed_cez", ours), ("megatron native CE + z", mcore_native),
+                        ("megatron fused CE + z", mcore_fused), ("liger-kernel CE(z)", liger),
+                        ("torch.compile CE + z", compiled)):
+        try:  # a peer that does not build: its row says why
+            impls.append((name, *build()))
+        except Exception as exc:  # noqa: BLE001
+            impls.append((name, None, short(exc)))
+    return impls
+
+
+class LogitsSource(torch.autograd.Function):
+    """Fresh logits per iteration, NON-leaf as the output layer's result in training (Liger and this
+    package overwrite their input); backward passes nothing on."""
+
+    @staticmethod
+    def forward(ctx, base, anchor):
+        return base.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def make_inputs(n, v, device, seed, global_vocab=None):
+    """bf16 logits, targets and upstream gradient (random loss_mask / num_tokens); drawn on the device
+    (the CPU would take seconds per GiB), in fp32 chunks of <= 1 GiB."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    base = torch.empty(n, v, dtype=torch.bfloat16, device=device)
+    chunk = max(1, (1 << 28) // v)
+    for start in range(0, n, chunk):
+        rows = min(chunk, n - start)
+        base[start : start + rows] = torch.randn(rows, v, device=device, generator=gen) * LOGIT_SCALE
+    target = torch.randint(0, global_vocab or v, (n,), device=device, generator=gen)
+    mask = (torch.rand(n, device=device, generator=gen) < 0.95).float()
+    return base, target, mask / mask.sum().clamp_min(1.0)
+
+
+def median_ms(step, base, timer, iters, align=None):
+    """Median ms of ``step(x)`` over fresh non-leaf copies ``x`` of ``base`` (each copy untimed)."""
+    anchor = torch.zeros((), device=base.device, requires_grad=True)
+    for _ in range(iters):
+        x = LogitsSource.apply(base, anchor)
+        if align:
+            align()
+        timer.prepare()
+        started = timer.start()
+        out = step(x)
+        timer.stop(started)
+        del x, out  # the graph is freed after the timed region
+    return timer.median_ms()
+
+
+def time_impl(fn, base, target, upstream, timer, warmup, iters, graph=False):
+    """Median ms of forward and of forward+backward, memory (bytes) beyond the inputs, and with
+    ``graph`` the device time of forward+backward by CUDA-graph replay."""
+    anchor, grads = torch.zeros((), device=base.device, requires_grad=True), {}
+
+    def fwd_bwd(x):
+        loss, _ = fn(x, target)
+        if loss.dtype not in grads:  # the upstream gradient in the loss's dtype, cast once (outside the timings)
+            grads[loss.dtype] = upstream.to(loss.dtype)
+        torch.autograd.backward(loss, grads[loss.dtype])
+
+    for _ in range(warmup):
+        fwd_bwd(LogitsSource.apply(base, anchor))
+    r = {"fwd": median_ms(lambda x: fn(x, target), base, timer, iters), "fwd+bwd": median_ms(fwd_bwd, base, timer, iters),
+         "held": None, "peak": None, "graph": None}
+    if base.device.type == "cuda":
+        x = LogitsSource.apply(base, anchor)
+        cleanup(base.device)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss, z = fn(x, target)
+        torch.cuda.synchronize()
+        r["held"] = torch.cuda.memory_allocated() - before  # saved for backward + outputs
+        torch.autograd.backward(loss, grads[loss.dtype])
+        torch.cuda.synchronize()
+        r["peak"] = torch.cuda.max_memory_allocated() - before
+        del x, loss, z
+        if graph:
+            r["graph"] = graph_replay_ms(lambda: fwd_bwd(LogitsSource.apply(base, anchor)), timer, iters)
+    return r
+
+
+def fmt_ms(ms):
+    return "-" if ms is None else (f"{ms:.3f}" if ms < 10 else f"{ms:.2f}")
+
+
+def fmt_ratio(a, b):
+    return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}"
+
+
+def fmt_mem(nbytes, logits_bytes):
+    return "n/a" if nbytes is None else f"{nbytes / 2**30:.2f} ({nbytes / logits_bytes:.1f}x)"
+
 
 
 def init_single_process(device):
     """World size 1 (NCCL on a GPU, gloo on the CPU) and Megatron's parallel state, TP=1."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    tp_group, note = dist.group.WORLD, "tp_group = WORLD (size 1)"
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         from megatron.core import parallel_state
 
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1)
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        note = "Megatron parallel_state TP=1"
+        return parallel_state.get_tensor_model_parallel_group(), "Megatron parallel_state TP=1"
     except Exception as exc:  # noqa: BLE001
-        note += f"; Megatron parallel_state not initialized ({short(exc, 100)})"
-    return tp_group, note
+        return dist.group.WORLD, f"tp_group = WORLD (size 1); Megatron parallel_state not initialized ({short(exc, 100)})"
 
 
 def run_single(args, device):
-    t_begin = time.time()
-    tp_group, tp_note = init_single_process(device)
-    impls = build_impls(tp_group, device, Z_LOSS_COEFF)
-    if args.impls:
-        impls = [impl for impl in impls if any(impl[0].startswith(prefix) for prefix in args.impls)]
-    shapes = args.shapes or (SMOKE_SHAPES if args.smoke else GPU_SHAPES)
-    check_shape = SMOKE_CHECK_SHAPE if args.smoke else GPU_CHECK_SHAPE
-
+    t_begin, (tp_group, tp_note) = time.time(), init_single_process(device)
+    impls = [i for i in build_impls(tp_group, device, Z_LOSS_COEFF) if i[0].startswith(tuple(args.impls or ("",)))]
     bw = copy_bandwidth(device)
     log(f"copy bandwidth: {bw / 1e12:.3f} TB/s (read + write)")
-    head = header_lines(
-        device,
-        [
-            f"- {tp_note}; z_loss_coeff {Z_LOSS_COEFF}; bf16 logits ~ N(0, {LOGIT_SCALE:g}^2); "
-            f"warm-up {args.warmup}, timed {args.iters} (median)",
-            f"- device-to-device copy bandwidth (read + write): {bw / 1e12:.3f} TB/s; "
-            "floor: forward = 1 pass over the logits, forward+backward = 3 passes (read, read + write)",
-        ],
-    )
 
-    # correctness on one small shape vs float64
-    n, v = check_shape
-    base, target, upstream = make_inputs(n, v, device, seed=1234)
-    ref = loss_and_grad_float64(base, target, upstream, z_loss_coeff=Z_LOSS_COEFF)
-    check_rows = []
-    for name, fn, note in impls:
-        if fn is None:
-            check_rows.append(f"| {name} | - | - | - | {ROW_UNAVAILABLE}: {note} |")
-            continue
-        try:
-            loss_err, z_err, grad_err = check_correctness(fn, base, target, upstream, ref)
-            check_rows.append(f"| {name} | {loss_err:.1e} | {z_err:.1e} | {grad_err:.1e} | {note} |")
-        except Exception as exc:  # noqa: BLE001
-            check_rows.append(f"| {name} | - | - | - | error: {short(exc)} |")
-            traceback.print_exc()
-        log(check_rows[-1])
-        cleanup(device)
-    del base, target, upstream, ref
-    cleanup(device)
-
-    report = head + [
-        "",
-        f"### Correctness at {n} x {v} vs float64 (relative L2 error; upstream = random loss_mask / num_tokens)",
-        "",
-        "| impl | loss rel err | z-loss rel err | grad rel err | note |",
-        "| --- | --- | --- | --- | --- |",
-        *check_rows,
-        "",
-        "### Time (median ms) and memory beyond the inputs",
-        "",
-        "| N x V | impl | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor | fwd+bwd graph replay ms (/ floor) "
-        "| held after fwd GiB (x logits) | peak fwd+bwd GiB (x logits) | peak bytes / token |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    report = [f"- {tp_note}; z_loss_coeff {Z_LOSS_COEFF}; bf16 logits ~ N(0, {LOGIT_SCALE:g}^2); "
+              f"warm-up {args.warmup}, timed {args.iters} (median)",
+              f"- device-to-device copy bandwidth (read + write): {bw / 1e12:.3f} TB/s; "
+              "floor: forward = 1 pass over the logits, forward+backward = 3 passes (read, read + write)",
+              "- implementations: " + "; ".join(f"{name} ({note or 'ok'})" if fn else f"{name}: unavailable ({note})"
+                                                for name, fn, note in impls)]
+    report += ["", "### Time (median ms) and memory beyond the inputs (error against float64: tests/test_op.py)", "",
+               "| N x V | impl | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor | fwd+bwd graph replay ms (/ floor) "
+               "| held after fwd GiB (x logits) | peak fwd+bwd GiB (x logits) | peak bytes / token |",
+               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     log(write_report(args.out, report))
 
-    timer = Timer(device)
-    for n, v in shapes:
-        logits_bytes = n * v * 2
-        floor_fwd = logits_bytes / bw * 1e3
-        floor_all = 3 * logits_bytes / bw * 1e3
-        shape = f"{n} x {v}"
-        report.append(f"| {shape} | floor ({bw / 1e12:.2f} TB/s copy) | {fmt_ms(floor_fwd)} | 1 | {fmt_ms(floor_all)} | 1 "
-                      "| | | | |")
-        reset_compiled()
+    timer, empty = Timer(device), " | | | | | | | |"
+    for n, v in args.shapes or SHAPES[args.smoke]:
+        logits_bytes, shape = n * v * 2, f"{n} x {v}"
+        floor_fwd, floor_all = logits_bytes / bw * 1e3, 3 * logits_bytes / bw * 1e3
+        report.append(f"| {shape} | floor ({bw / 1e12:.2f} TB/s copy) | {fmt_ms(floor_fwd)} | 1 | {fmt_ms(floor_all)} | 1 | | | | |")
+        torch.compiler.reset()  # each shape compiles for its own static sizes, as in training
         try:
-            base, target, upstream = make_inputs_on_device(n, v, device, seed=n + v)
+            base, target, upstream = make_inputs(n, v, device, seed=n + v)
         except Exception as exc:  # noqa: BLE001
-            report.append(f"| {shape} | (inputs) | {'OOM' if is_oom(exc) else 'error'}: {short(exc)} | | | | | | | |")
+            report.append(f"| {shape} | (inputs) | {'OOM' if is_oom(exc) else 'error'}: {short(exc)}{empty}")
             cleanup(device)
             continue
-        for name, fn, note in impls:
-            if fn is None:
-                report.append(f"| {shape} | {name} | {ROW_UNAVAILABLE} | | | | | | | |")
-                continue
-            if args.budget_s and time.time() - t_begin > args.budget_s:
-                report.append(f"| {shape} | {name} | skipped: time budget {args.budget_s} s spent | | | | | | | |")
-                continue
+        for name, fn, _ in impls:
             t0 = time.time()
-            try:
-                r = time_impl(fn, base, target, upstream, timer, args.warmup, args.iters)
-                graphed = graph_replay_ms(fn, base, target, upstream, timer, args.iters) if name == "mindspeed_cez" else None
-                row = (
-                    f"| {shape} | {name} | {fmt_ms(r['fwd'])} | {fmt_ratio(r['fwd'], floor_fwd)} "
-                    f"| {fmt_ms(r['fwd+bwd'])} | {fmt_ratio(r['fwd+bwd'], floor_all)} "
-                    f"| {fmt_ms(graphed)} ({fmt_ratio(graphed, floor_all)}) "
-                    f"| {fmt_mem(r['held'], logits_bytes)} | {fmt_mem(r['peak'], logits_bytes)} "
-                    f"| {fmt_per_token(r['peak'], n)} |"
-                )
-            except Exception as exc:  # noqa: BLE001
-                kind = "OOM" if is_oom(exc) else "error"
-                row = f"| {shape} | {name} | {kind}: {short(exc)} | | | | | | | |"
-                if kind == "error":
-                    traceback.print_exc()
-            timer.pairs = []
+            if fn is None:
+                row = f"| {shape} | {name} | unavailable{empty}"
+            elif args.budget_s and time.time() - t_begin > args.budget_s:
+                row = f"| {shape} | {name} | skipped: time budget {args.budget_s} s spent{empty}"
+            else:
+                try:
+                    r = time_impl(fn, base, target, upstream, timer, args.warmup, args.iters, name == "mindspeed_cez")
+                    per_token = "n/a" if r["peak"] is None else f"{r['peak'] / n:.0f}"
+                    row = (f"| {shape} | {name} | {fmt_ms(r['fwd'])} | {fmt_ratio(r['fwd'], floor_fwd)} "
+                           f"| {fmt_ms(r['fwd+bwd'])} | {fmt_ratio(r['fwd+bwd'], floor_all)} "
+                           f"| {fmt_ms(r['graph'])} ({fmt_ratio(r['graph'], floor_all)}) "
+                           f"| {fmt_mem(r['held'], logits_bytes)} | {fmt_mem(r['peak'], logits_bytes)} | {per_token} |")
+                except Exception as exc:  # noqa: BLE001
+                    row = f"| {shape} | {name} | {'OOM' if is_oom(exc) else 'error'}: {short(exc)}{empty}"
+                    if not is_oom(exc):
+                        traceback.print_exc()
+                timer.pairs = []
             report.append(row)
             log(f"{row}   [{time.time() - t0:.1f} s]")
             cleanup(device)
             write_report(args.out, report)
         del base, target, upstream
         cleanup(device)
-
     report += ["", f"total wall time {time.time() - t_begin:.0f} s"]
-    text = write_report(args.out, report)
-    log("\n" + text)
-    if args.out:
-        log(f"written to {args.out}")
-
-
-# --------------------------------------------------------------------------- tensor-parallel run
+    log("\n" + write_report(args.out, report))
 
 
 def run_tp(args, device):
@@ -189,62 +254,47 @@ def run_tp(args, device):
     from mindspeed_cez import vocab_parallel_cross_entropy_zloss as op
 
     t_begin = time.time()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
-    n, global_vocab = args.tp_shape or (SMOKE_TP_GLOBAL_SHAPE if args.smoke else TP_GLOBAL_SHAPE)
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    n, global_vocab = args.tp_shape or TP_SHAPE[args.smoke]
     if global_vocab % world:
         raise SystemExit(f"global vocab {global_vocab} does not divide by {world} ranks")
     v_local = global_vocab // world
     vocab_start = rank * v_local
 
     # Each rank draws its own vocab slice; targets and upstream gradient are the same on all ranks.
-    shard, _, _ = make_inputs_on_device(n, v_local, device, seed=1000 + rank, global_vocab=global_vocab)
+    shard, _, _ = make_inputs(n, v_local, device, seed=1000 + rank, global_vocab=global_vocab)
     gen = torch.Generator(device="cpu").manual_seed(77)
     target = torch.randint(0, global_vocab, (n,), generator=gen).to(device)
     mask = (torch.rand(n, generator=gen) < 0.95).float()
     upstream = (mask / mask.sum()).to(device)
     backend = cez_kernels.backend_for(device, BACKEND)
-    backend_name = backend.__name__.rsplit(".", 1)[-1]
-    timer = Timer(device)
-    anchor = torch.zeros((), device=device, requires_grad=True)
+    timer, anchor = Timer(device), torch.zeros((), device=device, requires_grad=True)
 
-    def aligned():
+    def aligned():  # ranks start each timed iteration together
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            dist.barrier(device_ids=[device.index])
-        else:
-            dist.barrier()
+        dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda" else {}))
 
     def measure(step):
-        """Median ms of step(x) over fresh non-leaf copies x of the shard (the copy is untimed)."""
         for _ in range(args.warmup):
-            step(LogitsSource.apply(shard, anchor, None))
-        for _ in range(args.iters):
-            x = LogitsSource.apply(shard, anchor, None)
-            aligned()
-            timer.prepare()
-            started = timer.start()
-            step(x)
-            timer.stop(started)
-            del x
-        return timer.median_ms()
+            step(LogitsSource.apply(shard, anchor))
+        return median_ms(step, shard, timer, args.iters, aligned)
 
     # lse for the gradient kernel (computed once, untimed): the op's value at TP=world
     with torch.no_grad():
         loss_ref, _, lse = op(shard, target, Z_LOSS_COEFF, tp_group=group, return_lse=True)
     grad_loss = upstream.float()
 
-    def kernel_fwd(x):
-        backend.shard_partials(x.detach(), target, vocab_start, global_vocab, -100)
-
-    def kernel_fwd_bwd(x):
-        rows = x.detach()
-        backend.shard_partials(rows, target, vocab_start, global_vocab, -100)
-        backend.write_grad(rows, rows, target, lse, grad_loss, -100, vocab_start, Z_LOSS_COEFF, 0.0, global_vocab)
+    def kernels(backward):
+        def step(x):
+            rows = x.detach()
+            backend.shard_partials(rows, target, vocab_start, global_vocab, -100)
+            if backward:
+                backend.write_grad(rows, rows, target, lse, grad_loss, -100, vocab_start, Z_LOSS_COEFF, 0.0, global_vocab)
+        return step
 
     # The op's two collectives alone, on buffers of the op's sizes: MAX of [n], SUM of [2, n].
-    max_buffer = torch.rand(n, device=device)
-    sum_buffer = torch.rand(2, n, device=device)
+    max_buffer, sum_buffer = torch.rand(n, device=device), torch.rand(2, n, device=device)
 
     def collectives(_x):
         dist.all_reduce(max_buffer, op=dist.ReduceOp.MAX, group=group)
@@ -255,106 +305,52 @@ def run_tp(args, device):
             loss, _ = op(x, tgt, z_loss_coeff=Z_LOSS_COEFF, tp_group=tp_group)
             if backward:
                 torch.autograd.backward(loss, upstream)
-
         return step
 
     # The op at TP=1 on this shard size: the shard stands for a whole vocab of v_local (targets
     # folded into it), so no collective runs.
-    target_local = target % v_local
-
-    rows = {}
-    rows["kernels alone (this shard)"] = (measure(kernel_fwd), measure(kernel_fwd_bwd))
-    collective_ms = measure(collectives)
-    rows["the two all-reduces alone"] = (collective_ms, collective_ms)
-    rows[f"op, TP=1 on a {n} x {v_local} vocab"] = (
-        measure(op_step(None, target_local, False)),
-        measure(op_step(None, target_local, True)),
-    )
-    rows[f"op, TP={world} (with its all-reduces)"] = (
-        measure(op_step(group, target, False)),
-        measure(op_step(group, target, True)),
-    )
-
-    # Correctness: the TP op's loss vs float64 on the first rows of the gathered global logits.
-    check_rows = min(n, 256)
-    pieces = [torch.empty_like(shard[:check_rows]) for _ in range(world)]
-    dist.all_gather(pieces, shard[:check_rows].contiguous(), group=group)
-    full = torch.cat(pieces, dim=1)
-    ref_loss, _, _ = loss_and_grad_float64(full, target[:check_rows], upstream[:check_rows], z_loss_coeff=Z_LOSS_COEFF)
-    loss_err = relative_error(loss_ref[:check_rows], ref_loss)
+    single, tp_key = f"op, TP=1 on a {n} x {v_local} vocab", f"op, TP={world} (with its all-reduces)"
+    kernels_key, collectives_key, collective_ms = "kernels alone (this shard)", "the two all-reduces alone", measure(collectives)
+    rows = {kernels_key: (measure(kernels(False)), measure(kernels(True))), collectives_key: (collective_ms, collective_ms),
+            single: tuple(measure(op_step(None, target % v_local, b)) for b in (False, True)),
+            tp_key: tuple(measure(op_step(group, target, b)) for b in (False, True))}
 
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"rank": rank, "rows": rows, "loss_err": loss_err})
+    dist.all_gather_object(gathered, {"rank": rank, "rows": rows})
     if rank != 0:
         return
     bw = copy_bandwidth(device)
-    shard_bytes = n * v_local * 2
-    floor_fwd, floor_all = shard_bytes / bw * 1e3, 3 * shard_bytes / bw * 1e3
-    report = header_lines(
-        device,
-        [
-            f"- TP mode: {world} ranks over {dist.get_backend()}, global {n} x {global_vocab}, "
-            f"shard {n} x {v_local} per rank; backend {backend_name}; z_loss_coeff {Z_LOSS_COEFF}; "
-            f"warm-up {args.warmup}, timed {args.iters} (median); ranks aligned by a barrier before each iteration",
-            f"- NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', '')!r}",
-            f"- copy bandwidth (rank 0): {bw / 1e12:.3f} TB/s; shard floor: fwd {floor_fwd:.3f} ms, fwd+bwd {floor_all:.3f} ms",
-            "",
-            "| rank | what | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ],
-    )
+    floor = (n * v_local * 2 / bw * 1e3, 3 * n * v_local * 2 / bw * 1e3)
+    report = [f"- TP mode: {world} ranks over {dist.get_backend()}, global {n} x {global_vocab}, shard {n} x {v_local} "
+              f"per rank; backend {backend.__name__.rsplit('.', 1)[-1]}; z_loss_coeff {Z_LOSS_COEFF}; warm-up "
+              f"{args.warmup}, timed {args.iters} (median); ranks aligned by a barrier before each iteration",
+              f"- copy bandwidth (rank 0): {bw / 1e12:.3f} TB/s; shard floor: fwd {floor[0]:.3f} ms, fwd+bwd {floor[1]:.3f} ms",
+              "", "| rank | what | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor |", "| --- | --- | --- | --- | --- | --- |"]
     for item in gathered:
-        for what, (fwd, both) in item["rows"].items():
-            report.append(
-                f"| {item['rank']} | {what} | {fmt_ms(fwd)} | {fmt_ratio(fwd, floor_fwd)} "
-                f"| {fmt_ms(both)} | {fmt_ratio(both, floor_all)} |"
-            )
-    report.append("")
-    tp_key, single_key = f"op, TP={world} (with its all-reduces)", f"op, TP=1 on a {n} x {v_local} vocab"
-    kernel_key, coll_key = "kernels alone (this shard)", "the two all-reduces alone"
-    report.append(
-        "Collective cost (op at TP={} minus op at TP=1 on the same shard, fwd / fwd+bwd): ".format(world)
-        + ", ".join(
-            f"rank {i['rank']} {i['rows'][tp_key][0] - i['rows'][single_key][0]:+.3f} / "
-            f"{i['rows'][tp_key][1] - i['rows'][single_key][1]:+.3f} ms"
-            for i in gathered
-        )
-    )
-    report.append("")
-    report.append(
-        f"Op at TP={world} / (kernels alone + the two all-reduces alone), fwd / fwd+bwd (target <= 1.10): "
-        + ", ".join(
-            f"rank {i['rank']} "
-            f"{i['rows'][tp_key][0] / (i['rows'][kernel_key][0] + i['rows'][coll_key][0]):.3f} / "
-            f"{i['rows'][tp_key][1] / (i['rows'][kernel_key][1] + i['rows'][coll_key][1]):.3f}"
-            for i in gathered
-        )
-    )
-    report.append("")
-    report.append(
-        "TP loss vs float64 on the gathered first rows: "
-        + ", ".join(f"rank {i['rank']} rel err {i['loss_err']:.1e}" for i in gathered)
-    )
+        for what, times in item["rows"].items():
+            report.append(f"| {item['rank']} | {what} | " + " | ".join(
+                f"{fmt_ms(ms)} | {fmt_ratio(ms, f)}" for ms, f in zip(times, floor)) + " |")
+
+    def per_rank(what, value, unit=""):  # fwd / fwd+bwd per rank
+        return ["", what + ", ".join(f"rank {i['rank']} " + " / ".join(value(i["rows"], k) for k in (0, 1)) + unit
+                                     for i in gathered)]
+    report += per_rank(f"Collective cost (op at TP={world} minus op at TP=1 on the same shard, fwd / fwd+bwd): ",
+                       lambda r, k: f"{r[tp_key][k] - r[single][k]:+.3f}", " ms")
+    report += per_rank(f"Op at TP={world} / (kernels alone + the two all-reduces alone), fwd / fwd+bwd (target <= 1.10): ",
+                       lambda r, k: f"{r[tp_key][k] / (r[kernels_key][k] + r[collectives_key][k]):.3f}")
     report += ["", f"total wall time {time.time() - t_begin:.0f} s"]
-    text = write_report(args.out, report)
-    log("\n" + text)
-    if args.out:
-        log(f"written to {args.out}")
-
-
-# --------------------------------------------------------------------------- main
+    log("\n" + write_report(args.out, report))
 
 
 def _shape(text):
-    n, v = text.lower().split("x")
-    return int(n), int(v)
+    return tuple(int(x) for x in text.lower().split("x"))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (perf_counter timing)")
     parser.add_argument("--tp", action="store_true", help="per-rank TP timings; launch with torchrun")
-    parser.add_argument("--out", default=None, help="also write the markdown report here")
+    parser.add_argument("--out", default=None, help="also write the markdown report here (and .json beside it)")
     parser.add_argument("--shapes", type=_shape, nargs="*", default=None, help="N x V shapes, e.g. 8192x151936")
     parser.add_argument("--tp-shape", type=_shape, default=None, help="global N x V for --tp")
     parser.add_argument("--warmup", type=int, default=None)
@@ -364,24 +360,17 @@ def main(argv=None):
     parser.add_argument("--impls", nargs="*", default=None,
                         help="only the implementations whose names start with these (e.g. mindspeed_cez liger)")
     args = parser.parse_args(argv)
-    if args.warmup is None:
-        args.warmup = 2 if args.smoke else 20
-    if args.iters is None:
-        args.iters = 3 if args.smoke else 50
-
-    if args.device:
-        device = torch.device(args.device)
-    elif args.smoke or not torch.cuda.is_available():
-        device = torch.device("cpu")
-    else:
+    args.warmup = (2 if args.smoke else 20) if args.warmup is None else args.warmup
+    args.iters = (3 if args.smoke else 50) if args.iters is None else args.iters
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device(args.device or ("cuda" if cuda else "cpu"))
+    if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif not args.smoke:
         log("no CUDA device: running the CPU smoke shapes (pass --smoke to say so)")
-        args.smoke = True
-        args.warmup, args.iters = min(args.warmup, 2), min(args.iters, 3)
-
+        args.smoke, args.warmup, args.iters = True, min(args.warmup, 2), min(args.iters, 3)
     try:
         if args.tp:
             if not dist.is_initialized():
@@ -391,12 +380,8 @@ def main(argv=None):
             run_single(args, device)
     finally:
         if dist.is_initialized():
-            parallel_state = sys.modules.get("megatron.core.parallel_state")
-            if parallel_state is not None:
-                try:
-                    parallel_state.destroy_model_parallel()
-                except Exception:  # noqa: BLE001
-                    pass
+            with contextlib.suppress(Exception):
+                sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
             dist.destroy_process_group()
 
 

@@ -1,21 +1,16 @@
 #!/usr/bin/env bash
-# One device-tool call, run from the repository root with .whl carried (bench/README.md):
-#
-#     bash bench/run_device.sh STEP [STEP ...]        (no STEP: env tests peers)
-#
-# Each step writes to $OUT (the device tool brings it back; put what you keep under
-# bench/results/<date>_<device>/):
-#   env          GPUs, driver, package versions                       env.txt
-#   tests        the op suites on CUDA                                 gpu_tests.log
-#   peers        the op beside Megatron, Liger-Kernel, torch.compile   bench.md/.json, bench.log
-#   peers-tp     the same at TP=2 over NCCL (2 GPUs)                   bench_tp.md/.json, bench_tp.log
-#   linear-ce    output projection + loss beside cuBLAS + op, Liger, CCE linear_ce.md/.json
-#                ($LINEAR_ARGS for bench/linear_cross_entropy.py)
-#   e2e          Megatron end to end; $E2E_ARGS for e2e_megatron.py   e2e/
-#                (default: --config busy --variants native cez --pairs 3 --profile)
-# Mind the device tool's 600 s per command: e2e alone takes most of it.
+# One device-tool call from the repository root, .whl carried: bash bench/run_device.sh STEP [STEP ...]
+# (no STEP: env tests peers). Installs the wheels and this tree into $SITE, keeps NVLink multicast off;
+# each step writes to $OUT. Steps, outputs, $LINEAR_ARGS / $E2E_ARGS: bench/README.md.
 set -u -o pipefail
-source bench/device_setup.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+OUT=${OUT:-$PWD/out} SITE=${SITE:-/tmp/site} PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: carry .whl" >&2; exit 2; }
+pip_install() { $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$SITE" "$@" || exit 1; }
+pip_install --no-compile .whl/*.whl
+pip_install --no-build-isolation .
+export PYTHONPATH=$SITE
 
 step_env() {
     {
