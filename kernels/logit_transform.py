@@ -19,6 +19,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import torch
+
 # The kernels' TRANSFORM constexpr: the loss of x itself, of z = scale * x, of z = cap * tanh(scale * x / cap).
 NO_TRANSFORM, SCALE, SOFTCAP = 0, 1, 2
 KIND_NAMES = {NO_TRANSFORM: "none", SCALE: "scale", SOFTCAP: "softcap"}
@@ -58,17 +60,21 @@ class LogitTransform:
 
     def apply(self, x):
         """z of a (fp32) tensor ``x``."""
-        if self.scale != 1.0:
-            x = x * self.scale
-        if self.cap:
-            x = (x / self.cap).tanh() * self.cap
-        return x
+        return self.apply_with_slope(x)[0]
 
-    def slope(self, z):
-        """dz/dx from z: ``scale * (1 - (z/cap)**2)``, ``scale`` without a cap."""
+    def apply_with_slope(self, x):
+        """``(z, dz/dx)`` of a (fp32) tensor ``x``, as the Triton kernels compute them: with a cap,
+        from ``e = exp(-2|u|)``, ``u = scale * x / cap``: ``tanh(u) = sign(u) (1 - e) / (1 + e)`` and
+        ``1 - tanh(u)**2 = 4e / (1 + e)**2``, which has no cancellation where ``tanh`` nears +-1."""
         if self.cap:
-            return self.scale * (1.0 - (z / self.cap).square())
-        return self.scale
+            u = x * (self.scale / self.cap)
+            e = torch.exp(-2.0 * u.abs())
+            r = 1.0 / (1.0 + e)
+            t = (1.0 - e) * r
+            return self.cap * torch.where(u < 0, -t, t), self.scale * 4.0 * e * r * r
+        if self.scale != 1.0:
+            return x * self.scale, self.scale
+        return x, 1.0
 
 
 IDENTITY = LogitTransform()

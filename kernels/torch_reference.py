@@ -87,7 +87,7 @@ def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, 
     n_rows, n_cols = logits.shape
     grad_scale = grad_loss.float().masked_fill(target == ignore_index, 0.0)
     for start, end in _row_chunks(n_rows, n_cols):
-        z = transform.apply(logits[start:end].float())
+        z, slope = transform.apply_with_slope(logits[start:end].float())
         g = grad_scale[start:end, None]
         row_lse = lse[start:end, None]
         dx = torch.exp(z - row_lse) * (g * (1.0 + 2.0 * z_loss_coeff * row_lse))
@@ -97,7 +97,7 @@ def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, 
         onehot_grad = torch.where(owned[:, None], g * (1.0 - label_smoothing), torch.zeros_like(g))
         dx.scatter_add_(1, local[:, None], -onehot_grad)
         if not transform.is_identity:
-            dx *= transform.slope(z)
+            dx *= slope
         grad[start:end].copy_(dx)
     return grad
 

@@ -60,6 +60,12 @@ def test_the_value_checks_itself_and_names_the_kernel_variant():
             LogitTransform(*bad)
     x = torch.randn(5, 7, dtype=torch.float64)
     t = LogitTransform(0.5, 2.0)
-    z = t.apply(x)
+    z, slope = t.apply_with_slope(x)
     torch.testing.assert_close(z, 2.0 * torch.tanh(0.5 * x / 2.0))
-    torch.testing.assert_close(t.slope(z), 0.5 * (1 - torch.tanh(0.25 * x) ** 2))
+    torch.testing.assert_close(t.apply(x), z)
+    torch.testing.assert_close(slope, 0.5 * (1 - torch.tanh(0.25 * x) ** 2))
+    # saturated: tanh is +-1 and the slope 0 or a positive tiny number, never negative or NaN
+    big = torch.tensor([-1e4, -80.0, 80.0, 1e4], dtype=torch.float32)
+    z, slope = t.apply_with_slope(big)
+    assert torch.equal(z.abs(), torch.full_like(z, 2.0)) and bool((slope >= 0).all())
+    assert torch.equal(LogitTransform(3.0).apply_with_slope(x)[0], 3.0 * x) and IDENTITY.apply_with_slope(x)[0] is x
