@@ -30,7 +30,9 @@ MAX_CTAS_PER_SM = 32
 def _compile(variant, arch):
     fn = variant.fn
     divisible = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in variant.divisible_args()}
-    src = ASTSource(fn=fn, signature={**variant.signature, **{k: "constexpr" for k in variant.constexprs}},
+    # every parameter in the kernel's order (Triton 3.3 reads the signature by position)
+    signature = {k: variant.signature.get(k, "constexpr") for k in fn.arg_names}
+    src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in variant.constexprs.items()}, attrs=divisible)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": variant.num_warps, **variant.options})
 
