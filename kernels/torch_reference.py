@@ -43,7 +43,8 @@ def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, labe
         row_max = x.amax(dim=-1)
         partials[ROW_MAX, start:end] = row_max
         partials[LOCAL_MAX, start:end] = row_max
-        partials[SUM_EXP, start:end] = torch.exp(x - row_max[:, None]).sum(dim=-1)
+        # a row of -inf here (a masked or padded shard): sum-exp 0 against a max of -inf, no -inf - -inf
+        partials[SUM_EXP, start:end] = torch.exp(x - _finite_or_zero(row_max)[:, None]).sum(dim=-1)
         local, owned = _local_target(target[start:end], vocab_start, n_cols)
         picked = x.gather(1, local[:, None]).squeeze(1)
         term = torch.where(owned, picked, torch.zeros_like(picked)) * (1.0 - label_smoothing)
@@ -53,9 +54,15 @@ def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, labe
     return partials
 
 
+def _finite_or_zero(row_max):
+    """The reference a row's exponents are taken against: its max, or 0 where the max is -inf (all of
+    the row -inf), as the Triton kernels do: exp(-inf - 0) = 0 where -inf - -inf would be NaN."""
+    return torch.where(row_max == float("-inf"), 0.0, row_max)
+
+
 def rescale_sum_exp(partials):
     """SUM_EXP *= exp(LOCAL_MAX - ROW_MAX), once ROW_MAX holds the max over all ranks."""
-    partials[SUM_EXP].mul_(torch.exp(partials[LOCAL_MAX] - partials[ROW_MAX]))
+    partials[SUM_EXP].mul_(torch.exp(partials[LOCAL_MAX] - _finite_or_zero(partials[ROW_MAX])))
     return partials
 
 
