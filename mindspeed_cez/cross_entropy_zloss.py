@@ -19,6 +19,7 @@ forward is one kernel); the collectives are the steps of :mod:`mindspeed_cez.ten
 """
 
 import math
+import numbers
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -39,7 +40,7 @@ def check_target(target):
         raise TypeError(f"target must be an integer tensor of vocab ids, got {getattr(target, 'dtype', type(target))}")
 
 
-def _check_arguments(logits, target, z_loss_coeff, label_smoothing):
+def _check_arguments(logits, target, z_loss_coeff, label_smoothing, ignore_index):
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor (bf16/fp16/fp32), got {getattr(logits, 'dtype', type(logits))}")
     check_target(target)
@@ -52,6 +53,15 @@ def _check_arguments(logits, target, z_loss_coeff, label_smoothing):
     if logits.device != target.device:
         raise ValueError(f"logits ({logits.device}) and target ({target.device}) are on different devices")
     check_coefficients(z_loss_coeff, label_smoothing)
+    check_ignore_index(ignore_index)
+
+
+def check_ignore_index(value):
+    """The one check of ``ignore_index`` (both ops): an int the targets are compared with."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"ignore_index must be an int (the target value of tokens to ignore, e.g. -100), got {value!r}")
+    if not torch.iinfo(torch.int64).min <= value <= torch.iinfo(torch.int64).max:
+        raise ValueError(f"ignore_index must fit in int64 (the targets' dtype), got {value}")
 
 
 def _number(value):
@@ -239,7 +249,8 @@ def vocab_parallel_cross_entropy_zloss(
     of the autograd graph (the usual case: the output layer's result) the gradient reuses the
     logits' buffer, so the logits must not be read after backward.
     """
-    _check_arguments(logits, target, z_loss_coeff, label_smoothing)
+    _check_arguments(logits, target, z_loss_coeff, label_smoothing, ignore_index)
+    ignore_index = int(ignore_index)
     transform = LogitTransform(logit_scale, logit_softcap)
     tp_group = resolve_tp_group(tp_group)
     if backend == cann.NAME:  # the vendor op (torch_npu), TP = 1: its own autograd

@@ -34,13 +34,14 @@ import torch
 from mindspeed_cez import kernels
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
-from mindspeed_cez.cross_entropy_zloss import CrossEntropyOptions, _check_target_range, check_coefficients, check_target
+from mindspeed_cez.cross_entropy_zloss import (CrossEntropyOptions, _check_target_range, check_coefficients,
+                                               check_ignore_index, check_target)
 from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
                                            resolve_tp_group)
 
 
-def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, sequence_parallel):
+def _check(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_size, sequence_parallel):
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() not in (2, 3):
         raise TypeError(f"hidden must be a floating-point [s, b, h] or [n, h] tensor, got "
                         f"{getattr(hidden, 'dtype', type(hidden))} {tuple(getattr(hidden, 'shape', ()))}")
@@ -62,6 +63,7 @@ def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, seque
     if target.device != hidden.device:
         raise ValueError(f"target ({target.device}) and hidden ({hidden.device}) are on different devices")
     check_coefficients(z_loss_coeff, label_smoothing)
+    check_ignore_index(ignore_index)
 
 
 def _check_targets(target, global_vocab, ignore_index):
@@ -467,9 +469,10 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         else the full gradient on every rank.
     """
     tp_group = resolve_tp_group(tp_group)
-    _check(hidden, weight, target, z_loss_coeff, label_smoothing, group_rank_and_size(tp_group)[1], sequence_parallel)
+    _check(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, group_rank_and_size(tp_group)[1],
+           sequence_parallel)
     _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction)
-    common = dict(z_loss_coeff=float(z_loss_coeff), label_smoothing=float(label_smoothing), ignore_index=ignore_index,
+    common = dict(z_loss_coeff=float(z_loss_coeff), label_smoothing=float(label_smoothing), ignore_index=int(ignore_index),
                   tp_group=tp_group, sequence_parallel=bool(sequence_parallel),
                   gradient_accumulation_fusion=bool(gradient_accumulation_fusion),
                   backend=kernels.backend_for(hidden.device, backend),

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mindspeed_cez import vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
 
 
 def _inputs(n=6, vocab=20):
@@ -88,3 +88,15 @@ def test_bad_logit_softcap(cap):
     logits, target = _inputs()
     with pytest.raises(ValueError, match=r"logit_softcap must be a finite number >= 0 \(0: no cap\)"):
         vocab_parallel_cross_entropy_zloss(logits, target, logit_softcap=cap, return_lse=True)
+
+
+@pytest.mark.parametrize("value", [None, 1.5, "-100", True])
+def test_ignore_index_must_be_an_int(value):
+    """Both ops name ``ignore_index`` (not torch's ``where()`` overloads)."""
+    logits, target = _inputs()
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        vocab_parallel_cross_entropy_zloss(logits, target, ignore_index=value)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        linear_cross_entropy_zloss(torch.randn(6, 4), torch.randn(20, 4), target, ignore_index=value)
+    with pytest.raises(ValueError, match="ignore_index must fit in int64"):
+        vocab_parallel_cross_entropy_zloss(logits, target, ignore_index=1 << 63)
