@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_cez import cann, kernels
+from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.tensor_parallel import group_rank_and_size, merged_loss, resolve_tp_group
 
@@ -170,6 +171,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         # parameters or user data, so those get a fresh gradient tensor.
         base = logits._base if logits._base is not None else logits
         ctx.in_place = logits.grad_fn is not None and base.grad_fn is not None
+        ctx.grad_written = False
         ctx.options = options
         ctx.logits_shape = logits.shape
         ctx.vocab_start = vocab_start
@@ -180,7 +182,13 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         return loss, z_loss, lse
 
     @staticmethod
+    @first_order_only("vocab_parallel_cross_entropy_zloss")
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
+        if ctx.in_place and ctx.grad_written:
+            raise RuntimeError(
+                "vocab_parallel_cross_entropy_zloss: a second backward through the same graph (retain_graph=True) is "
+                "not served: the first wrote the gradient over the logits' buffer (an intermediate of the graph); "
+                "compute the loss again for another backward")
         rows, flat_target, lse = ctx.saved_tensors
         options = ctx.options
         lse = lse.reshape(-1)
@@ -202,6 +210,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         if ctx.in_place:
             # The logits now hold their gradient: any later use of them in backward must fail loudly.
             torch.autograd.graph.increment_version(rows)
+            ctx.grad_written = True
         return grad.view(ctx.logits_shape), None, None
 
 

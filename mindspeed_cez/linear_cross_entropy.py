@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from mindspeed_cez import kernels
+from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.cross_entropy_zloss import (CrossEntropyOptions, _check_target_range, check_coefficients,
@@ -141,6 +142,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         return loss, z_loss, lse
 
     @staticmethod
+    @first_order_only("linear_cross_entropy_zloss")
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
         hidden, weight, flat_target, lse = ctx.saved_tensors
         options, tp_size = ctx.options, ctx.tp_size
@@ -237,7 +239,7 @@ def default_row_block(n_rows, v_local, block_fraction=None):
     an H100's GEMM time at 1024 rows, ~8 % at 4096, ~4 % at 8192 (docs/weight_gradient.md)."""
     fraction = BLOCK_FRACTION if block_fraction is None else block_fraction
     rows = max(int(n_rows * fraction), 1)
-    return min(n_rows, max(ROW_BLOCK_MIN, 1 << (rows.bit_length() - 1)))
+    return max(1, min(n_rows, max(ROW_BLOCK_MIN, 1 << (rows.bit_length() - 1))))  # 1 for 0 tokens: no blocks
 
 
 class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
@@ -306,12 +308,20 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         ctx.options, ctx.tp_size, ctx.upstream_known, ctx.into_main_grad = options, tp_size, upstream_known, into_main_grad
         ctx.full_shape, ctx.input_dtype = full.shape, hidden.dtype
         ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_main_grad else None
+        ctx.backward_done = False
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
         return loss, z_loss, lse
 
     @staticmethod
+    @first_order_only("linear_cross_entropy_zloss")
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
+        if ctx.backward_done:
+            raise RuntimeError(
+                "linear_cross_entropy_zloss(grads='forward') made its gradients during the forward for one backward: "
+                "a second backward through the same graph (retain_graph=True) is not served; run the forward again, "
+                "or use " + RECOMPUTE_FIX)
+        ctx.backward_done = True
         if ctx.owed is not None:
             ctx.owed.paid = True
             if grad_loss is None:
@@ -368,8 +378,23 @@ def _check_grad_scale(grad_scale, target):
                              f"{grad_scale.dtype} tensor of shape {tuple(grad_scale.shape)}")
         if grad_scale.device != target.device:
             raise ValueError(f"grad_scale ({grad_scale.device}) and target ({target.device}) are on different devices")
+        _check_finite_grad_scale(grad_scale)
     elif isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not math.isfinite(grad_scale):
         raise ValueError(f"grad_scale must be a finite float or a one-element tensor, got {grad_scale!r}")
+
+
+GRAD_SCALE_NOT_FINITE = "grad_scale must be finite: the upstream gradient per unit of token_weights"
+
+
+def _check_finite_grad_scale(grad_scale):
+    """A one-element ``grad_scale`` tensor holds a finite number: on the CPU a ``ValueError``, on CUDA an
+    asynchronous device-side assert (no host sync); elsewhere not checked (the gradients turn NaN)."""
+    finite = torch.isfinite(grad_scale.detach()).all()
+    if grad_scale.device.type == "cpu":
+        if not bool(finite):
+            raise ValueError(f"{GRAD_SCALE_NOT_FINITE} (Megatron: loss scale / tokens), got {grad_scale.item()}")
+    elif grad_scale.device.type == "cuda":
+        torch._assert_async(finite, GRAD_SCALE_NOT_FINITE)
 
 
 def check_block_fraction(value, name="block_fraction"):
