@@ -175,3 +175,28 @@ def test_the_device_assert_names_the_fix():
     assert run.returncode != 0
     assert "For custom loss weighting run with --lm-fused-output-layer recompute" in run.stderr + run.stdout, (
         run.stderr[-3000:])
+
+
+def test_a_non_finite_grad_scale_tensor_is_a_device_assert():
+    """A CUDA ``grad_scale`` tensor holding NaN: a device-side assert naming grad_scale, no host sync in
+    the op (a fresh process: the assert ends its CUDA context)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from mindspeed_cez import linear_cross_entropy_zloss\n"
+        "h = torch.randn(64, 32, device='cuda').requires_grad_()\n"
+        "w = torch.randn(100, 32, device='cuda').requires_grad_()\n"
+        "w.main_grad = torch.zeros(100, 32, device='cuda')\n"
+        "t = torch.randint(0, 100, (64,), device='cuda')\n"
+        "m = torch.ones(64, device='cuda')\n"
+        "s = torch.tensor(float('nan'), device='cuda')\n"
+        "loss, _ = linear_cross_entropy_zloss(h, w, t, token_weights=m, grad_scale=s, grads='forward',\n"
+        "                                     gradient_accumulation_fusion=True)\n"
+        "torch.cuda.synchronize()\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode != 0
+    assert "grad_scale must be finite" in run.stderr + run.stdout, run.stderr[-3000:]
