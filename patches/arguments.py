@@ -23,7 +23,10 @@ Flags (one argument group, shown in ``--help``):
 Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider`` and
 :func:`validate_lm_z_loss_args` as a validation hook (it raises ``ValueError`` naming the flag).
 Megatron's and MindSpeed's hooks call :func:`validate_flags`: a bad value there ends the run as an
-argument error, one line naming the flag and exit status 2, as argparse's own errors do.
+argument error, one line naming the flag and exit status 2, as argparse's own errors do. The parser
+takes any text for the flags' values (an unparsable number is kept as text), so that validation, not
+the parser's usage dump, reports it; with the fused kernel on, validation also checks the launch
+environment's ``MINDSPEED_CEZ_BACKEND`` / ``MINDSPEED_CEZ_LINEAR_BACKEND`` the same way.
 """
 
 import argparse
@@ -60,11 +63,19 @@ class FlagValueError(SystemExit, ValueError):
         return self.message
 
 
+def _number_or_text(text):
+    """A flag's number, or its text where it is none: validation refuses that in one line naming the flag."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def add_lm_z_loss_args(parser):
     """Add the flags to ``parser`` and return it (Megatron's ``extra_args_provider`` contract)."""
     group = parser.add_argument_group(title=GROUP_TITLE)
     group.add_argument(
-        FLAG_COEFF, type=float, default=0.0, dest="lm_z_loss_coeff", metavar="C",
+        FLAG_COEFF, type=_number_or_text, default=0.0, dest="lm_z_loss_coeff", metavar="C",
         help="Coefficient of the LM-head z-loss C*logsumexp(logits)^2 added to every token's cross "
              "entropy by the fused vocab-parallel kernel (in the gradient; the logged lm loss stays "
              "the cross entropy, as for Megatron's auxiliary losses); C > 0 turns the fused kernel "
@@ -83,7 +94,7 @@ def add_lm_z_loss_args(parser):
         help="Also log the mean log-sum-exp of the logits as lm_lse (taken from the fused kernel, no extra pass).",
     )
     group.add_argument(
-        FLAG_OUTPUT_LAYER, nargs="?", const="forward", default=None, choices=OUTPUT_LAYER_GRADS,
+        FLAG_OUTPUT_LAYER, nargs="?", const="forward", default=None, metavar="{" + ",".join(OUTPUT_LAYER_GRADS) + "}",
         dest="lm_fused_output_layer",
         help="Compute the GPT output layer and the LM loss (CE + z-loss) as one fused op, without the "
              "logits tensor (labels given: training and validation; logits are still made without labels). "
@@ -93,7 +104,7 @@ def add_lm_z_loss_args(parser):
              "the logits in vocab chunks (4 GEMMs; any upstream gradient).",
     )
     group.add_argument(
-        FLAG_OUTPUT_LAYER_BLOCK, type=float, default=None, dest="lm_fused_output_layer_block", metavar="F",
+        FLAG_OUTPUT_LAYER_BLOCK, type=_number_or_text, default=None, dest="lm_fused_output_layer_block", metavar="F",
         help="With --lm-fused-output-layer forward: the share of the tokens each block of the fused output "
              "layer takes, 0 < F <= 1; the loss then works in F x the logits' memory, and each block "
              "rewrites the fp32 main_grad once (fewer blocks, less time). Default 0.5; 0.125: lean "
@@ -148,6 +159,7 @@ def validate_lm_z_loss_args(args, defaults=None):
     if fused_ce_enabled(args):
         mindspeed_llm.check_args(args, _flag_turning_fused_on(args),
                                  FLAG_OUTPUT_LAYER if getattr(args, "lm_fused_output_layer", None) else None)
+        backends_from_environment()  # the launch script's kernel overrides, checked with the flags
     return args
 
 
@@ -202,9 +214,17 @@ def settings_from_args(args):
     )
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's errors as one line (``PROG: error: ...``, exit status 2), without the usage dump."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        raise FlagValueError(message)
+
+
 def parse_lm_z_loss_args(argv):
     """Parse only these flags from ``argv`` (unknown ones ignored); for tools without Megatron. A bad
-    value is an argument error (:func:`validate_flags`)."""
-    parser = add_lm_z_loss_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    value is an argument error, one line (:func:`validate_flags`)."""
+    parser = add_lm_z_loss_args(_OneLineErrorParser(add_help=False, allow_abbrev=False))
     args, _ = parser.parse_known_args(argv)
     return validate_flags(args) if isinstance(args, argparse.Namespace) else args

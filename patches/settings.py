@@ -96,7 +96,8 @@ class Settings:
 
 def backends_from_environment(environ=os.environ):
     """``{"backend": ..., "linear_backend": ...}`` from a launch script's environment (unset or empty:
-    None, automatic); a bad name is a ``ValueError`` naming the variable."""
+    None, automatic); a bad name, or ``cann`` where torch_npu's op does not import, is a ``ValueError``
+    naming the variable."""
     chosen = {}
     for field, variable, names in (("backend", BACKEND_ENV, BACKENDS),
                                    ("linear_backend", LINEAR_BACKEND_ENV, tuple(kernels.LINEAR_BACKENDS))):
@@ -104,6 +105,9 @@ def backends_from_environment(environ=os.environ):
         if value not in (None, *names):
             raise ValueError(f"{variable}={value!r}: choose one of {names} (or leave it unset: automatic)")
         chosen[field] = value
+    if chosen["backend"] == cann.NAME and not cann.available():
+        raise ValueError(f"{BACKEND_ENV}=cann needs torch_npu with npu_cross_entropy_loss (Ascend NPUs, CANN), which "
+                         "does not import here: unset it (automatic) or choose triton or torch")
     return chosen
 
 

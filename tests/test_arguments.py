@@ -29,12 +29,49 @@ def _parse(argv):
          "-block sets the blocks of --lm-fused-output-layer forward; it has none with --lm-fused-output-layer "
          "recompute"),
         (["--lm-fused-output-layer-block", "0.25"], "none with --lm-fused-output-layer \\(off\\)"),
+        # text that is no number or path: the parser keeps it, validation names the flag in one line
+        (["--lm-z-loss-coeff", "abc"], "--lm-z-loss-coeff must be a finite number >= 0, got 'abc'"),
+        (["--lm-fused-output-layer", "sideways"], "--lm-fused-output-layer must be one of \\('recompute', 'forward'\\), "
+                                                  "got 'sideways'"),
+        (["--lm-fused-output-layer", "--lm-fused-output-layer-block", "half"], "-block takes .*got 'half'"),
     ],
 )
 def test_invalid_values_fail_validation_naming_the_flag(argv, message):
     args = _parse(argv)
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
         arguments.validate_lm_z_loss_args(args)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MINDSPEED_CEZ_BACKEND": "cuda"}, "MINDSPEED_CEZ_BACKEND='cuda': choose one of \\('torch', 'triton', 'cann'\\)"),
+    ({"MINDSPEED_CEZ_LINEAR_BACKEND": "cublas"}, "MINDSPEED_CEZ_LINEAR_BACKEND='cublas': choose one of"),
+    ({"MINDSPEED_CEZ_BACKEND": "cann"}, "MINDSPEED_CEZ_BACKEND=cann needs torch_npu .* unset it"),
+])
+def test_the_launch_environment_is_checked_with_the_flags(monkeypatch, env, message):
+    """With the fused kernel on, a bad kernel override in the environment fails validation like a bad
+    flag (one line, exit status 2 through :func:`arguments.validate_flags`); with it off nothing reads it."""
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # no torch_npu: its import fails
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        arguments.validate_lm_z_loss_args(_parse(["--lm-fused-ce"]))
+    with pytest.raises(arguments.FlagValueError) as caught:
+        arguments.validate_flags(_parse(["--lm-z-loss-coeff", "1e-4"]))
+    assert caught.value.code == 2
+    assert arguments.settings_from_args(_parse([])) is None
+
+
+def test_parser_errors_without_megatron_are_one_line(capsys, monkeypatch):
+    """The flags read from ``sys.argv`` (megatron-core without ``megatron.training``): argparse's own
+    errors too are one line and exit status 2, without the usage dump."""
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    for argv, line in ((["--lm-z-loss-coeff"], "argument --lm-z-loss-coeff: expected one argument"),
+                       (["--lm-z-loss-coeff", "x1"], "--lm-z-loss-coeff must be a finite number >= 0, got 'x1'")):
+        with pytest.raises(SystemExit) as caught:
+            arguments.parse_lm_z_loss_args(argv)
+        assert caught.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [f"pretrain.py: error: {line}"]
+    assert arguments.parse_lm_z_loss_args(["--lm-z-loss-coeff", "2e-4", "--other", "7"]).lm_z_loss_coeff == 2e-4
 
 
 def test_settings_from_flags():

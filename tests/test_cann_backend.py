@@ -124,9 +124,12 @@ def test_without_torch_npu(monkeypatch):
         vocab_parallel_cross_entropy_zloss(logits, target, backend="cann")
 
 
-def test_flag_path_takes_it_where_the_vocab_is_not_sharded():
+def test_flag_path_takes_it_where_the_vocab_is_not_sharded(torch_npu, monkeypatch):
     assert settings.backends_from_environment({"MINDSPEED_CEZ_BACKEND": "cann"}) == {"backend": "cann",
                                                                                       "linear_backend": None}
+    monkeypatch.setitem(__import__("sys").modules, "torch_npu", None)  # a machine without torch_npu: at startup
+    with pytest.raises(ValueError, match="MINDSPEED_CEZ_BACKEND=cann needs torch_npu"):
+        settings.backends_from_environment({"MINDSPEED_CEZ_BACKEND": "cann"})
     assert settings.Settings(z_loss_coeff=1e-4, backend="cann").backend == "cann"
     with pytest.raises(ValueError, match="--lm-fused-output-layer"):
         settings.Settings(backend="cann", fused_output_layer=True)

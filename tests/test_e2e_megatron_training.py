@@ -226,16 +226,23 @@ def test_the_plain_example_needs_the_launcher_for_the_flag():
     assert proc.returncode != 0 and "unrecognized arguments: --lm-z-loss-coeff" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_a_bad_flag_value_is_an_argument_error():
-    """``python -m mindspeed_cez.launch examples/pretrain_gpt.py ... --lm-z-loss-coeff -1``: exit status 2
-    and one line naming the flag, as argparse's own errors; no traceback."""
+@pytest.mark.parametrize("extra,env,line", [
+    (["--lm-z-loss-coeff", "-1"], {}, "--lm-z-loss-coeff must be a finite number >= 0, got -1.0"),
+    (["--lm-z-loss-coeff", "abc"], {}, "--lm-z-loss-coeff must be a finite number >= 0, got 'abc'"),
+    (["--lm-fused-ce"], {"MINDSPEED_CEZ_BACKEND": "cuda"}, "MINDSPEED_CEZ_BACKEND='cuda': choose one of ('torch', "
+                                                          "'triton', 'cann') (or leave it unset: automatic)"),
+], ids=["negative", "unparsable", "environment"])
+def test_a_bad_flag_value_is_an_argument_error(extra, env, line):
+    """``python -m mindspeed_cez.launch examples/pretrain_gpt.py ... --lm-z-loss-coeff -1`` (or ``abc``, or
+    a bad ``MINDSPEED_CEZ_BACKEND``): exit status 2 and one line naming the flag or the variable, as
+    argparse's own errors; no traceback, no usage dump of Megatron's parser."""
     cmd = [sys.executable, "-m", "mindspeed_cez.launch", str(REPO / "examples" / "pretrain_gpt.py"), *TINY_GPT,
-           "--lm-z-loss-coeff", "-1", "--distributed-backend", "gloo"]
+           *extra, "--distributed-backend", "gloo"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
+                          env=dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", **env,
                                    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])))
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
-    assert errors == ["pretrain_gpt.py: error: --lm-z-loss-coeff must be a finite number >= 0, got -1.0"] or (
-        len(errors) == 1 and errors[0].endswith("error: --lm-z-loss-coeff must be a finite number >= 0, got -1.0")), proc.stderr
+    assert errors == [f"pretrain_gpt.py: error: {line}"] or (
+        len(errors) == 1 and errors[0].endswith(f"error: {line}")), proc.stderr

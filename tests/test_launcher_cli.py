@@ -61,15 +61,31 @@ def test_the_script_exit_code_and_bad_usage(script, tmp_path):
     assert missing.returncode == 2 and "is not a file" in missing.stderr
 
 
+BAD_LAUNCHES = [  # (extra arguments, environment, the one error line after "pretrain.py: error: ")
+    (["--lm-z-loss-coeff", "abc"], {}, "--lm-z-loss-coeff must be a finite number >= 0, got 'abc'"),
+    (["--lm-fused-ce"], {"MINDSPEED_CEZ_BACKEND": "cuda"}, "MINDSPEED_CEZ_BACKEND='cuda': choose one of ('torch', "
+                                                          "'triton', 'cann') (or leave it unset: automatic)"),
+    (["--lm-fused-ce"], {"MINDSPEED_CEZ_BACKEND": "cann"}, "MINDSPEED_CEZ_BACKEND=cann needs torch_npu with "
+                                                           "npu_cross_entropy_loss (Ascend NPUs, CANN), which does not "
+                                                           "import here: unset it (automatic) or choose triton or torch"),
+]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("megatron.training") is not None,
                     reason="with megatron.training the flags go through Megatron's own parser, which this script "
                            "never calls: tests/test_e2e_megatron_training.py runs that through pretrain")
-def test_a_bad_flag_value_is_an_argument_error(script, tmp_path):
-    """Exit status 2 and one line naming the flag (argparse's form), no traceback, where the adaptor
-    reads the flags from ``sys.argv`` (megatron-core without ``megatron.training``); Megatron's own
-    ``pretrain`` through examples/pretrain_gpt.py: tests/test_e2e_megatron_training.py."""
-    proc = _launch([str(script), "--lm-z-loss-coeff", "-1"], cwd=tmp_path)
+@pytest.mark.parametrize("extra,env,line", BAD_LAUNCHES)
+def test_a_bad_flag_value_is_an_argument_error(script, tmp_path, monkeypatch, extra, env, line):
+    """Exit status 2 and one line naming the flag or the environment variable (argparse's form), no
+    traceback and no usage dump, where the adaptor reads the flags from ``sys.argv`` (megatron-core
+    without ``megatron.training``); Megatron's own ``pretrain`` through examples/pretrain_gpt.py:
+    tests/test_e2e_megatron_training.py; every message: tests/test_arguments.py."""
+    if importlib.util.find_spec("torch_npu") is not None and env.get("MINDSPEED_CEZ_BACKEND") == "cann":
+        pytest.skip("torch_npu is installed here")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    proc = _launch([str(script), *extra], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr, proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
-    assert errors == ["pretrain.py: error: --lm-z-loss-coeff must be a finite number >= 0, got -1.0"], proc.stderr
+    assert errors == [f"pretrain.py: error: {line}"], proc.stderr
