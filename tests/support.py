@@ -6,7 +6,10 @@ online softmax, no sharding.
 """
 
 import contextlib
+import datetime
 import os
+import pickle
+import queue
 import socket
 import sys
 import time
@@ -90,6 +93,83 @@ def run_on_ranks(world_size, fn, *args, timeout=300, backend="gloo"):
     assert not silent, f"ranks that reported nothing within {timeout} s (rank: exit code): {silent}"
 
 
+def _pool_rank_main(rank, world_size, port, jobs, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    # a job that leaves the ranks out of step ends in a timeout here, reported, not a hang
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    groups, size = {world_size: dist.group.WORLD}, world_size // 2
+    while size > 1:  # every rank makes every subgroup, in the same order
+        groups[size] = dist.new_group(list(range(size)))
+        size //= 2
+    while True:
+        payload = jobs.get()
+        if payload is None:
+            break
+        fn, tp_size, args = pickle.loads(payload)
+        try:
+            outcome = ("ok", fn(rank, tp_size, groups[tp_size], *args) if rank < tp_size else None)
+        except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+            outcome = ("error", f"rank {rank}:\n{traceback.format_exc()}")
+        results.put((rank, pickle.dumps(outcome)))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as _rank_main: the outcome is reported, the teardown decides nothing
+
+
+class RankPool:
+    """``world_size`` spawned ranks (gloo, one torch thread each) kept for many jobs: tests that run
+    many small examples on real processes (the property tests) pay the spawn once. :meth:`run` calls
+    ``fn(rank, tp_size, group, *args)`` on ranks ``0 .. tp_size-1`` (``group``: the world, or the
+    subgroup of the first ``tp_size`` ranks; ``tp_size`` a power of two) and returns their results in
+    rank order. Jobs and results travel pickled as bytes (no shared-memory tensors). A rank's
+    exception, or no answer within ``timeout`` seconds, fails the call; after a timeout the pool is
+    closed and every later call fails."""
+
+    def __init__(self, world_size, timeout=120):
+        ctx = mp.get_context("spawn")
+        self.world_size, self.timeout, self.broken = world_size, timeout, None
+        self.jobs = [ctx.SimpleQueue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [ctx.Process(target=_pool_rank_main, args=(r, world_size, port, self.jobs[r], self.results),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, tp_size, *args):
+        assert self.broken is None, f"the rank pool stopped earlier: {self.broken}"
+        assert tp_size in (1 << k for k in range(self.world_size.bit_length())) and tp_size <= self.world_size
+        payload = pickle.dumps((fn, tp_size, args))
+        for jobs in self.jobs:
+            jobs.put(payload)
+        outcome, deadline = {}, time.monotonic() + self.timeout
+        while len(outcome) < self.world_size:
+            try:
+                rank, answer = self.results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.broken = f"ranks {sorted(set(range(self.world_size)) - set(outcome))} gave no answer within " \
+                              f"{self.timeout} s"
+                self.close()
+                raise AssertionError(self.broken) from None
+            outcome[rank] = pickle.loads(answer)
+        failures = [value for status, value in outcome.values() if status == "error"]
+        if failures:
+            raise AssertionError("\n".join(failures))
+        return [outcome[r][1] for r in range(tp_size)]
+
+    def close(self):
+        if self.broken is None:
+            for jobs in self.jobs:
+                jobs.put(None)
+        for p in self.procs:
+            p.join(TEARDOWN_S if self.broken is None else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
 # ---------------------------------------------------------------------------- float64 references
 def cross_entropy_zloss_float64(logits, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
                                 logit_scale=1.0, logit_softcap=0.0):
@@ -105,17 +185,20 @@ def cross_entropy_zloss_float64(logits, target, z_loss_coeff=0.0, label_smoothin
     nll = -log_probs.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
     smooth = -log_probs.mean(dim=-1)
     z_loss = z_loss_coeff * lse * lse
-    loss = (1.0 - label_smoothing) * nll + label_smoothing * smooth + z_loss
+    loss = (1.0 - label_smoothing) * nll + z_loss
+    if label_smoothing:  # not 0 * smooth: a -inf logit makes smooth inf
+        loss = loss + label_smoothing * smooth
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     return torch.where(valid, loss, zero), torch.where(valid, z_loss, zero), lse
 
 
-def loss_and_grad_float64(logits, target, upstream, **kwargs):
-    """(loss, z_loss, d(sum(upstream*loss))/d(logits)) in float64."""
+def loss_and_grad_float64(logits, target, upstream, return_lse=False, **kwargs):
+    """(loss, z_loss, d(sum(upstream*loss))/d(logits)) in float64; (loss, z_loss, grad, lse) with ``return_lse``."""
     x = logits.detach().double().requires_grad_(True)
-    loss, z_loss, _ = cross_entropy_zloss_float64(x, target, **kwargs)
+    loss, z_loss, lse = cross_entropy_zloss_float64(x, target, **kwargs)
     (grad,) = torch.autograd.grad(loss, x, upstream.double())
-    return loss.detach(), z_loss.detach(), grad
+    out = loss.detach(), z_loss.detach(), grad
+    return (*out, lse.detach()) if return_lse else out
 
 
 def loss_and_grad_float64_chunked(logits, target, upstream, rows=512, **kwargs):
@@ -130,13 +213,15 @@ def loss_and_grad_float64_chunked(logits, target, upstream, rows=512, **kwargs):
     return torch.cat(losses), grads
 
 
-def linear_loss_and_grads_float64(hidden, weight, target, upstream, **kwargs):
-    """(loss, dhidden, dweight) of ``sum(upstream * loss(hidden @ weight.T))`` in float64."""
+def linear_loss_and_grads_float64(hidden, weight, target, upstream, return_lse=False, **kwargs):
+    """(loss, dhidden, dweight) of ``sum(upstream * loss(hidden @ weight.T))`` in float64; with
+    ``return_lse`` also the z-loss and the lse: (loss, dhidden, dweight, z_loss, lse)."""
     h = hidden.detach().double().requires_grad_(True)
     w = weight.detach().double().requires_grad_(True)
-    loss, _, _ = cross_entropy_zloss_float64(h @ w.t(), target, **kwargs)
+    loss, z_loss, lse = cross_entropy_zloss_float64(h @ w.t(), target, **kwargs)
     dh, dw = torch.autograd.grad(loss, (h, w), upstream.double())
-    return loss.detach(), dh, dw
+    out = loss.detach(), dh, dw
+    return (*out, z_loss.detach(), lse.detach()) if return_lse else out
 
 
 # --------------------------------------------------------------------------------------- errors
