@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_cez import cann, kernels
-from mindspeed_cez.first_order import first_order_only
+from mindspeed_cez.first_order import first_order_input, first_order_only
 from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.tensor_parallel import group_rank_and_size, merged_loss, resolve_tp_group
 
@@ -265,7 +265,8 @@ def vocab_parallel_cross_entropy_zloss(
     if backend == cann.NAME:  # the vendor op (torch_npu), TP = 1: its own autograd
         cann.check_applies(group_rank_and_size(tp_group)[1], logit_scale, logit_softcap)
         _check_target_range(target.reshape(-1), logits.shape[-1], ignore_index, kernels.torch_reference)
-        loss, z_loss, lse = cann.cross_entropy_zloss(logits, target, z_loss_coeff, label_smoothing, ignore_index)
+        loss, z_loss, lse = cann.cross_entropy_zloss(first_order_input(logits, "vocab_parallel_cross_entropy_zloss"),
+                                                     target, z_loss_coeff, label_smoothing, ignore_index)
     else:
         options = CrossEntropyOptions(float(z_loss_coeff), float(label_smoothing), ignore_index, tp_group,
                                       kernels.backend_for(logits.device, backend), transform)

@@ -33,6 +33,27 @@ class _SecondOrderRefused(torch.autograd.Function):
             "written in torch ops (e.g. torch.nn.functional.cross_entropy)")
 
 
+class _FirstOrderInput(torch.autograd.Function):
+    """The identity on an op's input, for an op made of others' autograd (torch_npu's): whatever their
+    backward records, the input's gradient under create_graph=True goes through a refusing node."""
+
+    @staticmethod
+    def forward(ctx, x, op_name):
+        ctx.op_name = op_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            return _SecondOrderRefused.apply(grad.detach(), ctx.op_name, _ANCHOR), None
+        return grad, None
+
+
+def first_order_input(x, op_name):
+    """``x`` itself, through a node that makes any second-order gradient of ``op_name`` raise."""
+    return _FirstOrderInput.apply(x, op_name) if x.requires_grad and torch.is_grad_enabled() else x
+
+
 def first_order_only(op_name):
     """Decorate an autograd Function's ``backward`` so that a second-order gradient through it raises."""
 

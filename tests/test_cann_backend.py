@@ -153,3 +153,21 @@ def test_flag_paths_loss_is_the_ce_value_with_the_z_loss_gradient(torch_npu):
     assert relative_error(loss, ce64) < 1e-6 and relative_error(z_loss, z64) < 1e-6
     assert relative_error(x.grad, grad64) < 1e-6
     assert torch_npu.CALLS[-1]["lse_square_scale_for_zloss"] == 1e-3
+
+
+def test_first_order_only_and_a_second_backward(torch_npu):
+    """As the other backends: under ``create_graph=True`` the gradient is right and differentiating it
+    again raises naming the op, whatever torch_npu's backward records; the gradient is not written in
+    place, so a second backward is right."""
+    logits, target, upstream = _inputs(torch.float32, seed=9)
+    x = logits.clone().requires_grad_(True)
+    loss, _ = vocab_parallel_cross_entropy_zloss(x * 1, target, 1e-3, backend="cann")
+    (grad,) = torch.autograd.grad(loss, x, upstream, create_graph=True)
+    assert relative_error(grad, loss_and_grad_float64(logits, target, upstream, z_loss_coeff=1e-3)[2]) < 1e-6
+    with pytest.raises(RuntimeError, match="vocab_parallel_cross_entropy_zloss is first-order only"):
+        grad.square().sum().backward()
+    loss, _ = vocab_parallel_cross_entropy_zloss(x * 1, target, 1e-3, backend="cann")
+    loss.backward(upstream, retain_graph=True)
+    once = x.grad.clone()
+    loss.backward(upstream)
+    assert torch.allclose(x.grad, 2 * once)
