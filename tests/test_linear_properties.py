@@ -3,7 +3,8 @@ tolerance or refused naming its argument (the contract: tests/properties.py).
 
 Drawn: shapes (0 tokens included; ``[n, h]`` and ``[s, b, h]``), dtypes, z-loss, label smoothing, logit
 scale / soft cap, ignore_index, targets (ignored, at the shard edges, out of range), the spread of the
-logits, the gradient path (``recompute`` on GEMM chunks or the Triton ``tl.dot`` kernels, with and
+logits, layouts of the hidden states (a slice of a wider tensor, transposed), the gradient path
+(``recompute`` on GEMM chunks or the Triton ``tl.dot`` kernels, with and
 without ``main_grad``; ``forward`` with ``token_weights`` alone, with ``grad_scale``, with the weight's
 gradient into ``main_grad``), vocab chunks and row blocks, sequence parallelism, at times a bad
 argument (a non-finite ``grad_scale`` tensor among them). TP 1 in this process; TP 2 and 4 on one pool of
@@ -67,10 +68,24 @@ def cases(draw, tp, backend, path):
         if path != "forward" and draw(st.integers(0, 9)) == 0:
             grad_scale = torch.tensor(draw(st.sampled_from([math.nan, math.inf])))
             bad = bad | {"grad_scale"}
+    layout = draw(st.sampled_from(["contiguous", "strided", "transposed"] if len(shape) == 2 else ["contiguous", "strided"]))
     return dict(hidden=hidden.to(dtype), weight=weight.to(dtype), target=target, upstream=upstream, kwargs=kwargs,
-                bad=bad, valid_targets=valid, path=path, token_weights=weights, grad_scale=grad_scale,
+                bad=bad, valid_targets=valid, path=path, token_weights=weights, grad_scale=grad_scale, layout=layout,
                 main_grad=torch.randn(vocab, h, generator=gen) if main_grad else None, options=options,
                 sequence_parallel=sequence_parallel, backend=backend, tp=tp)
+
+
+def _laid_out(hidden, layout):
+    """(the hidden states the op gets, a function giving their gradient): contiguous; ``strided``,
+    the first columns of a wider tensor (row stride > h); ``transposed``, ``[s, b, h]`` stored as ``[b, s, h]``."""
+    if layout == "strided":
+        leaf = torch.cat([hidden, torch.zeros_like(hidden)], dim=-1).requires_grad_(True)
+        return leaf[..., :hidden.shape[-1]], lambda: leaf.grad[..., :hidden.shape[-1]]
+    if layout == "transposed":
+        leaf = hidden.transpose(0, 1).contiguous().requires_grad_(True)
+        return leaf.transpose(0, 1), lambda: leaf.grad.transpose(0, 1)
+    leaf = hidden.clone().requires_grad_(True)
+    return leaf, lambda: leaf.grad
 
 
 def _linear_on_rank(rank, tp, group, case):
@@ -82,7 +97,7 @@ def _linear_on_rank(rank, tp, group, case):
     if case["sequence_parallel"]:
         chunk = hidden.shape[0] // tp
         hidden = hidden[rank * chunk:(rank + 1) * chunk]
-    h = hidden.clone().requires_grad_(True)
+    h, dhidden = _laid_out(hidden, case["layout"])
     w = case["weight"][rows].clone().requires_grad_(True)
     path, main_grad = case["path"], case["main_grad"]
     if main_grad is not None:
@@ -99,7 +114,7 @@ def _linear_on_rank(rank, tp, group, case):
     except (ValueError, TypeError) as err:
         return {"refused": (type(err).__name__, str(err))}
     dweight = w.main_grad - main_grad[rows] if main_grad is not None else w.grad
-    return {"refused": None, "loss": loss.detach(), "z_loss": z_loss, "lse": lse, "dhidden": h.grad, "dweight": dweight}
+    return {"refused": None, "loss": loss.detach(), "z_loss": z_loss, "lse": lse, "dhidden": dhidden(), "dweight": dweight}
 
 
 def _check_norm(name, actual, expected, tol):
