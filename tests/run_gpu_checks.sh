@@ -23,7 +23,9 @@ export PYTHONPATH=$SITE
 # 0.19.2, Python 3.12: CI's leg 2); the Megatron-LM style launch below is their GPU run.
 # test_fp32_accumulation.py and test_linear_cross_entropy.py run on the CPU (gloo, the interpreter);
 # test_linear_cross_entropy_gpu.py forces each CUDA accumulation of the weight gradient in turn.
-GPU_TEST_FILES=(test_op.py test_op_errors.py test_gpu.py test_launch_configs.py test_linear_cross_entropy_gpu.py)
+# test_op_properties.py and test_linear_properties.py run on the CPU (gloo, the interpreter).
+GPU_TEST_FILES=(test_op.py test_op_errors.py test_op_autograd.py test_gpu.py test_launch_configs.py
+                test_linear_cross_entropy_gpu.py)
 echo "== op tests on CUDA"
 (cd tests && timeout 480 python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" "${GPU_TEST_FILES[@]}" 2>&1) \
     | tee "$OUT/gpu_tests.log" | tail -15
