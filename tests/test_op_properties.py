@@ -163,6 +163,19 @@ def test_whole_minus_inf_rows_and_shards_at_one_rank():
     run_case(_case(full, target, z_loss_coeff=1e-3))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_gradient_beyond_the_dtype_range_is_inf_of_its_sign(backend):
+    """fp16 logits at -6e4 with z-loss 0.3: the gradient (about 3.6e4 x the upstream) passes fp16's
+    range, so it is +-inf with the float64 gradient's sign, as fp16 rounds it; the loss (fp32) stays finite."""
+    if backend == "triton" and not triton_runs_on_cpu():
+        pytest.skip("the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
+    logits = torch.tensor([[0.8], [-6.0e4], [-6.0e4]], dtype=torch.float16)
+    case = _case(logits, torch.tensor([0, 0, 0]), backend, upstream=torch.tensor([0.5, 2.0, -2.7]), z_loss_coeff=0.3)
+    run_case(case)
+    (grad,) = _op_on_rank(0, 1, None, case)["grad"].unbind(-1)
+    assert grad[1] == -math.inf and grad[2] == math.inf
+
+
 def _worker_changing_widths(rank, world_size):
     from mindspeed_cez import vocab_parallel_cross_entropy_zloss as op
     import torch.distributed as dist
