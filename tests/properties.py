@@ -18,9 +18,12 @@ as many, to hunt. A failure found either way becomes a plain regression test bes
 import math
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+
+from support import RankPool
 
 settings.register_profile("ci", deadline=None, derandomize=True, database=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -34,6 +37,14 @@ EPS32 = torch.finfo(torch.float32).eps
 K = 16  # fp32 operations per result, with room: the bounds' constant
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HUGE = 6.0e4  # fp16's range: huge logits every dtype holds, whose transform fp32 holds
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """4 gloo ranks for a test module's TP 2 and 4 examples (imported there as a fixture)."""
+    pool = RankPool(4)
+    yield pool
+    pool.close()
 
 
 def examples(n):

@@ -153,50 +153,47 @@ def test_the_op_on_each_cuda_accumulation(kind, path):
             kind, path, relative_error(ours, exp), relative_error(unfused, exp))
 
 
-def test_the_device_assert_names_the_fix():
-    """A loss weighted other than the forward assumed: the CUDA device-side assert's text names the
-    cause and ``--lm-fused-output-layer recompute`` (a fresh process: the assert ends its CUDA context)."""
+# the fused layer's forward path on 64 tokens, in a script for a fresh process (a device-side assert ends
+# its CUDA context): hidden h, weight w, targets t, loss mask m
+_FORWARD_PATH = (
+    "import torch\n"
+    "from mindspeed_cez import linear_cross_entropy_zloss\n"
+    "h = torch.randn(64, 32, device='cuda').requires_grad_()\n"
+    "w = torch.randn(100, 32, device='cuda').requires_grad_()\n"
+    "t = torch.randint(0, 100, (64,), device='cuda')\n"
+    "m = torch.ones(64, device='cuda')\n")
+
+
+def _output_of_a_failing_script(script):
+    """What ``python -c script`` printed, after checking it failed."""
     import os
     import subprocess
     import sys
 
-    script = (
-        "import torch\n"
-        "from mindspeed_cez import linear_cross_entropy_zloss\n"
-        "h = torch.randn(64, 32, device='cuda').requires_grad_()\n"
-        "w = torch.randn(100, 32, device='cuda').requires_grad_()\n"
-        "t = torch.randint(0, 100, (64,), device='cuda')\n"
-        "m = torch.ones(64, device='cuda')\n"
-        "loss, _ = linear_cross_entropy_zloss(h, w, t, token_weights=m, grad_scale=0.5, grads='forward')\n"
-        "(loss * torch.rand(64, device='cuda')).sum().backward()\n"
-        "torch.cuda.synchronize()\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert run.returncode != 0
-    assert "For custom loss weighting run with --lm-fused-output-layer recompute" in run.stderr + run.stdout, (
-        run.stderr[-3000:])
+    assert run.returncode != 0, run.stdout[-3000:]
+    return run.stderr + run.stdout
+
+
+def test_the_device_assert_names_the_fix():
+    """A loss weighted other than the forward assumed: the CUDA device-side assert's text names the
+    cause and ``--lm-fused-output-layer recompute``."""
+    output = _output_of_a_failing_script(
+        _FORWARD_PATH
+        + "loss, _ = linear_cross_entropy_zloss(h, w, t, token_weights=m, grad_scale=0.5, grads='forward')\n"
+          "(loss * torch.rand(64, device='cuda')).sum().backward()\n"
+          "torch.cuda.synchronize()\n")
+    assert "For custom loss weighting run with --lm-fused-output-layer recompute" in output, output[-3000:]
 
 
 def test_a_non_finite_grad_scale_tensor_is_a_device_assert():
-    """A CUDA ``grad_scale`` tensor holding NaN: a device-side assert naming grad_scale, no host sync in
-    the op (a fresh process: the assert ends its CUDA context)."""
-    import os
-    import subprocess
-    import sys
-
-    script = (
-        "import torch\n"
-        "from mindspeed_cez import linear_cross_entropy_zloss\n"
-        "h = torch.randn(64, 32, device='cuda').requires_grad_()\n"
-        "w = torch.randn(100, 32, device='cuda').requires_grad_()\n"
-        "w.main_grad = torch.zeros(100, 32, device='cuda')\n"
-        "t = torch.randint(0, 100, (64,), device='cuda')\n"
-        "m = torch.ones(64, device='cuda')\n"
-        "s = torch.tensor(float('nan'), device='cuda')\n"
-        "loss, _ = linear_cross_entropy_zloss(h, w, t, token_weights=m, grad_scale=s, grads='forward',\n"
-        "                                     gradient_accumulation_fusion=True)\n"
-        "torch.cuda.synchronize()\n")
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert run.returncode != 0
-    assert "grad_scale must be finite" in run.stderr + run.stdout, run.stderr[-3000:]
+    """A CUDA ``grad_scale`` tensor holding NaN: a device-side assert naming grad_scale (no host sync in the op)."""
+    output = _output_of_a_failing_script(
+        _FORWARD_PATH
+        + "w.main_grad = torch.zeros(100, 32, device='cuda')\n"
+          "s = torch.tensor(float('nan'), device='cuda')\n"
+          "loss, _ = linear_cross_entropy_zloss(h, w, t, token_weights=m, grad_scale=s, grads='forward',\n"
+          "                                     gradient_accumulation_fusion=True)\n"
+          "torch.cuda.synchronize()\n")
+    assert "grad_scale must be finite" in output, output[-3000:]

@@ -22,22 +22,15 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from backends import triton_runs_on_cpu  # noqa: E402
+from properties import ranks  # noqa: E402,F401 (a fixture: the module's pool of gloo ranks)
 from properties import (DTYPES, K, check_refusal, check_rows, examples, loss_arguments, row_magnitude,  # noqa: E402
                         targets, transformed_float64)
-from support import RankPool, linear_loss_and_grads_float64  # noqa: E402
+from support import linear_loss_and_grads_float64  # noqa: E402
 from mindspeed_cez import linear_cross_entropy_zloss  # noqa: E402
 
-POOL_RANKS = 4
 PATHS = ["recompute", "recompute-triton", "forward", "scaled", "main_grad"]
 # examples per (backend, TP size) and path of the ci profile (the Triton interpreter is ~100x slower)
 EXAMPLES = {("torch", 1): 30, ("torch", 2): 10, ("torch", 4): 6, ("triton", 1): 5, ("triton", 2): 3, ("triton", 4): 2}
-
-
-@pytest.fixture(scope="module")
-def ranks():
-    pool = RankPool(POOL_RANKS)
-    yield pool
-    pool.close()
 
 
 @st.composite

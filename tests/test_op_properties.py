@@ -20,23 +20,16 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from backends import triton_runs_on_cpu  # noqa: E402
+from properties import ranks  # noqa: E402,F401 (a fixture: the module's pool of gloo ranks)
 from properties import (DTYPES, check_logits_grad, check_refusal, check_rows, examples, logits_values,  # noqa: E402
                         loss_arguments, row_magnitude, targets, transformed_float64)
-from support import RankPool, loss_and_grad_float64, run_on_ranks  # noqa: E402
+from support import loss_and_grad_float64, run_on_ranks  # noqa: E402
 from mindspeed_cez import vocab_parallel_cross_entropy_zloss  # noqa: E402
 
-POOL_RANKS = 4
 LAYOUTS = ["rows", "slice", "transposed"]
 # (backend, TP size): examples per run of the ci profile (the Triton interpreter is ~100x slower)
 EXAMPLES = {("torch", 1): 150, ("torch", 2): 50, ("torch", 4): 30,
             ("triton", 1): 25, ("triton", 2): 12, ("triton", 4): 8}
-
-
-@pytest.fixture(scope="module")
-def ranks():
-    pool = RankPool(POOL_RANKS)
-    yield pool
-    pool.close()
 
 
 @st.composite
