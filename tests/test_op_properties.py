@@ -28,8 +28,8 @@ from mindspeed_cez import vocab_parallel_cross_entropy_zloss  # noqa: E402
 
 LAYOUTS = ["rows", "slice", "transposed"]
 # (backend, TP size): examples per run of the ci profile (the Triton interpreter is ~100x slower)
-EXAMPLES = {("torch", 1): 150, ("torch", 2): 50, ("torch", 4): 30,
-            ("triton", 1): 25, ("triton", 2): 12, ("triton", 4): 8}
+EXAMPLES = {("torch", 1): 300, ("torch", 2): 80, ("torch", 4): 40,
+            ("triton", 1): 40, ("triton", 2): 16, ("triton", 4): 10}
 
 
 @st.composite
