@@ -30,7 +30,7 @@ from mindspeed_cez import linear_cross_entropy_zloss  # noqa: E402
 
 PATHS = ["recompute", "recompute-triton", "forward", "scaled", "main_grad"]
 # examples per (backend, TP size) and path of the ci profile (the Triton interpreter is ~100x slower)
-EXAMPLES = {("torch", 1): 50, ("torch", 2): 15, ("torch", 4): 8, ("triton", 1): 8, ("triton", 2): 4, ("triton", 4): 3}
+EXAMPLES = {("torch", 1): 80, ("torch", 2): 25, ("torch", 4): 12, ("triton", 1): 12, ("triton", 2): 6, ("triton", 4): 4}
 
 
 @st.composite
