@@ -125,11 +125,12 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         flat_target = target.reshape(-1)
         v_local = weight.shape[0]
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
-        _check_targets(flat_target, global_vocab, options.ignore_index)
         stats = options.linear.linear_partials(rows, weight, flat_target, vocab_start, global_vocab, options.ignore_index,
                                          options.label_smoothing, ce_backend=options.backend, chunk_cols=options.chunk_cols,
                                          transform=options.transform)
-        out = merged_loss(options.backend, stats, flat_target, options.ignore_index, options.z_loss_coeff, options.tp_group, tp_size)
+        out = merged_loss(options.backend, stats, flat_target, options.ignore_index, options.z_loss_coeff, options.tp_group,
+                          tp_size, shard_name="weight")
+        _check_targets(flat_target, global_vocab, options.ignore_index)  # after the collective: see the op's forward
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
 
         ctx.save_for_backward(hidden, weight, flat_target, lse)
@@ -270,7 +271,6 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         weights = torch.where(flat_target == ignore_index, 0.0, token_weights.reshape(-1).float())
         n, v_local = rows.shape[0], weight.shape[0]
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
-        _check_target_range(flat_target, global_vocab, ignore_index, backend)
         upstream_known = grad_scale is not None  # the upstream gradient is grad_scale * weights
         upstream = weights * grad_scale if upstream_known else torch.ones(n, dtype=torch.float32, device=rows.device)
         into_main_grad = upstream_known and options.gradient_accumulation_fusion and hasattr(weight, "main_grad")
@@ -288,7 +288,9 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             torch.matmul(x, weight.t(), out=logits)
             stats = backend.shard_partials(logits, t, vocab_start, global_vocab, ignore_index, label_smoothing,
                                            transform=transform)
-            out[:, r:r + step] = merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size)
+            merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size, "weight", out[:, r:r + step])
+            if r == 0:  # after the first collective (see the op's forward), before anything is written
+                _check_target_range(flat_target, global_vocab, ignore_index, backend)
             backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], ignore_index, vocab_start,
                                z_loss_coeff, label_smoothing, global_vocab, transform=transform)
             if upstream_known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
