@@ -361,6 +361,19 @@ def test_sequence_parallel_target_must_cover_the_gathered_sequence():
     run_on_ranks(2, _sp_shape_worker)
 
 
+def _unequal_weight_rows_worker(rank, world_size):
+    h, target = torch.randn(6, 8), torch.randint(0, 10, (6,))
+    w = torch.randn(5 + rank, 8)  # 5 and 6 vocab rows
+    for grads, extra in (("recompute", {}), ("forward", {"token_weights": torch.ones(6), "grad_scale": 1.0})):
+        with pytest.raises(ValueError, match=r"weight: tensor-parallel ranks hold vocab shards of unequal width "
+                                             r"\(from 5 to 6\).*pad the vocab"):
+            linear_cross_entropy_zloss(h.requires_grad_(), w, target, tp_group=dist.group.WORLD, grads=grads, **extra)
+
+
+def test_unequal_weight_rows_are_refused_on_every_rank():
+    run_on_ranks(2, _unequal_weight_rows_worker, timeout=120)
+
+
 def test_default_chunk_is_small_beside_the_logits():
     for n, v in ((8192, 151936), (8192, 37984), (65536, 151936), (16384, 16160), (39, 53)):
         step = chunked_linear.default_chunk_cols(n, v)
