@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from mindspeed_cez import cann, kernels
-from mindspeed_cez.kernels.logit_transform import LogitTransform
+from mindspeed_cez.kernels.logit_transform import LogitTransform, transform_of
 from mindspeed_cez.tensor_parallel import group_rank_and_size, merged_loss, resolve_tp_group
 
 def check_target(target):
@@ -216,7 +216,7 @@ def vocab_parallel_cross_entropy_zloss(
     logits' buffer, so the logits must not be read after backward.
     """
     _check_arguments(logits, target, z_loss_coeff, label_smoothing)
-    transform = LogitTransform(logit_scale, logit_softcap)
+    transform = transform_of(logit_scale, logit_softcap)
     tp_group = resolve_tp_group(tp_group)
     if backend == cann.NAME:  # the vendor op (torch_npu), TP = 1: its own autograd
         cann.check_applies(group_rank_and_size(tp_group)[1], logit_scale, logit_softcap)

@@ -35,7 +35,7 @@ from mindspeed_cez import kernels
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.cross_entropy_zloss import CrossEntropyOptions, _check_target_range, check_coefficients, check_target
-from mindspeed_cez.kernels.logit_transform import LogitTransform
+from mindspeed_cez.kernels.logit_transform import transform_of
 from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
                                            resolve_tp_group)
 
@@ -475,7 +475,7 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
                   tp_group=tp_group, sequence_parallel=bool(sequence_parallel),
                   gradient_accumulation_fusion=bool(gradient_accumulation_fusion),
                   backend=kernels.backend_for(hidden.device, backend),
-                  transform=LogitTransform(logit_scale, logit_softcap))
+                  transform=transform_of(logit_scale, logit_softcap))
     if grads == "forward" and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         grads = "recompute"  # no backward will come (torch.no_grad(), no input needing it): the loss alone
     if grads == "recompute":
