@@ -27,9 +27,14 @@ step_tests() {
         test_launch_configs.py test_triton_launcher.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -4
 }
 step_peers() { timeout 400 $PY bench/op.py --budget-s 300 --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -20; }
-step_peers-tp() {
-    timeout 140 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
-        bench/op.py --tp --out "$OUT/bench_tp.md" 2>&1 | tee "$OUT/bench_tp.log" | tail -12
+step_peers-tp() {  # op.py --tp at world size 1, 2, 4, 8 while the GPUs found allow: bench_tp<N>.md
+    local gpus world
+    gpus=$(nvidia-smi -L | wc -l)
+    for world in 1 2 4 8; do
+        [ "$world" -le "$gpus" ] || break
+        timeout 150 $PY -m torch.distributed.run --standalone --nproc-per-node "$world" \
+            bench/op.py --tp --out "$OUT/bench_tp$world.md" 2>&1 | tee "$OUT/bench_tp$world.log" | tail -6
+    done
 }
 step_linear-ce() { timeout 400 $PY bench/linear_cross_entropy.py ${LINEAR_ARGS:-} --out "$OUT/linear_ce.md" 2>&1 | tail -24; }
 step_e2e() {

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from mindspeed_cez.kernels import partials as layout
 
 # Ranks' tensors concatenated along dim 0 (torch 2.13 renames all_gather_into_tensor, now deprecated).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def resolve_tp_group(tp_group=None):
@@ -63,7 +63,7 @@ def merged_loss(backend, partials, target, ignore_index, z_loss_coeff, tp_group,
     if tp_size == 1:
         return backend.loss_from_partials(partials[None], target, ignore_index, z_loss_coeff, out)
     gathered = partials.new_empty(tp_size * partials.numel())  # flat: gloo takes no stacked output
-    _all_gather(gathered, partials, group=tp_group)
+    all_gather(gathered, partials, group=tp_group)
     gathered = gathered.view(tp_size, partials.numel())
     if gathered.device.type == "cpu":
         check_equal_widths(gathered, shard_name)
@@ -75,7 +75,7 @@ def gather_sequence(hidden, tp_group, tp_size, sequence_parallel):
     if not (sequence_parallel and tp_size > 1):
         return hidden
     out = hidden.new_empty((hidden.shape[0] * tp_size, *hidden.shape[1:]))
-    _all_gather(out, hidden.contiguous(), group=tp_group)
+    all_gather(out, hidden.contiguous(), group=tp_group)
     return out
 
 
