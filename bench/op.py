@@ -313,7 +313,7 @@ def run_tp(args, device):
     def device_aligned():
         """Queued after the head-start sleep: the GPUs leave this all-reduce together, so a timed
         region starts at once on every rank (no host skew, no sleep that ran longer on one GPU)."""
-        if world > 1:
+        if world > 1 and args.align == "device":
             dist.all_reduce(align_buffer, group=group)
 
     def fresh():
@@ -388,9 +388,10 @@ def run_tp(args, device):
     report = [f"- TP mode: {world} rank(s) over {dist.get_backend()}, global {n} x {global_vocab}, shard {n} x "
               f"{v_local} per rank; backend {backend.__name__.rsplit('.', 1)[-1]}; z_loss_coeff {Z_LOSS_COEFF}; "
               f"warm-up {args.warmup}, timed {args.iters} (median)",
-              "- each timed call: hosts aligned by a barrier, L2 flushed, a 2 ms head-start sleep on the GPU, then "
-              "(world > 1) a 4-byte NCCL all-reduce so every GPU starts the timed region at once; event ms: GPU time "
-              "from there to the call's last kernel; host ms: the host's time to enqueue the call",
+              "- each timed call: hosts aligned by a barrier, L2 flushed, a 2 ms head-start sleep on the GPU"
+              + (", then (world > 1) a 4-byte NCCL all-reduce so every GPU starts the timed region at once"
+                 if args.align == "device" else " (--align host: no alignment on the device)")
+              + "; event ms: GPU time from there to the call's last kernel; host ms: the host's time to enqueue the call",
               f"- copy bandwidth (rank 0): {bw / 1e12:.3f} TB/s; shard floor: fwd {floor[0]:.3f} ms (1 pass), "
               f"fwd+bwd {floor[1]:.3f} ms (3 passes)",
               "", "| rank | what | fwd ms | fwd / floor | fwd host ms | fwd+bwd ms | fwd+bwd / floor | fwd+bwd host ms |",
@@ -421,6 +422,9 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="also write the markdown report here (and .json beside it)")
     parser.add_argument("--shapes", type=_shape, nargs="*", default=None, help="N x V shapes, e.g. 8192x151936")
     parser.add_argument("--tp-shape", type=_shape, default=None, help="global N x V for --tp")
+    parser.add_argument("--align", choices=("device", "host"), default="device",
+                        help="--tp: start each timed call on every GPU at once (device: a tiny all-reduce after the "
+                             "head-start sleep) or only after a host barrier (host)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=0, help="skip the remaining timings after this many seconds")
