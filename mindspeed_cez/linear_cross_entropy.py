@@ -37,7 +37,7 @@ from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.cross_entropy_zloss import CrossEntropyOptions, _check_target_range, check_coefficients, check_target
 from mindspeed_cez.kernels.logit_transform import transform_of
 from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
-                                           resolve_tp_group)
+                                           resolve_tp_group, start_reduce_dhidden)
 
 
 def _check(hidden, weight, target, z_loss_coeff, label_smoothing, tp_size, sequence_parallel):
@@ -245,7 +245,9 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
 
     With ``grad_scale`` the upstream gradient is known in forward: ``grad_scale * token_weights``
     (Megatron's loss scale over its token count); each block's gradient is made for it, ``dhidden``
-    in the input's dtype exactly as the unfused path makes it, and ``dweight`` added straight into
+    in the input's dtype exactly as the unfused path makes it (its reduction over the TP ranks
+    started in forward, overlapped with the last block's weight-gradient GEMM as
+    ``ColumnParallelLinear`` overlaps it; backward waits for it), and ``dweight`` added straight into
     ``weight.main_grad`` (``gradient_accumulation_fusion``; else an fp32 buffer until backward).
     Backward checks on the device that the gradient that came is that one.
 
@@ -282,6 +284,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         step = options.row_block or default_row_block(n, v_local, options.block_fraction)
         block = rows.new_empty((min(step, n), v_local))  # one block's logits, then their gradient
         accumulate = Accumulator(rows.device)
+        reduction = None  # dhidden's collective, started in forward where the upstream gradient is known
         for r in range(0, n, step):
             x, t = rows[r:r + step], flat_target[r:r + step]
             logits = block[:x.shape[0]]
@@ -295,14 +298,17 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
                                z_loss_coeff, label_smoothing, global_vocab, transform=transform)
             if upstream_known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
                 torch.matmul(logits, weight, out=drows[r:r + step])
+                if r + step >= n:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
+                    reduction = start_reduce_dhidden(drows.view(full.shape), tp_group, tp_size, sequence_parallel)
                 accumulate(dweight, logits.t(), x)
             else:
                 drows[r:r + step] = 0
                 accumulate(drows[r:r + step], logits, weight)
                 accumulate(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
-        ctx.save_for_backward(drows, None if into_main_grad else dweight, weights, upstream, weight,
-                              flat_target != ignore_index)
+        ctx.save_for_backward(None if reduction is not None else drows, None if into_main_grad else dweight, weights, upstream,
+                              weight, flat_target != ignore_index)
+        ctx.reduction = reduction  # holds this rank's dhidden (its sequence chunk with SP), not all of drows
         ctx.options, ctx.tp_size, ctx.upstream_known, ctx.into_main_grad = options, tp_size, upstream_known, into_main_grad
         ctx.full_shape, ctx.input_dtype = full.shape, hidden.dtype
         ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_main_grad else None
@@ -339,11 +345,13 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
         # (CUDA takes assert messages under 255 characters: tests/test_linear_cross_entropy.py checks)
         torch._assert_async(matches.all(), message)
-        if ctx.upstream_known:
-            drows = drows.view(ctx.full_shape)
+        if ctx.reduction is not None:
+            dhidden = ctx.reduction.wait()
         else:
-            drows = (drows * g[:, None]).to(ctx.input_dtype).view(ctx.full_shape)
-        dhidden = reduce_dhidden(drows, options.tp_group, ctx.tp_size, options.sequence_parallel)
+            if not ctx.upstream_known:
+                drows = drows * g[:, None]
+            drows = drows.to(ctx.input_dtype).view(ctx.full_shape)
+            dhidden = reduce_dhidden(drows, options.tp_group, ctx.tp_size, options.sequence_parallel)
         if ctx.into_main_grad:
             return dhidden, _main_grad_placeholder(weight), *no_grads
         if not ctx.upstream_known:

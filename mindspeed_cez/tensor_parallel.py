@@ -10,9 +10,9 @@ Megatron-Core's unfused and fused vocab-parallel cross entropy share one set of 
   partials, then one kernel combines them (lse: the log-sum-exp of the ranks'; target: their sum)
   and checks that the widths agree (on the CPU here, with a ``ValueError``; on CUDA a device-side
   assert, no host sync);
-* :func:`gather_sequence` / :func:`reduce_dhidden`: ``ColumnParallelLinear``'s input all-gather
-  along the sequence and its ``dhidden`` reduction (reduce-scatter with sequence parallelism,
-  else all-reduce).
+* :func:`gather_sequence` / :func:`reduce_dhidden` (:func:`start_reduce_dhidden`: asynchronous):
+  ``ColumnParallelLinear``'s input all-gather along the sequence and its ``dhidden`` reduction
+  (reduce-scatter with sequence parallelism, else all-reduce).
 """
 
 import sys
@@ -79,14 +79,36 @@ def gather_sequence(hidden, tp_group, tp_size, sequence_parallel):
     return out
 
 
-def reduce_dhidden(dhidden, tp_group, tp_size, sequence_parallel):
+class StartedReduction:
+    """:func:`start_reduce_dhidden`'s collective, running: :meth:`wait` makes the current stream wait
+    for it and gives its result (again on later calls)."""
+
+    __slots__ = ("result", "work")
+
+    def __init__(self, result, work):
+        self.result, self.work = result, work
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.result
+
+
+def start_reduce_dhidden(dhidden, tp_group, tp_size, sequence_parallel):
     """This rank's ``dhidden`` of the whole sequence -> what ``ColumnParallelLinear`` returns: the
-    sum over ranks, reduce-scattered to this rank's sequence chunk with sequence parallelism."""
+    sum over ranks, reduce-scattered to this rank's sequence chunk with sequence parallelism; the
+    collective started asynchronously, so kernels queued before :meth:`StartedReduction.wait`
+    overlap it (as ``ColumnParallelLinear`` overlaps it with its weight-gradient GEMM)."""
     if tp_size == 1:
-        return dhidden
+        return StartedReduction(dhidden, None)
     if sequence_parallel:
         local = dhidden.new_empty((dhidden.shape[0] // tp_size, *dhidden.shape[1:]))
-        dist.reduce_scatter_tensor(local, dhidden.contiguous(), group=tp_group)
-        return local
-    dist.all_reduce(dhidden, group=tp_group)
-    return dhidden
+        return StartedReduction(local, dist.reduce_scatter_tensor(local, dhidden.contiguous(), group=tp_group,
+                                                                  async_op=True))
+    return StartedReduction(dhidden, dist.all_reduce(dhidden, group=tp_group, async_op=True))
+
+
+def reduce_dhidden(dhidden, tp_group, tp_size, sequence_parallel):
+    """:func:`start_reduce_dhidden`, waited for."""
+    return start_reduce_dhidden(dhidden, tp_group, tp_size, sequence_parallel).wait()
