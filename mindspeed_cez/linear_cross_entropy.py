@@ -21,6 +21,8 @@ Tensor parallelism as Megatron's ``ColumnParallelLinear`` feeding the loss: each
 vocab rows ``weight [v_local, h]``; with ``sequence_parallel`` the hidden states arrive as this
 rank's sequence chunk, are all-gathered along the sequence in forward, and ``dhidden`` is
 reduce-scattered back; without it every rank holds all of ``hidden`` and ``dhidden`` is all-reduced.
+Either collective starts once ``dhidden`` is complete and runs beside the last weight-gradient GEMM,
+as ``ColumnParallelLinear`` overlaps it.
 """
 
 import math
@@ -160,11 +162,14 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
                                            ctx.vocab_start + c, options.z_loss_coeff, options.label_smoothing, ctx.global_vocab,
                                            ce_backend=options.backend, transform=options.transform)
             accumulate(drows, dlogits, w)  # fp32 sum over vocab chunks
+            if c + step >= v_local:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
+                reduction = start_reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, tp_size,
+                                                 options.sequence_parallel)
             if into_main_grad:
                 accumulate(weight.main_grad[c:c + step], dlogits.t(), rows)
             else:
                 torch.matmul(dlogits.t(), rows, out=dweight[c:c + step])
-        dhidden = reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, tp_size, options.sequence_parallel)
+        dhidden = reduction.wait()
         if into_main_grad:
             dweight = _main_grad_placeholder(weight)
         return dhidden, dweight, None, None
