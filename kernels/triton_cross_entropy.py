@@ -260,9 +260,11 @@ def _loss_from_partials_kernel(partials_ptr, rank_stride, n_ranks, target_ptr, o
         sum_exp = sum_exp * tl.exp2(lse_max * LOG2E - ref) + tl.exp2(local * LOG2E - ref)
         lse_max = new_max
         target_term += tl.load(part + TARGET_TERM * n_rows + rows, mask=mask, other=0.0)
-        unequal += tl.abs(tl.load(part + WIDTH * n_rows) - width_hi) + tl.abs(tl.load(part + WIDTH * n_rows + 1) - width_lo)
-    if CHECK_WIDTHS:
-        tl.device_assert(unequal == 0, "vocab shards of unequal width across tensor-parallel ranks: pad the vocab to a multiple of the TP size")
+        words = part + WIDTH * n_rows
+        unequal += tl.abs(tl.load(words) - width_hi) + tl.abs(tl.load(words + 1) - width_lo)
+    if CHECK_WIDTHS:  # partials.UNEQUAL_WIDTHS
+        tl.device_assert(unequal == 0, "vocab shards of unequal width across tensor-parallel ranks: "
+                                       "pad the vocab to a multiple of the TP size")
     lse = tl.where(lse_max == -float("inf"), 0.0, lse_max) + tl.log(sum_exp)
     z_loss = z_loss_coeff * lse * lse
     loss = tl.where(unequal == 0, lse - target_term + z_loss, float("nan"))
