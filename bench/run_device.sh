@@ -23,7 +23,7 @@ step_env() {
     cat "$OUT/env.txt"
 }
 step_tests() {
-    (cd tests && timeout 240 $PY -m pytest -q -p no:cacheprovider test_op.py test_op_errors.py test_gpu.py test_linear_cross_entropy_gpu.py \
+    (cd tests && timeout 420 $PY -m pytest -q -p no:cacheprovider test_op.py test_op_errors.py test_gpu.py test_linear_cross_entropy_gpu.py \
         test_launch_configs.py test_triton_launcher.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -4
 }
 step_peers() { timeout 400 $PY bench/op.py --budget-s 300 --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -20; }
