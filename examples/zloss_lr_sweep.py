@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,10 +37,10 @@ import zloss_sweep_report  # noqa: E402
 
 # The paper's proxy at the small end, sized so that 18 runs sharing 4 GPUs end within minutes.
 FULL = dict(layers=4, hidden=256, heads=4, seq=512, micro_batch=32, steps=1500, warmup=75, eval_iters=10,
-            vocab=32768, max_mb=None, log_interval=10, tb_interval=5, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1])
+            eval_every=300, vocab=32768, max_mb=None, log_interval=10, tb_interval=5, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1])
 # --quick: the same plumbing on the CPU (gloo, the CPU shims of pretrain_gpt.py), a few steps of a tiny model.
 QUICK = dict(layers=2, hidden=64, heads=2, seq=64, micro_batch=4, steps=12, warmup=2, eval_iters=2,
-             vocab=4096, max_mb=1.0, log_interval=2, tb_interval=1, lrs=[1e-3, 1e-1])
+             eval_every=12, vocab=4096, max_mb=1.0, log_interval=2, tb_interval=1, lrs=[1e-3, 1e-1])
 COEFFS = [0.0, 1e-4, 1e-3]
 MIN_LR = 1e-5
 SEED = 1234
@@ -65,13 +66,13 @@ def megatron_args(cfg, lr, coeff, data, run_dir, name, on_gpu):
         "--lr-decay-style", "cosine", "--lr-warmup-iters", cfg["warmup"], "--lr-decay-iters", cfg["steps"],
         "--micro-batch-size", cfg["micro_batch"], "--global-batch-size", cfg["micro_batch"],
         "--train-iters", cfg["steps"], "--seed", SEED,
-        # the data: real text, its own held-out split; evaluated once, after the last step
+        # the data: real text, its own held-out split; evaluated every eval_every steps and after the last
         "--train-data-path", os.path.join(data, stdlib_text_dataset.TRAIN),
         "--valid-data-path", os.path.join(data, stdlib_text_dataset.VALID),
         "--data-cache-path", os.path.join(run_dir, "cache", name), "--num-workers", "1",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", cfg["vocab"],
         "--null-tokenizer-eod-id", stdlib_text_dataset.EOD_ID,
-        "--eval-iters", cfg["eval_iters"], "--eval-interval", 100 * cfg["steps"],
+        "--eval-iters", cfg["eval_iters"], "--eval-interval", cfg["eval_every"],
         "--log-interval", cfg["log_interval"], "--tensorboard-dir", os.path.join(run_dir, "tb", name),
         "--tensorboard-log-interval", cfg["tb_interval"], "--tensorboard-queue-size", "50",
         # megatron-core alone (no Transformer Engine / Apex): the local implementation, no fused kernels
@@ -152,9 +153,13 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s):
 
 
 def detect_gpus():
+    """The GPUs a run may be given, as ``CUDA_VISIBLE_DEVICES`` values (a list the caller set is honoured)."""
     import torch
 
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    if not torch.cuda.is_available():
+        return []
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[:torch.cuda.device_count()] if visible else [str(i) for i in range(torch.cuda.device_count())]
 
 
 def main(argv=None):
@@ -177,7 +182,8 @@ def main(argv=None):
     for key in ("lrs", "steps", "micro_batch"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
-    cfg["warmup"] = min(cfg["warmup"], max(1, cfg["steps"] // 20))
+    if args.steps is not None and not args.quick:  # the paper's 5 % warmup; five evaluations
+        cfg.update(warmup=max(1, args.steps // 20), eval_every=max(1, args.steps // 5))
     bad = [c for c in args.coeffs if not (math.isfinite(c) and c >= 0)] + [lr for lr in cfg["lrs"] if not lr > 0]
     if bad:
         parser.error(f"--lrs must be > 0 and --coeffs finite and >= 0, got {bad}")
@@ -207,6 +213,7 @@ def main(argv=None):
     where = f"{len(gpus)} GPU(s)" if gpus else f"the CPU, {args.parallel} at a time"
     print(f"{len(plan)} runs on {where}, {cfg['steps']} steps each, budget {budget_s:.0f} s", flush=True)
     records = launch_all(plan, cfg, data, out, gpus, args.parallel, budget_s)
+    shutil.rmtree(os.path.join(out, "cache"), ignore_errors=True)  # Megatron's sample indices, rebuilt per run
     sweep = {"config": cfg, "coeffs": args.coeffs, "seed": SEED, "min_lr": MIN_LR, "data": manifest,
              "gpus": len(gpus), "runs": sorted(records, key=lambda r: (r["lr"], r["coeff"])),
              "wall_s": round(time.time() - start, 1),

@@ -9,7 +9,7 @@ writes from that file alone:
   coefficient (a diverged run drawn at the loss at initialization, as the paper's measure counts it);
 * ``lse.png``: the mean (solid) and largest (dashed) log-sum-exp per step, at the highest learning
   rate where the run without z-loss stayed stable and at the highest one tried;
-* ``loss_curves.png``: ``lm loss`` per step, one panel per learning rate;
+* ``loss_curves.png``: ``lm loss`` per step (dots: the validation loss), one panel per learning rate;
 * ``table.md``: the numbers, and the LR sensitivity of Wortsman et al. 2023 (Section 2.2):
   the mean over the swept learning rates of ``min(final loss, loss at init) - best final loss``.
 
@@ -67,8 +67,8 @@ def diverged(run):
     if not _finite(run.get("final_validation")):
         return True
     losses = [v for _, v in run["series"].get("lm loss", [])]
-    if not losses:
-        return True
+    if not losses:  # too few steps for a logged training loss: the validation loss alone decides
+        return False
     width = max(1, len(losses) // 20)
     windows = [sum(losses[i:i + width]) / width for i in range(0, len(losses) - width + 1)]
     finite = [w for w in windows if math.isfinite(w)]
@@ -84,7 +84,7 @@ def summarize(run_dir):
     for record in sweep["runs"]:
         series = read_events(os.path.join(run_dir, "tb", record["name"]))
         log = read_log(os.path.join(run_dir, "logs", record["name"] + ".log"))
-        validation = series.pop("lm loss validation", [])
+        validation = series.get("lm loss validation", [])
         run = dict(record, series=series, **log,
                    final_validation=validation[-1][1] if validation else None,
                    last_step=max((s for s, _ in series.get("lm loss", [])), default=0))
@@ -237,11 +237,14 @@ def report(summary, out_dir):
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
     for ax, lr in zip(axes.flat, lrs):
         for c, runs in by_coeff.items():
-            pts = runs.get(lr, {}).get("series", {}).get("lm loss", [])
+            series = runs.get(lr, {}).get("series", {})
+            pts = series.get("lm loss", [])
             ax.plot([s for s, _ in pts], [v for _, v in pts], color=colors[c], label=_label(c), linewidth=1)
+            pts = series.get("lm loss validation", [])
+            ax.plot([s for s, _ in pts], [v for _, v in pts], "o", color=colors[c], markersize=4)
         if init is not None:
             ax.set_ylim(top=init + 1)
-        ax.set_title(f"lm loss, LR {lr:g}", fontsize=9)
+        ax.set_title(f"lm loss (dots: validation), LR {lr:g}", fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
