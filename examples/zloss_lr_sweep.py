@@ -162,6 +162,31 @@ def detect_gpus():
     return visible[:torch.cuda.device_count()] if visible else [str(i) for i in range(torch.cuda.device_count())]
 
 
+def environment(gpus):
+    """What the numbers ran on: versions, the GPUs and their compute mode (runs share a GPU: an
+    exclusive-process GPU would refuse the second)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for package in ("megatron-core", "triton", "mindspeed_cez"):
+        try:
+            env[package] = version(package)
+        except PackageNotFoundError:
+            env[package] = None
+    if gpus:
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(len(gpus))]
+        try:
+            env["compute_mode"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"], capture_output=True,
+                text=True, timeout=30).stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            env["compute_mode"] = None
+    return env
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(REPO, "out", "zloss_sweep"), help="the run folder")
@@ -209,13 +234,15 @@ def main(argv=None):
           f"{manifest['splits'][stdlib_text_dataset.VALID]['tokens']} validation tokens "
           f"({time.time() - start:.0f} s)", flush=True)
 
+    env = environment(gpus)
+    print("environment:", json.dumps(env), flush=True)
     plan = [(lr, c) for lr in cfg["lrs"] for c in args.coeffs]
     where = f"{len(gpus)} GPU(s)" if gpus else f"the CPU, {args.parallel} at a time"
     print(f"{len(plan)} runs on {where}, {cfg['steps']} steps each, budget {budget_s:.0f} s", flush=True)
     records = launch_all(plan, cfg, data, out, gpus, args.parallel, budget_s)
     shutil.rmtree(os.path.join(out, "cache"), ignore_errors=True)  # Megatron's sample indices, rebuilt per run
     sweep = {"config": cfg, "coeffs": args.coeffs, "seed": SEED, "min_lr": MIN_LR, "data": manifest,
-             "gpus": len(gpus), "runs": sorted(records, key=lambda r: (r["lr"], r["coeff"])),
+             "gpus": len(gpus), "environment": env, "runs": sorted(records, key=lambda r: (r["lr"], r["coeff"])),
              "wall_s": round(time.time() - start, 1),
              "megatron_args_example": megatron_args(cfg, cfg["lrs"][0], args.coeffs[0], data, out, "NAME", bool(gpus))}
     with open(os.path.join(out, "sweep.json"), "w") as fh:
