@@ -1,4 +1,4 @@
-"""Where Megatron logs an iteration: the wrappers that add ``lm_z_loss`` / ``lm_lse`` to it.
+"""Where Megatron logs an iteration: the wrappers that add ``lm_z_loss`` / ``lm_lse`` / ``lm_lse_max`` to it.
 
 * ``megatron.training.training.training_log`` (and MindSpeed-LLM's): the metrics join the
   iteration's ``loss_dict``, logged like ``lm loss`` (MoE and dense models);

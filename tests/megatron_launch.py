@@ -171,6 +171,18 @@ def ce_mean(micro_batches):
     return token_mean(micro_batches, lambda lse, ce: ce)
 
 
+def lse_max(micro_batches):
+    """The largest lse among the counted tokens (mask > 0) of every micro-batch: ``lm_lse_max``."""
+    return max(float(lse[mask > 0].max()) for lse, _, mask in micro_batches)
+
+
+def assert_lse_metrics(row, micro_batches, what):
+    """``lm_lse`` and ``lm_lse_max`` of a log line against the lse recomputed from the dumped logits."""
+    assert row["lm_lse"] == pytest.approx(token_mean(micro_batches, lambda lse, ce: lse), rel=1e-5), (what, row)
+    largest = lse_max(micro_batches)
+    assert row["lm_lse_max"] == pytest.approx(largest, rel=1e-5), (what, row, largest)
+
+
 def per_micro_batch_z_mean(micro_batches, coeff=Z_COEFF):
     """The weighting ``lm_z_loss`` must not have: a plain mean of per-micro-batch means."""
     return sum(coeff * float((lse**2 * m).sum() / m.sum()) for lse, _, m in micro_batches) / len(micro_batches)

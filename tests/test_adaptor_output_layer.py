@@ -1,8 +1,8 @@
 """``--lm-fused-output-layer`` on a tiny megatron-core MoE GPTModel (CPU, real gloo processes).
 
 The flag's run against the unfused adaptor's (the same model, the same micro-batches, z-loss on):
-per-token losses (CE), every parameter gradient, ``lm_z_loss`` / ``lm_lse``; the output layer
-hands out no logits on the training path; ``labels=None`` returns the same logits as without the
+per-token losses (CE), every parameter gradient, ``lm_z_loss`` / ``lm_lse`` / ``lm_lse_max``; the
+output layer hands out no logits on the training path; ``labels=None`` returns the same logits as without the
 flag; an eval forward gives CE; both gradient paths (recompute, ``forward`` with the loss mask); tied input-embedding / output weights; an output layer the op
 cannot stand in for fails naming the flag. Layouts: TP=1 x DP=2 and TP=2 with sequence
 parallelism x DP=2. Runs on every megatron-core of CI leg 1 (0.12.1 to 0.16.1) and on 0.19.2.
@@ -63,7 +63,7 @@ def _compare(fused, unfused, what):
     assert gf.keys() == gu.keys(), (what, sorted(set(gf) ^ set(gu)))
     for name in gf:
         torch.testing.assert_close(gf[name], gu[name], rtol=1e-4, atol=1e-6, msg=f"{what}: {name}")
-    for key in ("lm_z_loss", "lm_lse", "load_balancing_loss"):
+    for key in ("lm_z_loss", "lm_lse", "lm_lse_max", "load_balancing_loss"):
         assert sf[key] == pytest.approx(su[key], rel=1e-5), (what, key, sf, su)
 
 
