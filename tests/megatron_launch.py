@@ -88,11 +88,10 @@ def first_validation(text):
     return _fields(line.partition("|")[2])
 
 
-def launch(out, args, nproc=2, iters=ITERS, env=None):
-    """Run the example (its test harness) under torchrun; returns ``{"rows", "log", "dump", "validation"}``."""
-    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs, or none (CPU + gloo)")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+def launch_command(out, args, nproc=2, env=None, backend=None):
+    """``(cmd, env)`` that run the example (its test harness) under torchrun on ``nproc`` ranks,
+    dumping into ``out/dump``; ``backend``: nccl with CUDA, else gloo."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
@@ -101,6 +100,15 @@ def launch(out, args, nproc=2, iters=ITERS, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "mindspeed_cez.launch", str(ENTRY), *args, "--distributed-backend", backend]
+    return cmd, env
+
+
+def launch(out, args, nproc=2, iters=ITERS, env=None):
+    """Run the example (its test harness) under torchrun; returns ``{"rows", "log", "dump", "validation"}``."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs, or none (CPU + gloo)")
+    out = Path(out)
+    cmd, env = launch_command(out, args, nproc, env)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + "\n" + proc.stderr
     if proc.returncode != 0 and CPP_ABORT in log:
@@ -140,21 +148,22 @@ def recompute_from_dump(dump_dir, name=f"iter{DUMP_ITERATION}"):
     return micro_batches
 
 
-def grad_scale_known(dump_dir, name=f"iter{DUMP_ITERATION}"):
-    """Per dumped micro-batch and rank, whether the adaptor knew Megatron's upstream gradient in
-    forward (the fused output layer's default path: the weight gradient into main_grad then)."""
-    flags = [torch.load(path).get("grad_scale_known", False)
-             for path in sorted(Path(dump_dir).glob(f"logits_{name}_*.pt"))]
+def dumped_flags(dump_dir, key, name=f"iter{DUMP_ITERATION}"):
+    """Per dumped micro-batch and rank, the harness's flag ``key`` (False where not recorded):
+    ``deferred`` (the output layer made no logits: ``--lm-fused-output-layer``), ``grad_scale_known``
+    (the adaptor knew Megatron's upstream gradient in forward: the fused layer's default path),
+    ``into_main_grad`` (the deferred layer's weight had Megatron's DDP ``main_grad``)."""
+    flags = [torch.load(path).get(key, False) for path in sorted(Path(dump_dir).glob(f"logits_{name}_*.pt"))]
     assert flags, f"nothing dumped for {name} in {dump_dir}"
     return flags
+
+
+def grad_scale_known(dump_dir, name=f"iter{DUMP_ITERATION}"):
+    return dumped_flags(dump_dir, "grad_scale_known", name)
 
 
 def deferred_output_layer(dump_dir, name=f"iter{DUMP_ITERATION}"):
-    """Per dumped micro-batch and rank, whether the output layer deferred its call
-    (``--lm-fused-output-layer``: no logits made on the training path)."""
-    flags = [torch.load(path)["deferred"] for path in sorted(Path(dump_dir).glob(f"logits_{name}_*.pt"))]
-    assert flags, f"nothing dumped for {name} in {dump_dir}"
-    return flags
+    return dumped_flags(dump_dir, "deferred", name)
 
 
 def token_mean(micro_batches, per_token):

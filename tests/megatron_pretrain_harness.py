@@ -13,7 +13,8 @@ wraps three of its functions:
 
 The dump also records whether the adaptor knew Megatron's upstream gradient in that forward
 (``patches.output_layer.megatron_grad_scale`` returned one: the fused output layer's default path
-then adds the weight gradient into ``main_grad`` during the forward).
+then adds the weight gradient into ``main_grad`` during the forward), and whether the deferred
+output layer's weight had the ``main_grad`` of Megatron's DDP buckets.
 """
 
 import functools
@@ -68,6 +69,8 @@ def _keep_logits_hook(module, inputs, output):
         logits = output[0] if isinstance(output, tuple) else output
         deferred = type(logits).__name__ == "DeferredLogits"
         if deferred:  # --lm-fused-output-layer: made here for the dump only
+            weight = logits.weight
+            _CURRENT_BATCH["into_main_grad"] = hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad")
             with torch.no_grad():
                 hidden = logits.hidden
                 if module.sequence_parallel:
@@ -96,6 +99,7 @@ def _dump_logits(name, logits):
             "lm_z_loss_coeff": getattr(get_args(), "lm_z_loss_coeff", None),
             "deferred": _CURRENT_BATCH.get("deferred", False),  # the output layer made no logits
             "grad_scale_known": _CURRENT_BATCH.pop("grad_scale_known", False),
+            "into_main_grad": _CURRENT_BATCH.pop("into_main_grad", False),  # the weight had DDP's main_grad
         },
         os.path.join(out_dir, f"logits_{name}_dp{dp_rank}_mb{_DUMPED[kind]}_tp{tp_rank}.pt"),
     )
