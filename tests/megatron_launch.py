@@ -126,13 +126,13 @@ def launch(out, args, nproc=2, iters=ITERS, env=None):
 
 
 def recompute_from_dump(dump_dir, name=f"iter{DUMP_ITERATION}"):
-    """Per (data-parallel rank, micro-batch): lse and CE over the full vocab (every TP shard,
-    float64) and the loss mask, from the logits the harness dumped."""
-    pattern = re.compile(rf"logits_{name}_dp(\d+)_mb(\d+)_tp(\d+)\.pt")
+    """Per (data-parallel rank, context-parallel rank, micro-batch): lse and CE over the full vocab
+    (every TP shard, float64) and the loss mask, from the logits the harness dumped."""
+    pattern = re.compile(rf"logits_{name}_dp(\d+)_cp(\d+)_mb(\d+)_tp(\d+)\.pt")
     files = {}
     for path in Path(dump_dir).glob(f"logits_{name}_*.pt"):
-        dp, mb, tp = map(int, pattern.fullmatch(path.name).groups())
-        files.setdefault((dp, mb), {})[tp] = path
+        dp, cp, mb, tp = map(int, pattern.fullmatch(path.name).groups())
+        files.setdefault((dp, cp, mb), {})[tp] = path
     micro_batches = []
     for key in sorted(files):
         shards = [torch.load(files[key][r]) for r in sorted(files[key])]
