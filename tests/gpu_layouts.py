@@ -237,6 +237,33 @@ def poll(run):
     return True
 
 
+def take_gpus(slots, n):
+    """``n`` distinct GPUs with a free slot (the freest first), taken from ``slots``; None if too few."""
+    free = sorted((gpu for gpu, left in slots.items() if left > 0), key=lambda gpu: (-slots[gpu], str(gpu)))
+    if len(free) < n:
+        return None
+    chosen = sorted(free[:n], key=str)
+    for gpu in chosen:
+        slots[gpu] -= 1
+    return chosen
+
+
+def start_layout(layout, work, cpu, gaf, devices, timeout_s):
+    """Start the layout's four variants (and, where apex is absent and the layout asks, a launch with
+    Megatron's gradient-accumulation fusion on); returns ``(layout, {variant: Run}, devices, [probe])``."""
+    args = layout_args(layout, cpu, gaf)
+    runs = {v: Run(layout.name, v, work / layout.name / v) for v in VARIANTS}
+    launches = [(run, args + VARIANTS[v]) for v, run in runs.items()]
+    probes = []
+    if layout.probe_gaf and not gaf:
+        probes.append(Run(layout.name, "gaf_probe", work / layout.name / "gaf_probe"))
+        launches.append((probes[0], with_args([a for a in args if a != GAF_FLAG], train_iters=2)))
+    for run, run_args in launches:
+        run.out.mkdir(parents=True, exist_ok=True)
+        start_run(run, run_args, layout.ranks, devices, timeout_s, layout.env)
+    return layout, runs, devices, probes
+
+
 # ------------------------------------------------------------------------------------ checks
 def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-30)
@@ -425,6 +452,8 @@ def main(argv=None):
     parser.add_argument("--work", help="where the runs write (default: a temporary folder, removed)")
     parser.add_argument("--timeout-s", type=float, help="per launch")
     parser.add_argument("--budget-s", type=float, default=480, help="no layout starts after this many seconds")
+    parser.add_argument("--layouts-per-gpu", type=int, default=2,
+                        help="layouts that may share a GPU at once (each runs its 4 variants on it at once)")
     args = parser.parse_args(argv)
 
     import torch
@@ -454,41 +483,27 @@ def main(argv=None):
     say(f"{'CPU (gloo, 2 ranks)' if cpu else f'{gpus} GPUs (NCCL)'}; {len(todo)} layouts x {len(VARIANTS)} variants, "
         f"{iters} iterations; not run: {[lay.name for lay, _ in not_run] or 'none'}; "
         f"gradient-accumulation fusion {'available' if gaf else 'absent (apex)'}; work in {work}")
-    results, free = {}, list(range(gpus)) if not cpu else [None, None]
-    active, gaf_run = [], None  # (layout, runs, devices)
+    results, slots = {}, {gpu: args.layouts_per_gpu for gpu in range(gpus)} if not cpu else {None: 1}
+    active, probes = [], []
     while todo or active:
-        started = False
         for layout in list(todo):
             if time.time() - t0 > args.budget_s:
                 not_run.append((layout, f"budget of {args.budget_s:.0f} s spent"))
                 todo.remove(layout)
                 continue
-            if len(free) < layout.ranks:
-                continue
-            devices, free = free[:layout.ranks], free[layout.ranks:]
-            runs = {v: Run(layout.name, v, work / layout.name / v) for v in VARIANTS}
-            for v, run in runs.items():
-                run.out.mkdir(parents=True, exist_ok=True)
-                start_run(run, layout_args(layout, cpu, gaf) + VARIANTS[v], layout.ranks,
-                          None if cpu else devices, timeout_s, layout.env)
-            if layout.probe_gaf and not gaf:
-                gaf_run = Run(layout.name, "gaf_probe", work / layout.name / "gaf_probe")
-                gaf_run.out.mkdir(parents=True, exist_ok=True)
-                probe = with_args([a for a in layout_args(layout, cpu, gaf) if a != GAF_FLAG], train_iters=2)
-                start_run(gaf_run, probe, layout.ranks, None if cpu else devices, timeout_s, layout.env)
-                runs_extra = [gaf_run]
-            else:
-                runs_extra = []
-            active.append((layout, runs, devices, runs_extra))
-            todo.remove(layout)
-            started = True
-            say(f"{layout.name}: started {len(VARIANTS) + len(runs_extra)} launches of {layout.ranks} ranks"
-                + (f" on GPUs {devices}" if not cpu else ""))
+            devices = take_gpus(slots, 1 if cpu else layout.ranks)
+            if devices is not None:
+                todo.remove(layout)
+                active.append(start_layout(layout, work, cpu, gaf, None if cpu else devices, timeout_s))
+                probes += active[-1][3]
+                say(f"{layout.name}: started {len(VARIANTS) + len(active[-1][3])} launches of {layout.ranks} ranks"
+                    + (f" on GPUs {devices}" if not cpu else ""))
         for item in list(active):
-            layout, runs, devices, runs_extra = item
-            if all([poll(r) for r in [*runs.values(), *runs_extra]]):
+            layout, runs, devices, extra = item
+            if all([poll(r) for r in [*runs.values(), *extra]]):
                 active.remove(item)
-                free += devices
+                for gpu in devices or [None]:
+                    slots[gpu] += 1
                 checks = check_layout(layout, runs, iters, cpu)
                 results[layout.name] = (layout, runs, checks)
                 say(f"{layout.name}: " + ", ".join(f"{v} rc={r.rc} {r.wall_s:.0f}s" for v, r in runs.items())
@@ -497,10 +512,9 @@ def main(argv=None):
                               for c in checks.items if not c["ok"]))
                 for run in runs.values():
                     shutil.rmtree(run.out / "dump", ignore_errors=True)  # large; checked
-        if not started:
-            time.sleep(1)
+        time.sleep(1)
+    gaf_checks = check_gaf_probe(probes[0], gaf) if probes else None
     across = check_across(results)
-    gaf_checks = check_gaf_probe(gaf_run, gaf) if gaf_run is not None else None
     report = table(results, not_run, across, gaf_checks)
     print(report, flush=True)
     all_checks = [c for _, _, checks in results.values() for c in checks.items] + across.items + (

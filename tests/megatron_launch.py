@@ -193,5 +193,7 @@ def assert_lse_metrics(row, micro_batches, what):
 
 
 def per_micro_batch_z_mean(micro_batches, coeff=Z_COEFF):
-    """The weighting ``lm_z_loss`` must not have: a plain mean of per-micro-batch means."""
-    return sum(coeff * float((lse**2 * m).sum() / m.sum()) for lse, _, m in micro_batches) / len(micro_batches)
+    """The weighting ``lm_z_loss`` must not have: a plain mean of per-micro-batch means (of those
+    with a token counted)."""
+    means = [coeff * float((lse**2 * m).sum() / m.sum()) for lse, _, m in micro_batches if m.sum() > 0]
+    return sum(means) / len(means)
