@@ -105,3 +105,13 @@ def test_layouts_with_the_same_weights_are_compared(tmp_path):
     across = gl.check_across(results)
     assert [c["ok"] for c in across.items] == [True, False], across.items  # lm loss agrees, lm_z_loss not
     assert math.isclose(across.items[1]["value"], 1e-2, rel_tol=1e-3)
+
+
+def test_layout_flags():
+    """Every size asked for reaches Megatron's flags, a virtual stage of one layer too."""
+    assert gl._parallel(pp=2, vpp=1) == ["--pipeline-model-parallel-size", "2",
+                                         "--num-layers-per-virtual-pipeline-stage", "1"]
+    assert gl._parallel(tp=2, ep=2, etp=1, sp=True) == ["--tensor-model-parallel-size", "2",
+                                                        "--expert-model-parallel-size", "2",
+                                                        "--expert-tensor-parallel-size", "1", "--sequence-parallel"]
+    assert [lay.weights for lay in gl.gpu_layouts()][:3] == ["ep1-pp1-vpp0", "ep1-pp2-vpp1", "ep4-pp1-vpp0"]
