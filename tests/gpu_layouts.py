@@ -238,10 +238,10 @@ def poll(run):
 
 def take_gpus(slots, n):
     """``n`` distinct GPUs with a free slot (the freest first), taken from ``slots``; None if too few."""
-    free = sorted((gpu for gpu, left in slots.items() if left > 0), key=lambda gpu: (-slots[gpu], str(gpu)))
+    free = sorted((gpu for gpu, left in slots.items() if left > 0), key=lambda gpu: (-slots[gpu], gpu or 0))
     if len(free) < n:
         return None
-    chosen = sorted(free[:n], key=str)
+    chosen = sorted(free[:n], key=lambda gpu: gpu or 0)  # CPU: [None]
     for gpu in chosen:
         slots[gpu] -= 1
     return chosen

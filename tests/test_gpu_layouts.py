@@ -115,3 +115,10 @@ def test_layout_flags():
                                                         "--expert-model-parallel-size", "2",
                                                         "--expert-tensor-parallel-size", "1", "--sequence-parallel"]
     assert [lay.weights for lay in gl.gpu_layouts()][:3] == ["ep1-pp1-vpp0", "ep1-pp2-vpp1", "ep4-pp1-vpp0"]
+
+
+def test_gpus_are_shared_between_layouts_up_to_their_slots():
+    slots = {gpu: 2 for gpu in range(4)}
+    assert gl.take_gpus(slots, 4) == [0, 1, 2, 3] and gl.take_gpus(slots, 2) == [0, 1]
+    assert gl.take_gpus(slots, 4) is None and gl.take_gpus(slots, 2) == [2, 3]
+    assert gl.take_gpus({gpu: 2 for gpu in range(4)}, 8) is None  # eight ranks never share a GPU
