@@ -8,7 +8,8 @@ Each layout launches ``examples/pretrain_gpt.py`` through its test harness
 (``tests/megatron_pretrain_harness.py``: logits dumped at iteration ``DUMP_ITERATION``, a
 data-dependent tail of every micro-batch masked) four times at once on the same GPUs (own master
 ports, a time limit each): Megatron's CE (no flag), ``--lm-z-loss-coeff 1e-4``, and that with
-``--lm-fused-output-layer`` (forward, the default) and ``--lm-fused-output-layer recompute``.
+``--lm-fused-output-layer`` (forward, the default) and ``--lm-fused-output-layer recompute``
+(with ``--lm-z-loss-log-lse``: ``lm_lse`` and ``lm_lse_max`` logged too).
 Layouts run one after another, or side by side where the GPUs hold several. Same seed, data and
 (``--use-cpu-initialization``) weights; bf16, this package's Triton kernels, Megatron's CUDA paths
 (the example's CPU shims apply only without CUDA). Layouts that need more GPUs than present, or
@@ -20,8 +21,9 @@ that would start after ``--budget-s``, are named as not run. Asserted (exit stat
 * iteration 1 (same weights): ``lm loss`` with the flag equals Megatron's CE; the fused layer's
   ``lm loss``, ``lm_z_loss``, grad norm and MTP losses equal the unfused run's; forward equals
   recompute (later iterations within ``LATER_REL``);
-* iteration ``DUMP_ITERATION``: ``lm loss`` and ``lm_z_loss`` equal the token-weighted CE and
-  z-loss recomputed in float64 from the dumped logits of every micro-batch and data-parallel rank;
+* iteration ``DUMP_ITERATION``: ``lm loss``, ``lm_z_loss`` and ``lm_lse`` equal the token-weighted CE,
+  z-loss and log-sum-exp recomputed in float64 from the dumped logits of every micro-batch and
+  data-parallel (and context-parallel) rank, ``lm_lse_max`` their largest log-sum-exp;
   the fused layer made no logits, and its default path knew Megatron's gradient in forward and
   added the weight gradient into the ``main_grad`` of Megatron's DDP buckets;
 * layouts that build the same weights (same expert and pipeline split) agree at iteration 1.
@@ -48,12 +50,12 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_launch import (  # noqa: E402
-    DUMP_ITERATION, MOE, REPO, TINY_GPT, ce_mean, dumped_flags, launch_command, parse_log,
-    per_micro_batch_z_mean, recompute_from_dump, with_args, z_loss_mean,
+    DUMP_ITERATION, MOE, REPO, TINY_GPT, ce_mean, dumped_flags, launch_command, lse_max, parse_log,
+    per_micro_batch_z_mean, recompute_from_dump, token_mean, with_args, z_loss_mean,
 )
 
 Z_COEFF = 1e-4
-FLAG = ["--lm-z-loss-coeff", str(Z_COEFF)]
+FLAG = ["--lm-z-loss-coeff", str(Z_COEFF), "--lm-z-loss-log-lse"]  # lm_lse, lm_lse_max logged too
 VARIANTS = {
     "ce": [],  # Megatron's own cross entropy
     "z": FLAG,
@@ -325,7 +327,7 @@ def check_layout(layout, runs, iters, cpu):
                and not any("lm_z_loss" in row for row in rows["ce"].values()))
     checks.close("iteration 1: lm loss with the flag = Megatron's CE",
                  {v: (first[v]["lm loss"], first["ce"]["lm loss"]) for v in FLAGGED}, ITER1_REL)
-    losses = [k for k in first["z"] if "loss" in k]  # lm loss, lm_z_loss, MoE and MTP losses
+    losses = [k for k in first["z"] if "loss" in k or k.startswith("lm_lse")]  # + MoE, MTP losses, lm_lse(_max)
     checks.close("iteration 1: fused layer = unfused (losses)",
                  {f"{v} {k}": (first[v][k], first["z"][k]) for v in ("fol", "fol_recompute") for k in losses},
                  ITER1_REL)
@@ -352,7 +354,9 @@ def check_dump(checks, layout, run, cpu):
     row = Row(run.rows[DUMP_ITERATION])
     expected_z, expected_ce = z_loss_mean(micro_batches, Z_COEFF), ce_mean(micro_batches)
     checks.close(f"{v}: iteration {DUMP_ITERATION} = float64 from the dumped logits",
-                 {"lm_z_loss": (row["lm_z_loss"], expected_z), "lm loss": (row["lm loss"], expected_ce)}, DUMP_REL[v])
+                 {"lm_z_loss": (row["lm_z_loss"], expected_z), "lm loss": (row["lm loss"], expected_ce),
+                  "lm_lse": (row["lm_lse"], token_mean(micro_batches, lambda lse, ce: lse)),
+                  "lm_lse_max": (row["lm_lse_max"], lse_max(micro_batches))}, DUMP_REL[v])
     if v == "z":  # the comparison can tell token weighting from a mean of micro-batch means
         sensitivity = rel(per_micro_batch_z_mean(micro_batches, Z_COEFF), expected_z)
         checks.add("dumped micro-batches weigh differently per token than per micro-batch", sensitivity > DUMP_REL[v],

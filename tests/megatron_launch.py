@@ -182,7 +182,7 @@ def ce_mean(micro_batches):
 
 def lse_max(micro_batches):
     """The largest lse among the counted tokens (mask > 0) of every micro-batch: ``lm_lse_max``."""
-    return max(float(lse[mask > 0].max()) for lse, _, mask in micro_batches)
+    return max(float(lse[mask > 0].max()) for lse, _, mask in micro_batches if (mask > 0).any())
 
 
 def assert_lse_metrics(row, micro_batches, what):

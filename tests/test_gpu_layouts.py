@@ -13,9 +13,11 @@ ITERS, S, B, TP = 4, 6, 2, 2
 
 
 def _dump(directory, seed, deferred):
-    """Two micro-batches of one DP rank, both TP shards; returns (lm loss, lm_z_loss) in float64."""
+    """Two micro-batches of one DP rank, both TP shards; returns lm loss, lm_z_loss, lm_lse, lm_lse_max
+    in float64."""
     g = torch.Generator().manual_seed(seed)
-    num_z = num_ce = count = 0.0
+    num_z = num_ce = num_lse = count = 0.0
+    largest = -math.inf
     for mb in range(2):
         logits = 3 * torch.randn(S, B, VOCAB, generator=g)
         labels = torch.randint(0, VOCAB, (B, S), generator=g)
@@ -25,11 +27,12 @@ def _dump(directory, seed, deferred):
         ce = lse - logits.double().transpose(0, 1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         num_z, num_ce, count = num_z + float((gl.Z_COEFF * lse**2 * mask).sum()), num_ce + float((ce * mask).sum()), \
             count + float(mask.sum())
+        num_lse, largest = num_lse + float((lse * mask).sum()), max(largest, float(lse[mask > 0].max()))
         for tp, shard in enumerate(logits.chunk(TP, dim=-1)):
             torch.save({"logits": shard, "labels": labels, "loss_mask": mask, "tp_rank": tp, "tp_size": TP,
                         "deferred": deferred, "grad_scale_known": deferred, "into_main_grad": deferred},
                        directory / f"logits_iter{DUMP_ITERATION}_dp0_cp0_mb{mb}_tp{tp}.pt")
-    return num_ce / count, num_z / count
+    return num_ce / count, num_z / count, num_lse / count, largest
 
 
 def _line(it, values):
@@ -42,12 +45,16 @@ def _runs(tmp_path, slip=None):
     for variant in gl.VARIANTS:
         run = gl.Run("tp2-sp", variant, tmp_path / variant)
         (run.out / "dump").mkdir(parents=True)
-        ce, z = _dump(run.out / "dump", 0, variant.startswith("fol"))
+        ce, z, lse, lse_max = _dump(run.out / "dump", 0, variant.startswith("fol"))
         lines = []
         for it in range(1, ITERS + 1):
             values = {"elapsed time per iteration (ms)": 100.0, "lm loss": ce if it == DUMP_ITERATION else 8.6 - it / 10}
             if variant != "ce":
                 values["lm_z_loss"] = z if it == DUMP_ITERATION else 7.4e-3
+                values["lm_lse"] = lse if it == DUMP_ITERATION else 8.6
+                values["lm_lse_max"] = lse_max if it == DUMP_ITERATION else 9.1
+            if slip == "lse_max_off" and variant == "fol" and it == DUMP_ITERATION:
+                values["lm_lse_max"] -= 1e-2
             values.update({"grad norm": 1.075, "number of skipped iterations": 0, "number of nan iterations": 0})
             if slip == "z_off" and variant == "z" and it == DUMP_ITERATION:
                 values["lm_z_loss"] *= 1 + 1e-3
@@ -80,6 +87,7 @@ def test_consistent_runs_pass(tmp_path):
 
 @pytest.mark.parametrize("slip, failing", [
     ("z_off", "z: iteration 3 = float64 from the dumped logits"),
+    ("lse_max_off", "fol: iteration 3 = float64 from the dumped logits"),
     ("no_z_line", "lm_z_loss on every log line with the flag, on none without"),
     ("nan_iteration", "fol_recompute: 4 iterations, finite, none skipped or NaN"),
     ("grad_norm", "iteration 1: grad norm, fused layer = unfused"),
