@@ -44,7 +44,7 @@ CONFIGS = {
              "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --manual-gc").split(),
     # GPU-bound at TP=4 + SP on H100s (busy is host-bound there, ~48 % idle): per GPU ~4x busy's TP=4 work
     # in half its launches (hidden 4096, seq 32768, 4 micro-batches of 8 layers): ~0.65 PFLOP per GPU per
-    # step (~1.5 s) against ~0.5 s of host time; ~3.3B parameters, ~45 GB per GPU at TP=4 (needs TP >= 4)
+    # step (~1.5 s) against ~0.5 s of host time; ~3.3B parameters, an estimated ~45 GB per GPU at TP=4 (TP >= 4)
     "busy_tp4": ("--num-layers 8 --hidden-size 4096 --ffn-hidden-size 16384 --num-attention-heads 32 --num-experts 4 "
                  "--moe-ffn-hidden-size 8192 --seq-length 32768 --max-position-embeddings 32768 --global-batch-size 4 "
                  "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --manual-gc").split(),
