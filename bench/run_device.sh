@@ -41,6 +41,19 @@ step_e2e() {
     timeout 560 $PY bench/e2e_megatron.py ${E2E_ARGS:---config busy --variants native cez --pairs 3 --profile} \
         --out "$OUT/e2e" 2>&1 | grep -v '^ *\[20' | tail -40
 }
+step_e2e-tp12() {  # TP=1 on the first GPU and TP=2 + SP on the last two, at once (3+ GPUs); each packed in one file
+    local args=${E2E_ARGS:---config busy --variants cez cez_fol --pairs 3 --iters 20 --profile} n
+    n=$(nvidia-smi -L | wc -l)
+    [ "$n" -ge 3 ] || { echo "e2e-tp12 needs 3 GPUs or more, $n present" >&2; return 2; }
+    CUDA_VISIBLE_DEVICES=0 timeout 560 $PY bench/e2e_megatron.py $args --tp 1 --out "$OUT/e2e_tp1" >"$OUT/e2e_tp1.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$((n - 2)),$((n - 1)) timeout 560 $PY bench/e2e_megatron.py $args --tp 2 --out "$OUT/e2e_tp2" \
+        >"$OUT/e2e_tp2.txt" 2>&1 &
+    wait
+    for tp in 1 2; do
+        echo "-- TP=$tp"; grep -v '^ *\[20' "$OUT/e2e_tp$tp.txt" | tail -12
+        tar -czf "$OUT/e2e_tp$tp.tar.gz" -C "$OUT" "e2e_tp$tp" && rm -r "$OUT/e2e_tp$tp"
+    done
+}
 
 [ $# -gt 0 ] || set -- env tests peers
 for step in "$@"; do

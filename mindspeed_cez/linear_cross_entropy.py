@@ -175,7 +175,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         return dhidden, dweight, None, None
 
 
-RECOMPUTE_FIX = "--lm-fused-output-layer recompute (the op: grads='recompute')"
+RECOMPUTE_FIX = "grads='recompute'"
 
 
 class ForwardGradientError(RuntimeError):

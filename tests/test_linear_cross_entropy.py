@@ -481,8 +481,7 @@ def test_a_forward_without_its_backward_is_detected():
     h, w, target, mask, upstream = _main_grad_problem(15)
     loss, _ = _forward_into_main_grad(h, w, target, mask)
     del loss  # the graph goes without a backward
-    with pytest.raises(ForwardGradientError, match="freed without a backward.*torch.no_grad.*--lm-fused-output-layer "
-                                                   "recompute"):
+    with pytest.raises(ForwardGradientError, match="freed without a backward.*torch.no_grad.*grads='recompute'"):
         _forward_into_main_grad(h, w, target, mask)
     check_forward_gradients()  # reported once
 
@@ -516,9 +515,9 @@ def test_the_mismatch_message_names_the_cause_and_the_fix(monkeypatch):
     h, w, target, mask, upstream = _main_grad_problem(16)
     loss, _ = _forward_into_main_grad(h, w, target, mask)
     with pytest.raises(RuntimeError, match="loss was weighted otherwise. For custom loss weighting run with "
-                                           "--lm-fused-output-layer recompute"):
+                                           "grads='recompute'"):
         (loss * upstream * 2).sum().backward()
     loss, _ = linear_cross_entropy_zloss(h, w, target, token_weights=mask, grads="forward")
-    with pytest.raises(RuntimeError, match="must be k \\* w .*--lm-fused-output-layer recompute"):
+    with pytest.raises(RuntimeError, match="must be k \\* w .*grads='recompute'"):
         (loss * torch.rand(mask.shape)).sum().backward()
     assert len(messages) == 2 and all(len(m) < 255 for m in messages), [len(m) for m in messages]

@@ -155,7 +155,7 @@ def test_the_op_on_each_cuda_accumulation(kind, path):
 
 def test_the_device_assert_names_the_fix():
     """A loss weighted other than the forward assumed: the CUDA device-side assert's text names the
-    cause and ``--lm-fused-output-layer recompute`` (a fresh process: the assert ends its CUDA context)."""
+    cause and the fix, ``grads='recompute'`` (a fresh process: the assert ends its CUDA context)."""
     import os
     import subprocess
     import sys
@@ -173,7 +173,7 @@ def test_the_device_assert_names_the_fix():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert run.returncode != 0
-    assert "For custom loss weighting run with --lm-fused-output-layer recompute" in run.stderr + run.stdout, (
+    assert "For custom loss weighting run with grads='recompute'" in run.stderr + run.stdout, (
         run.stderr[-3000:])
 
 
