@@ -42,8 +42,16 @@ CONFIGS = {
     "busy": ("--num-layers 8 --hidden-size 3072 --ffn-hidden-size 12288 --num-attention-heads 24 --num-experts 4 "
              "--moe-ffn-hidden-size 6144 --seq-length 8192 --max-position-embeddings 8192 "
              "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --manual-gc").split(),
+    # GPU-bound at TP=4 + SP on H100s (busy is host-bound there, ~48 % idle): per GPU ~4x busy's TP=4 work
+    # in half its launches (hidden 4096, seq 32768, 4 micro-batches of 8 layers): ~0.65 PFLOP per GPU per
+    # step (~1.5 s) against ~0.5 s of host time; ~3.3B parameters, an estimated ~45 GB per GPU at TP=4 (TP >= 4)
+    "busy_tp4": ("--num-layers 8 --hidden-size 4096 --ffn-hidden-size 16384 --num-attention-heads 32 --num-experts 4 "
+                 "--moe-ffn-hidden-size 8192 --seq-length 32768 --max-position-embeddings 32768 --global-batch-size 4 "
+                 "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --manual-gc").split(),
 }
-CONFIG_ENV = {"busy": {"CEZ_BENCH_ATTENTION": "sdpa", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
+BUSY_ENV = {"CEZ_BENCH_ATTENTION": "sdpa", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+CONFIG_ENV = {"busy": BUSY_ENV, "busy_tp4": BUSY_ENV}
+MIN_TP = {"busy_tp4": 4}  # below it the parameters and activations outgrow an 80 GB GPU
 VARIANTS = {
     "native": ([], {}),
     "fused": (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"], {}),
@@ -116,6 +124,13 @@ def profile_summary(directory, vocab):
 # --------------------------------------------------------------------------- the runs
 
 
+def vocab_per_rank(tp, divisible_by=128):
+    """This rank's slice of Megatron's padded vocab (padded to a multiple of
+    ``--make-vocab-size-divisible-by`` x TP: 151936 -> 152064 at TP=2 and 4)."""
+    multiple = divisible_by * tp
+    return -(-VOCAB // multiple) * multiple // tp
+
+
 def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
     """One Megatron run of ``variant``: its step times, peak memory, LM losses (and profile summary)."""
     args, env_extra = VARIANTS[variant]
@@ -137,7 +152,7 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
     return {"variant": variant, "rc": proc.returncode, "wall_s": time.time() - start, "peak_bytes": max(peaks, default=None),
             "steps_ms": {int(i): float(ms) for i, ms in STEP.findall(proc.stdout)},
             # the output layer's ops carry this rank's vocab slice
-            "profile": profile_summary(profile_dir, VOCAB // tp) if profile_dir else None,
+            "profile": profile_summary(profile_dir, vocab_per_rank(tp)) if profile_dir else None,
             "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)]}
 
 
@@ -206,7 +221,8 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="iterations left out of each run's median")
     parser.add_argument("--tp", type=int, default=1,
-                        help="tensor-parallel size (GPUs; with sequence parallelism); z_by_hand needs 1")
+                        help="tensor-parallel size (GPUs, the first visible ones; with sequence parallelism); "
+                             "z_by_hand needs 1")
     parser.add_argument("--budget-s", type=float, default=540, help="no new launch after this many seconds")
     parser.add_argument("--profile", action="store_true",
                         help="first rep: torch-profile two steady steps per variant, report the GPU-busy share")
@@ -215,6 +231,12 @@ def main(argv=None):
     variants = args.variants or [v for v in VARIANTS if v != "z_by_hand" or args.tp == 1]
     if args.tp > 1 and "z_by_hand" in variants:
         parser.error("z_by_hand computes the z-loss on one rank's logits: it needs --tp 1")
+    if args.tp < MIN_TP.get(args.config, 1):
+        parser.error(f"--config {args.config} needs --tp {MIN_TP[args.config]} or more (memory); use --config busy below")
+    import torch
+
+    if args.tp > torch.cuda.device_count():
+        parser.error(f"--tp {args.tp}: {torch.cuda.device_count()} GPUs visible (CUDA_VISIBLE_DEVICES picks them)")
     name = args.config if args.tp == 1 else f"{args.config}_tp{args.tp}"
     os.makedirs(args.out, exist_ok=True)
     start, runs = time.time(), []

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import inspect
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -248,10 +249,43 @@ def run_single(args, device):
     log("\n" + write_report(args.out, report))
 
 
+TP_KERNELS_OF_OURS = ("_forward_kernel", "_grad_kernel", "_loss_from_partials_kernel")
+
+
+def profiled_ms(step, make_input, device, iters, align):
+    """Device time per ``step(x)`` from the torch profiler's kernel sums, split (op kernels, the
+    op's all-gather kernel incl. its wait for peers); the clone that makes ``x`` and the NCCL
+    all-reduce that aligns the ranks before each call are left out. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            x = make_input()
+            align()
+            step(x)
+        torch.cuda.synchronize(device)
+    kernels = gather = 0.0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.device_time <= 0:
+            continue
+        name = e.name.lower()
+        if "nccl" in name:
+            gather += e.device_time if "allgather" in name else 0.0
+        elif "copy" not in name:  # the untimed clone of the input
+            kernels += e.device_time
+    return kernels / 1e3 / iters, gather / 1e3 / iters
+
+
 def run_tp(args, device):
-    """Per rank: our kernels alone on the shard, the op at TP=1 on the shard, the op at TP=world."""
+    """Per rank at this world size: our kernels alone on the shard, the op's one all-gather alone,
+    the op at TP=1 on the shard, the op at TP=world; per call event time (ranks aligned on the
+    device), host time (enqueueing it) and device time (profiler kernel sums)."""
     from mindspeed_cez import kernels as cez_kernels
     from mindspeed_cez import vocab_parallel_cross_entropy_zloss as op
+    from mindspeed_cez.kernels.partials import partials_numel
+    from mindspeed_cez.tensor_parallel import all_gather
 
     t_begin = time.time()
     rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
@@ -269,20 +303,44 @@ def run_tp(args, device):
     upstream = (mask / mask.sum()).to(device)
     backend = cez_kernels.backend_for(device, BACKEND)
     timer, anchor = Timer(device), torch.zeros((), device=device, requires_grad=True)
+    align_buffer = torch.zeros(1, device=device)
 
-    def aligned():  # ranks start each timed iteration together
+    def host_aligned():  # every host at the same point before an iteration
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda" else {}))
 
+    def device_aligned():
+        """Queued after the head-start sleep: the GPUs leave this all-reduce together, so a timed
+        region starts at once on every rank (no host skew, no sleep that ran longer on one GPU)."""
+        if world > 1 and args.align == "device":
+            dist.all_reduce(align_buffer, group=group)
+
+    def fresh():
+        return LogitsSource.apply(shard, anchor)
+
     def measure(step):
+        """(event ms, host ms) medians: the GPU time from the aligned start to the end of ``step``'s
+        work, and the host's time to enqueue it."""
         for _ in range(args.warmup):
-            step(LogitsSource.apply(shard, anchor))
-        return median_ms(step, shard, timer, args.iters, aligned)
+            step(fresh())
+        hosts = []
+        for _ in range(args.iters):
+            x = fresh()
+            host_aligned()
+            timer.prepare()
+            device_aligned()
+            started = timer.start()
+            t0 = time.perf_counter()
+            out = step(x)
+            hosts.append((time.perf_counter() - t0) * 1e3)
+            timer.stop(started)
+            del x, out
+        return timer.median_ms(), statistics.median(hosts)
 
     # lse for the gradient kernel (computed once, untimed): the op's value at TP=world
     with torch.no_grad():
-        loss_ref, _, lse = op(shard, target, Z_LOSS_COEFF, tp_group=group, return_lse=True)
+        _, _, lse = op(shard, target, Z_LOSS_COEFF, tp_group=group, return_lse=True)
     grad_loss = upstream.float()
 
     def kernels(backward):
@@ -293,12 +351,12 @@ def run_tp(args, device):
                 backend.write_grad(rows, rows, target, lse, grad_loss, -100, vocab_start, Z_LOSS_COEFF, 0.0, global_vocab)
         return step
 
-    # The op's two collectives alone, on buffers of the op's sizes: MAX of [n], SUM of [2, n].
-    max_buffer, sum_buffer = torch.rand(n, device=device), torch.rand(2, n, device=device)
+    # The op's one collective alone, on buffers of its size: every rank's partials gathered.
+    partials, gathered = (torch.rand(partials_numel(n), device=device),
+                          torch.empty(world * partials_numel(n), device=device))
 
-    def collectives(_x):
-        dist.all_reduce(max_buffer, op=dist.ReduceOp.MAX, group=group)
-        dist.all_reduce(sum_buffer, op=dist.ReduceOp.SUM, group=group)
+    def collective(_x):
+        all_gather(gathered, partials, group=group)
 
     def op_step(tp_group, tgt, backward):
         def step(x):
@@ -307,37 +365,48 @@ def run_tp(args, device):
                 torch.autograd.backward(loss, upstream)
         return step
 
+    def both(make):  # (fwd, fwd+bwd) of measure(make(backward))
+        return tuple(measure(make(b)) for b in (False, True))
+
     # The op at TP=1 on this shard size: the shard stands for a whole vocab of v_local (targets
     # folded into it), so no collective runs.
-    single, tp_key = f"op, TP=1 on a {n} x {v_local} vocab", f"op, TP={world} (with its all-reduces)"
-    kernels_key, collectives_key, collective_ms = "kernels alone (this shard)", "the two all-reduces alone", measure(collectives)
-    rows = {kernels_key: (measure(kernels(False)), measure(kernels(True))), collectives_key: (collective_ms, collective_ms),
-            single: tuple(measure(op_step(None, target % v_local, b)) for b in (False, True)),
-            tp_key: tuple(measure(op_step(group, target, b)) for b in (False, True))}
+    tp_key = f"op, TP={world}" + (" (its all-gather)" if world > 1 else "")
+    rows = {"kernels alone (this shard)": both(kernels)}
+    if world > 1:
+        rows["the all-gather alone"] = (measure(collective),) * 2
+        rows[f"op, TP=1 on a {n} x {v_local} vocab"] = both(lambda b: op_step(None, target % v_local, b))
+    rows[tp_key] = both(lambda b: op_step(group, target, b))
+    device_ms = profiled_ms(op_step(group, target, True), fresh, device, max(3, args.iters // 5),
+                            lambda: (host_aligned(), device_aligned()))
 
-    gathered = [None] * world
-    dist.all_gather_object(gathered, {"rank": rank, "rows": rows})
+    gathered_rows = [None] * world
+    dist.all_gather_object(gathered_rows, {"rank": rank, "rows": rows, "device": device_ms})
     if rank != 0:
         return
     bw = copy_bandwidth(device)
     floor = (n * v_local * 2 / bw * 1e3, 3 * n * v_local * 2 / bw * 1e3)
-    report = [f"- TP mode: {world} ranks over {dist.get_backend()}, global {n} x {global_vocab}, shard {n} x {v_local} "
-              f"per rank; backend {backend.__name__.rsplit('.', 1)[-1]}; z_loss_coeff {Z_LOSS_COEFF}; warm-up "
-              f"{args.warmup}, timed {args.iters} (median); ranks aligned by a barrier before each iteration",
-              f"- copy bandwidth (rank 0): {bw / 1e12:.3f} TB/s; shard floor: fwd {floor[0]:.3f} ms, fwd+bwd {floor[1]:.3f} ms",
-              "", "| rank | what | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor |", "| --- | --- | --- | --- | --- | --- |"]
-    for item in gathered:
-        for what, times in item["rows"].items():
-            report.append(f"| {item['rank']} | {what} | " + " | ".join(
-                f"{fmt_ms(ms)} | {fmt_ratio(ms, f)}" for ms, f in zip(times, floor)) + " |")
-
-    def per_rank(what, value, unit=""):  # fwd / fwd+bwd per rank
-        return ["", what + ", ".join(f"rank {i['rank']} " + " / ".join(value(i["rows"], k) for k in (0, 1)) + unit
-                                     for i in gathered)]
-    report += per_rank(f"Collective cost (op at TP={world} minus op at TP=1 on the same shard, fwd / fwd+bwd): ",
-                       lambda r, k: f"{r[tp_key][k] - r[single][k]:+.3f}", " ms")
-    report += per_rank(f"Op at TP={world} / (kernels alone + the two all-reduces alone), fwd / fwd+bwd (target <= 1.10): ",
-                       lambda r, k: f"{r[tp_key][k] / (r[kernels_key][k] + r[collectives_key][k]):.3f}")
+    report = [f"- TP mode: {world} rank(s) over {dist.get_backend()}, global {n} x {global_vocab}, shard {n} x "
+              f"{v_local} per rank; backend {backend.__name__.rsplit('.', 1)[-1]}; z_loss_coeff {Z_LOSS_COEFF}; "
+              f"warm-up {args.warmup}, timed {args.iters} (median)",
+              "- each timed call: hosts aligned by a barrier, L2 flushed, a 2 ms head-start sleep on the GPU"
+              + (", then (world > 1) a 4-byte NCCL all-reduce so every GPU starts the timed region at once"
+                 if args.align == "device" else " (--align host: no alignment on the device)")
+              + "; event ms: GPU time from there to the call's last kernel; host ms: the host's time to enqueue the call",
+              f"- copy bandwidth (rank 0): {bw / 1e12:.3f} TB/s; shard floor: fwd {floor[0]:.3f} ms (1 pass), "
+              f"fwd+bwd {floor[1]:.3f} ms (3 passes)",
+              "", "| rank | what | fwd ms | fwd / floor | fwd host ms | fwd+bwd ms | fwd+bwd / floor | fwd+bwd host ms |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for item in gathered_rows:
+        for what, ((fwd, fwd_host), (all_, all_host)) in item["rows"].items():
+            report.append(f"| {item['rank']} | {what} | {fmt_ms(fwd)} | {fmt_ratio(fwd, floor[0])} | {fmt_ms(fwd_host)} "
+                          f"| {fmt_ms(all_)} | {fmt_ratio(all_, floor[1])} | {fmt_ms(all_host)} |")
+    if device.type == "cuda":
+        report += ["", f"Device time of the op at TP={world}, fwd+bwd per call (profiler kernel sums): "
+                   + ", ".join(f"rank {i['rank']} kernels {i['device'][0]:.3f} ms ({i['device'][0] / floor[1]:.2f}x "
+                               f"floor) + all-gather kernel {i['device'][1]:.3f} ms" for i in gathered_rows)]
+    worst = max(i["rows"][tp_key][1][0] for i in gathered_rows)
+    report += ["", f"The op at TP={world}, fwd+bwd, slowest rank: {fmt_ms(worst)} ms = {fmt_ratio(worst, floor[1])}x "
+               "the three passes over the shard (target at TP >= 2: <= 1.5x)"]
     report += ["", f"total wall time {time.time() - t_begin:.0f} s"]
     log("\n" + write_report(args.out, report))
 
@@ -353,6 +422,9 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="also write the markdown report here (and .json beside it)")
     parser.add_argument("--shapes", type=_shape, nargs="*", default=None, help="N x V shapes, e.g. 8192x151936")
     parser.add_argument("--tp-shape", type=_shape, default=None, help="global N x V for --tp")
+    parser.add_argument("--align", choices=("device", "host"), default="device",
+                        help="--tp: start each timed call on every GPU at once (device: a tiny all-reduce after the "
+                             "head-start sleep) or only after a host barrier (host)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=0, help="skip the remaining timings after this many seconds")
@@ -360,8 +432,8 @@ def main(argv=None):
     parser.add_argument("--impls", nargs="*", default=None,
                         help="only the implementations whose names start with these (e.g. mindspeed_cez liger)")
     args = parser.parse_args(argv)
-    args.warmup = (2 if args.smoke else 20) if args.warmup is None else args.warmup
-    args.iters = (3 if args.smoke else 50) if args.iters is None else args.iters
+    args.warmup = (2 if args.smoke else (10 if args.tp else 20)) if args.warmup is None else args.warmup
+    args.iters = (3 if args.smoke else (30 if args.tp else 50)) if args.iters is None else args.iters
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device(args.device or ("cuda" if cuda else "cpu"))
     if device.type == "cuda" and device.index is None:

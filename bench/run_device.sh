@@ -23,18 +23,36 @@ step_env() {
     cat "$OUT/env.txt"
 }
 step_tests() {
-    (cd tests && timeout 240 $PY -m pytest -q -p no:cacheprovider test_op.py test_op_errors.py test_gpu.py test_linear_cross_entropy_gpu.py \
+    (cd tests && timeout 420 $PY -m pytest -q -p no:cacheprovider test_op.py test_op_errors.py test_gpu.py test_linear_cross_entropy_gpu.py \
         test_launch_configs.py test_triton_launcher.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -4
 }
 step_peers() { timeout 400 $PY bench/op.py --budget-s 300 --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -20; }
-step_peers-tp() {
-    timeout 140 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
-        bench/op.py --tp --out "$OUT/bench_tp.md" 2>&1 | tee "$OUT/bench_tp.log" | tail -12
+step_peers-tp() {  # op.py --tp at world size 1, 2, 4, 8 while the GPUs found allow: bench_tp<N>.md
+    local gpus world
+    gpus=$(nvidia-smi -L | wc -l)
+    for world in 1 2 4 8; do
+        [ "$world" -le "$gpus" ] || break
+        timeout 150 $PY -m torch.distributed.run --standalone --nproc-per-node "$world" \
+            bench/op.py --tp --out "$OUT/bench_tp$world.md" 2>&1 | tee "$OUT/bench_tp$world.log" | tail -6
+    done
 }
 step_linear-ce() { timeout 400 $PY bench/linear_cross_entropy.py ${LINEAR_ARGS:-} --out "$OUT/linear_ce.md" 2>&1 | tail -24; }
 step_e2e() {
     timeout 560 $PY bench/e2e_megatron.py ${E2E_ARGS:---config busy --variants native cez --pairs 3 --profile} \
         --out "$OUT/e2e" 2>&1 | grep -v '^ *\[20' | tail -40
+}
+step_e2e-tp12() {  # TP=1 on the first GPU and TP=2 + SP on the last two, at once (3+ GPUs); each packed in one file
+    local args=${E2E_ARGS:---config busy --variants cez cez_fol --pairs 3 --iters 20 --profile} n
+    n=$(nvidia-smi -L | wc -l)
+    [ "$n" -ge 3 ] || { echo "e2e-tp12 needs 3 GPUs or more, $n present" >&2; return 2; }
+    CUDA_VISIBLE_DEVICES=0 timeout 560 $PY bench/e2e_megatron.py $args --tp 1 --out "$OUT/e2e_tp1" >"$OUT/e2e_tp1.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$((n - 2)),$((n - 1)) timeout 560 $PY bench/e2e_megatron.py $args --tp 2 --out "$OUT/e2e_tp2" \
+        >"$OUT/e2e_tp2.txt" 2>&1 &
+    wait
+    for tp in 1 2; do
+        echo "-- TP=$tp"; grep -v '^ *\[20' "$OUT/e2e_tp$tp.txt" | tail -12
+        tar -czf "$OUT/e2e_tp$tp.tar.gz" -C "$OUT" "e2e_tp$tp" && rm -r "$OUT/e2e_tp$tp"
+    done
 }
 
 [ $# -gt 0 ] || set -- env tests peers

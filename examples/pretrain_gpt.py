@@ -115,6 +115,27 @@ def _layer_specs(args, config, vp_stage):
     return block, spec
 
 
+def _mtp_block_spec(args, config, layer_spec, vp_stage):
+    """The MTP block's spec: Megatron's; with the local spec and neither TE nor Apex, its norms are
+    :class:`SequenceParallelTorchNorm` (Megatron's ``WrappedTorchNorm`` refuses sequence parallelism,
+    which MoE with TP > 1 requires) where this Megatron builds MTP specs for a backend."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    use_te = args.transformer_impl == "transformer_engine"
+    for_backend = getattr(gpt_layer_specs, "get_gpt_mtp_block_spec_for_backend", None)
+    if not use_te and not getattr(gpt_layer_specs, "HAVE_APEX", False) and for_backend is not None:
+        from megatron.core.models.backends import LocalSpecProvider
+
+        class LocalSpecWithSequenceParallelNorms(LocalSpecProvider):
+            def layer_norm(self, *args, **kwargs):
+                return SequenceParallelTorchNorm
+
+        return for_backend(config, layer_spec, backend=LocalSpecWithSequenceParallelNorms(),
+                           **_with_supported(for_backend, vp_stage=vp_stage))
+    fn = gpt_layer_specs.get_gpt_mtp_block_spec
+    return fn(config, layer_spec, use_transformer_engine=use_te, **_with_supported(fn, vp_stage=vp_stage))
+
+
 def _with_supported(fn, **kwargs):
     """The keyword arguments ``fn`` accepts in this Megatron line (e.g. ``vp_stage``)."""
     params = inspect.signature(fn).parameters
@@ -129,12 +150,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     decoder_spec, layer_spec = _layer_specs(args, config, vp_stage)
     extra = _with_supported(GPTModel.__init__, vp_stage=vp_stage)
     if getattr(args, "mtp_num_layers", None):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
-        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(
-            config, layer_spec, use_transformer_engine=args.transformer_impl == "transformer_engine",
-            **_with_supported(get_gpt_mtp_block_spec, vp_stage=vp_stage),
-        )
+        extra["mtp_block_spec"] = _mtp_block_spec(args, config, layer_spec, vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec,
@@ -161,7 +177,8 @@ def _device():
 
 
 def get_batch(data_iterator):
-    """TP rank 0 reads the micro-batch; it is broadcast to the other ranks of its TP group."""
+    """TP rank 0 reads the micro-batch; it is broadcast to the other ranks of its TP group, and split
+    over the context-parallel ranks."""
     args = get_args()
     bs = (args.micro_batch_size, args.seq_length)
     fields = {
@@ -183,7 +200,20 @@ def get_batch(data_iterator):
     for k in fields:
         torch.distributed.broadcast(batch[k], src, group=group)
     batch.setdefault("attention_mask", None)
-    return batch
+    return batch_on_this_cp_rank(batch)
+
+
+def batch_on_this_cp_rank(batch):
+    """With context parallelism, this rank's share of the sequence, as Megatron splits it (2 x CP
+    chunks, rank r keeping chunks r and 2 x CP - 1 - r, which its rotary embedding expects)."""
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return batch
+    try:  # megatron-core 0.16 and later
+        from megatron.core.utils import get_batch_on_this_cp_rank
+    except ImportError:  # Megatron-LM's training utilities
+        from megatron.training.utils import get_batch_on_this_cp_rank
+    return get_batch_on_this_cp_rank(batch, **_with_supported(
+        get_batch_on_this_cp_rank, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group()))
 
 
 def _train_step_sums_tuples():

@@ -28,6 +28,15 @@ LOG="${LOG:-}"  # optional: also write the log here
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
+# Megatron's training loop: from the pretrain script's folder (a Megatron-LM checkout) or the
+# megatron-core wheel (the wheels ship megatron.training from 0.17 on, for Python >= 3.12; 0.19.2 tested).
+if ! PYTHONPATH="$(dirname "$PRETRAIN_SCRIPT")${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c \
+        'import importlib.util, sys; sys.exit(importlib.util.find_spec("megatron.training") is None)' 2>/dev/null; then
+    echo "run_megatron_lm_moe.sh: $PYTHON cannot import megatron.training (Megatron's training loop): on Python" \
+         ">= 3.12 pip install megatron-core==0.19.2, or set PRETRAIN_SCRIPT=<Megatron-LM checkout>/pretrain_gpt.py" >&2
+    exit 2
+fi
+
 if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     BACKEND=nccl
     echo "GPU found: NCCL over $NPROC GPUs, no CPU shims"

@@ -9,13 +9,13 @@ own working tiles / chunks, and ``write_grad`` writes ``dz * dz/dx``; the defaul
 ``fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing)``
     one rank holds the whole vocab: ``[3, n]`` rows loss, z-loss, lse, in one pass.
 ``shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing)``
-    ``[4, n]`` partials, the layout of :mod:`.partials`: this slice's row max, sum of
-    exp(x - row max), target term ``(1-a)*x[target] + (a/V)*sum(x)`` (NaN for an out-of-range
-    target), row max again.
-``rescale_sum_exp(partials)``
-    after the MAX all-reduce of row 0: the sum-exp rescaled to the global max, in place.
-``loss_from_partials(partials, target, ignore_index, z_loss_coeff)``
-    after the SUM all-reduce of rows 1-2: ``[3, n]`` loss, z-loss, lse, over the partials.
+    the flat partials of this vocab slice, the layout of :mod:`.partials`: per row its
+    log-sum-exp and target term ``(1-a)*x[target] + (a/V)*sum(x)`` (NaN for an out-of-range
+    target), then the slice's width.
+``loss_from_partials(partials, target, ignore_index, z_loss_coeff, out=None)``
+    ``[ranks, numel]`` partials (every rank's, all-gathered; ``[1, numel]`` for one) -> ``[3, n]``
+    loss, z-loss, lse (into ``out`` when given); unequal widths give NaN, on CUDA also a
+    device-side assert.
 ``write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff, label_smoothing, global_vocab)``
     writes ``g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)`` into ``grad`` (which may be
     ``logits`` itself), ``g`` the upstream gradient, 0 on ignored rows.

@@ -9,9 +9,9 @@ the inputs: one chunk of logits.
 
 import torch
 
-from . import backend_for
+from . import backend_for, torch_reference
 from .logit_transform import IDENTITY
-from .partials import LOCAL_MAX, PARTIAL_ROWS, ROW_MAX, SUM_EXP, TARGET_TERM
+from .partials import LOCAL_LSE, TARGET_TERM, row, rows_of
 
 CHUNK_LOGITS = 1 << 26  # logits per vocab chunk at most (128 MiB in bf16)
 
@@ -29,32 +29,30 @@ def chunk_width(chunk_cols, n_rows, n_cols):
     return min(chunk_cols, n_cols) if chunk_cols else default_chunk_cols(n_rows, n_cols)
 
 
-def merge_chunks(parts):
-    """``[k, 4, n]`` partials of ``k`` vocab chunks -> ``[4, n]`` (``shard_partials``'s layout): the
-    softmax merged across chunks as the TP path merges ranks, once after the last chunk (a merge
-    per chunk would launch a dozen small kernels per chunk)."""
-    m = parts[:, ROW_MAX].amax(0)
-    ref = torch.where(m == float("-inf"), 0.0, m)
-    stats = torch.empty(PARTIAL_ROWS, parts.shape[-1], dtype=torch.float32, device=parts.device)
-    stats[ROW_MAX] = m
-    stats[LOCAL_MAX] = m
-    stats[SUM_EXP] = (parts[:, SUM_EXP] * torch.exp(parts[:, ROW_MAX] - ref)).sum(0)
-    stats[TARGET_TERM] = parts[:, TARGET_TERM].sum(0)
+def merge_chunks(parts, n_cols):
+    """``[k, numel]`` partials of ``k`` vocab chunks -> the partials of their ``n_cols`` columns
+    (``shard_partials``'s layout): the chunks' lse merged as the ranks' are, once after the last
+    chunk (a merge per chunk would launch a dozen small kernels per chunk)."""
+    n_rows = rows_of(parts.shape[-1])
+    stats = torch.empty(parts.shape[-1], dtype=torch.float32, device=parts.device)
+    row(stats, LOCAL_LSE, n_rows).copy_(torch_reference.logsumexp(row(parts, LOCAL_LSE, n_rows), dim=0))
+    torch.sum(row(parts, TARGET_TERM, n_rows), dim=0, out=row(stats, TARGET_TERM, n_rows))
+    torch_reference.write_width(stats, n_rows, n_cols)
     return stats
 
 
 def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
                     ce_backend=None, chunk_cols=None, transform=IDENTITY):
-    """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``, ``chunk_cols``
+    """fp32 partials (``shard_partials``'s layout) of ``rows @ weight.T``, ``chunk_cols``
     vocab rows at a time (None: :func:`default_chunk_cols`), transformed by the CE backend. Memory
-    beyond one chunk of logits: 16 bytes per token and chunk."""
+    beyond one chunk of logits: 8 bytes per token and chunk."""
     backend = ce_backend or backend_for(rows.device)
     n_rows, n_cols = rows.shape[0], weight.shape[0]
     step = chunk_width(chunk_cols, n_rows, n_cols)
     parts = [backend.shard_partials(rows @ weight[c:c + step].t(), target, vocab_start + c, global_vocab,
                                     ignore_index, label_smoothing, transform=transform)
              for c in range(0, n_cols, step)]
-    return merge_chunks(torch.stack(parts))
+    return merge_chunks(torch.stack(parts), n_cols)
 
 
 def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff,

@@ -15,6 +15,7 @@ kernels that switch on ``TRANSFORM`` (``triton_cross_entropy._transform`` /
 list, and the tests (``tests/test_op.py``'s transforms, ``tests/test_logit_transform.py``).
 """
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -78,3 +79,17 @@ class LogitTransform:
 
 
 IDENTITY = LogitTransform()
+
+
+@functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1.0 (a bool is refused)
+def _made(scale, cap):
+    return LogitTransform(scale, cap)
+
+
+def transform_of(scale, cap):
+    """``LogitTransform(scale, cap)``, one object per pair of numbers: the ops call this per call,
+    checked once. Bad values raise as the constructor does."""
+    try:
+        return _made(scale, cap)
+    except TypeError:  # unhashable: the constructor says what is wrong
+        return LogitTransform(scale, cap)

@@ -8,7 +8,7 @@ the interface. Rows are processed in chunks so the fp32 working copy stays small
 import torch
 
 from .logit_transform import IDENTITY
-from .partials import LOCAL_MAX, PARTIAL_ROWS, ROW_MAX, SUM_EXP, TARGET_TERM
+from .partials import LOCAL_LSE, TARGET_TERM, UNEQUAL_WIDTHS, WIDTH, partials_numel, row, rows_of, width_words
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 elements per working chunk (16 MiB)
 
@@ -32,58 +32,71 @@ def valid_targets(target, global_vocab, ignore_index):
     return (target == ignore_index) | ((target >= 0) & (target < global_vocab))
 
 
+def logsumexp(x, dim=-1):
+    """``log(sum(exp(x)))`` along ``dim`` as the kernels make it: -inf where every value is -inf
+    (no ``-inf - (-inf)``), NaN where one is +inf or NaN."""
+    m = x.amax(dim=dim, keepdim=True)
+    ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    return (ref + torch.log(torch.exp(x - ref).sum(dim=dim, keepdim=True))).squeeze(dim)
+
+
+def write_width(partials, n_rows, width):
+    """The slice's width words of the partials layout (two fills: no host-to-device copy)."""
+    words = partials[WIDTH * n_rows:]
+    for i, value in enumerate(width_words(width)):
+        words[i].fill_(value)
+
+
 def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
                    transform=IDENTITY):
-    """fp32 [PARTIAL_ROWS, n], the layout of :mod:`.partials`, of ``transform.apply(logits)``."""
+    """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`, of ``transform.apply(logits)``."""
     n_rows, n_cols = logits.shape
-    partials = torch.empty(PARTIAL_ROWS, n_rows, dtype=torch.float32, device=logits.device)
+    partials = torch.empty(partials_numel(n_rows), dtype=torch.float32, device=logits.device)
+    lse, terms = row(partials, LOCAL_LSE, n_rows), row(partials, TARGET_TERM, n_rows)
     invalid = ~valid_targets(target, global_vocab, ignore_index)
     for start, end in _row_chunks(n_rows, n_cols):
         x = transform.apply(logits[start:end].float())
-        row_max = x.amax(dim=-1)
-        partials[ROW_MAX, start:end] = row_max
-        partials[LOCAL_MAX, start:end] = row_max
-        # a row of -inf here (a masked or padded shard): sum-exp 0 against a max of -inf, no -inf - -inf
-        partials[SUM_EXP, start:end] = torch.exp(x - _finite_or_zero(row_max)[:, None]).sum(dim=-1)
+        lse[start:end] = logsumexp(x)
         local, owned = _local_target(target[start:end], vocab_start, n_cols)
         picked = x.gather(1, local[:, None]).squeeze(1)
         term = torch.where(owned, picked, torch.zeros_like(picked)) * (1.0 - label_smoothing)
         if label_smoothing:
             term += (label_smoothing / global_vocab) * x.sum(dim=-1)
-        partials[TARGET_TERM, start:end] = torch.where(invalid[start:end], torch.full_like(term, float("nan")), term)
+        terms[start:end] = torch.where(invalid[start:end], torch.full_like(term, float("nan")), term)
+    write_width(partials, n_rows, n_cols)
     return partials
 
 
-def _finite_or_zero(row_max):
-    """The reference a row's exponents are taken against: its max, or 0 where the max is -inf (all of
-    the row -inf), as the Triton kernels do: exp(-inf - 0) = 0 where -inf - -inf would be NaN."""
-    return torch.where(row_max == float("-inf"), 0.0, row_max)
-
-
-def rescale_sum_exp(partials):
-    """SUM_EXP *= exp(LOCAL_MAX - ROW_MAX), once ROW_MAX holds the max over all ranks."""
-    partials[SUM_EXP].mul_(torch.exp(partials[LOCAL_MAX] - _finite_or_zero(partials[ROW_MAX])))
-    return partials
-
-
-def loss_from_partials(partials, target, ignore_index, z_loss_coeff):
-    """fp32 [3, n] rows (loss, z-loss, lse) from the reduced partials, written over them."""
-    lse = partials[ROW_MAX] + torch.log(partials[SUM_EXP])
+def loss_from_partials(partials, target, ignore_index, z_loss_coeff, out=None):
+    """fp32 ``[3, n]`` rows (loss, z-loss, lse), into ``out`` when given, from ``[ranks, numel]``
+    partials (every rank's, all-gathered; ``[1, numel]`` for one): lse the log-sum-exp of the
+    ranks' lse, the target terms summed. Slices of unequal width give NaN (on CUDA also a
+    device-side assert)."""
+    ranks, n_rows = partials.shape[0], rows_of(partials.shape[1])
+    lse = logsumexp(row(partials, LOCAL_LSE, n_rows), dim=0)
+    term = row(partials, TARGET_TERM, n_rows).sum(dim=0)
     z_loss = z_loss_coeff * lse * lse
-    loss = lse - partials[TARGET_TERM] + z_loss
+    loss = lse - term + z_loss
+    if ranks > 1:
+        words = partials[:, WIDTH * n_rows:]
+        unequal = (words != words[:1]).any()
+        if partials.device.type == "cuda":
+            torch._assert_async(~unequal, UNEQUAL_WIDTHS)
+        loss = torch.where(unequal, torch.full_like(loss, float("nan")), loss)
     ignored = target == ignore_index
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-    partials[0] = torch.where(ignored, zero, loss)
-    partials[1] = torch.where(ignored, zero, z_loss)
-    partials[2] = lse
-    return partials[:3]
+    out = torch.empty(3, n_rows, dtype=torch.float32, device=partials.device) if out is None else out
+    out[0] = torch.where(ignored, zero, loss)
+    out[1] = torch.where(ignored, zero, z_loss)
+    out[2] = lse
+    return out
 
 
 def fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing, *, transform=IDENTITY):
     """One rank holds the whole vocab: fp32 [3, n] rows (loss, z-loss, lse)."""
     n_cols = logits.shape[1]
     partials = shard_partials(logits, target, 0, n_cols, ignore_index, label_smoothing, transform=transform)
-    return loss_from_partials(partials, target, ignore_index, z_loss_coeff)
+    return loss_from_partials(partials[None], target, ignore_index, z_loss_coeff)
 
 
 def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff, label_smoothing,

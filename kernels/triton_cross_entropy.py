@@ -13,8 +13,9 @@ its own running max and sum-exp (online softmax), so the tile loop has no cross-
 reduction: the slots are merged once per row. On CUDA a slot is 16 contiguous values held
 by one thread; on Ascend there is one slot per tile (whole-tile vector reductions). The target
 logit is a single load issued one row ahead, so no dependent load sits at the end of a row.
-With one rank the same kernel finishes the loss; with several it writes the partials that the
-op all-reduces, then two small kernels rescale them and finish the loss. On CUDA the forward
+With one rank the same kernel finishes the loss; with several it writes this slice's partials
+(its lse, target term and width, :mod:`.partials`), which the op all-gathers; one small kernel
+then combines every rank's into the loss and checks that the widths agree. On CUDA the forward
 also asserts each row's target is in range (a device-side assert, no host sync); elsewhere an
 out-of-range target gives a NaN loss.
 
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import logit_transform, partials
+from . import logit_transform, partials, torch_reference
 from .device_cores import launch_type, num_programs
 from .logit_transform import IDENTITY
 from .triton_launcher import Launcher
@@ -71,18 +72,16 @@ LAUNCH_CONFIG = {
     ],
 }
 EVICTION = {"cuda": "evict_first", "npu": "evict_first", "cpu": ""}
-# Rows per program of the small [N] kernels (rescale, loss from partials, target check).
+# Rows per program of the small [N] kernel (loss from partials).
 VECTOR_BLOCK = 1024
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
 # The partials layout (:mod:`.partials`) and the TRANSFORM constexpr (:mod:`.logit_transform`),
 # as constexprs the kernels can use.
-ROW_MAX = tl.constexpr(partials.ROW_MAX)
-SUM_EXP = tl.constexpr(partials.SUM_EXP)
+LOCAL_LSE = tl.constexpr(partials.LOCAL_LSE)
 TARGET_TERM = tl.constexpr(partials.TARGET_TERM)
-LOCAL_MAX = tl.constexpr(partials.LOCAL_MAX)
-PARTIAL_ROWS = partials.PARTIAL_ROWS
+WIDTH = tl.constexpr(partials.WIDTH)
 NO_TRANSFORM = tl.constexpr(logit_transform.NO_TRANSFORM)
 SCALE = tl.constexpr(logit_transform.SCALE)
 SOFTCAP = tl.constexpr(logit_transform.SOFTCAP)
@@ -150,7 +149,7 @@ def _forward_kernel(
     logits_ptr,
     row_stride,
     target_ptr,
-    out_ptr,  # fp32 [3, n_rows] (loss, z-loss, lse) when FINISH, else [PARTIAL_ROWS, n_rows]
+    out_ptr,  # fp32 [3, n_rows] (loss, z-loss, lse) when FINISH, else the partials layout (.partials)
     n_rows,
     n_cols,
     rows_per_program,
@@ -162,6 +161,8 @@ def _forward_kernel(
     smoothing_per_col,  # label_smoothing / global_vocab
     logit_scale,
     logit_softcap,
+    width_hi,  # this slice's width words (partials.width_words), written when not FINISH
+    width_lo,
     SLOTS: tl.constexpr,
     SLOT_WIDTH: tl.constexpr,
     FINISH: tl.constexpr,
@@ -175,6 +176,10 @@ def _forward_kernel(
     first = tl.program_id(0).to(tl.int64) * rows_per_program  # int64 rows: int64 offsets
     end = tl.minimum(first + rows_per_program, n_rows)
     tiles = tl.cdiv(n_cols, BLOCK_V)
+    if not FINISH:
+        if tl.program_id(0) == 0:
+            tl.store(out_ptr + WIDTH * n_rows, width_hi)
+            tl.store(out_ptr + WIDTH * n_rows + 1, width_lo)
 
     x = _load_tile(logits_ptr, row_stride, first, 0, n_cols, end, offs, -float("inf"), EVICT)
     target = _load_target(target_ptr, first, end, ignore_index)
@@ -218,49 +223,55 @@ def _forward_kernel(
         if CHECK_TARGETS:
             tl.device_assert(~invalid, "target outside [0, vocab) and not ignore_index")
         target_term = tl.where(invalid, float("nan"), target_term)
+        lse = row_max + tl.log(sum_exp)  # -inf for a slice that is -inf across the row
         if FINISH:
-            lse = row_max + tl.log(sum_exp)
             z_loss = z_loss_coeff * lse * lse
             ignored = target == ignore_index
             tl.store(out_ptr + row, tl.where(ignored, 0.0, lse - target_term + z_loss))
             tl.store(out_ptr + n_rows + row, tl.where(ignored, 0.0, z_loss))
             tl.store(out_ptr + 2 * n_rows + row, lse)
         else:
-            tl.store(out_ptr + ROW_MAX * n_rows + row, row_max)
-            tl.store(out_ptr + SUM_EXP * n_rows + row, sum_exp)
+            tl.store(out_ptr + LOCAL_LSE * n_rows + row, lse)
             tl.store(out_ptr + TARGET_TERM * n_rows + row, target_term)
-            tl.store(out_ptr + LOCAL_MAX * n_rows + row, row_max)
         target = next_target
         picked = next_picked
         next_target = after_target
 
 
 @triton.jit
-def _rescale_kernel(partials_ptr, n_rows, BLOCK: tl.constexpr):
-    """SUM_EXP *= exp(LOCAL_MAX - ROW_MAX), ROW_MAX being the global max by now."""
+def _loss_from_partials_kernel(partials_ptr, rank_stride, n_ranks, target_ptr, out_ptr, out_stride, n_rows,
+                               ignore_index, z_loss_coeff, BLOCK: tl.constexpr, CHECK_WIDTHS: tl.constexpr):
+    """(loss, z-loss, lse) rows of ``out`` (row stride ``out_stride``) from ``n_ranks`` ranks' partials
+    (``rank_stride`` apart): lse the log-sum-exp of their lse, target terms summed. Widths unequal
+    to the first rank's: a NaN loss, and with CHECK_WIDTHS a device-side assert (a debug compile)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = rows < n_rows
-    global_max = tl.load(partials_ptr + ROW_MAX * n_rows + rows, mask=mask, other=0.0)
-    local_max = tl.load(partials_ptr + LOCAL_MAX * n_rows + rows, mask=mask, other=0.0)
-    sum_exp = tl.load(partials_ptr + SUM_EXP * n_rows + rows, mask=mask, other=0.0)
-    ref = tl.where(global_max == -float("inf"), 0.0, global_max)
-    tl.store(partials_ptr + SUM_EXP * n_rows + rows, sum_exp * tl.exp2((local_max - ref) * LOG2E), mask=mask)
-
-
-@triton.jit
-def _loss_from_partials_kernel(partials_ptr, target_ptr, n_rows, ignore_index, z_loss_coeff, BLOCK: tl.constexpr):
-    """(loss, z-loss, lse) from the reduced partials, written over rows 0-2 of the partials."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = rows < n_rows
-    row_max = tl.load(partials_ptr + ROW_MAX * n_rows + rows, mask=mask, other=0.0)
-    sum_exp = tl.load(partials_ptr + SUM_EXP * n_rows + rows, mask=mask, other=1.0)
-    target_term = tl.load(partials_ptr + TARGET_TERM * n_rows + rows, mask=mask, other=0.0)
-    ignored = tl.load(target_ptr + rows, mask=mask, other=ignore_index) == ignore_index
-    lse = row_max + tl.log(sum_exp)
+    width_hi = tl.load(partials_ptr + WIDTH * n_rows)
+    width_lo = tl.load(partials_ptr + WIDTH * n_rows + 1)
+    lse_max = tl.full([BLOCK], -float("inf"), tl.float32)
+    sum_exp = tl.zeros([BLOCK], tl.float32)  # sum of exp(rank lse - lse_max)
+    target_term = tl.zeros([BLOCK], tl.float32)
+    unequal = tl.zeros([BLOCK], tl.float32)
+    for rank in range(0, n_ranks):
+        part = partials_ptr + rank * rank_stride
+        local = tl.load(part + LOCAL_LSE * n_rows + rows, mask=mask, other=0.0)  # rows past the end: finite
+        new_max = tl.maximum(lse_max, local)
+        ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E  # -inf so far: no rescale
+        sum_exp = sum_exp * tl.exp2(lse_max * LOG2E - ref) + tl.exp2(local * LOG2E - ref)
+        lse_max = new_max
+        target_term += tl.load(part + TARGET_TERM * n_rows + rows, mask=mask, other=0.0)
+        words = part + WIDTH * n_rows
+        unequal += tl.abs(tl.load(words) - width_hi) + tl.abs(tl.load(words + 1) - width_lo)
+    if CHECK_WIDTHS:  # partials.UNEQUAL_WIDTHS
+        tl.device_assert(unequal == 0, "vocab shards of unequal width across tensor-parallel ranks: "
+                                       "pad the vocab to a multiple of the TP size")
+    lse = tl.where(lse_max == -float("inf"), 0.0, lse_max) + tl.log(sum_exp)
     z_loss = z_loss_coeff * lse * lse
-    tl.store(partials_ptr + rows, tl.where(ignored, 0.0, lse - target_term + z_loss), mask=mask)
-    tl.store(partials_ptr + n_rows + rows, tl.where(ignored, 0.0, z_loss), mask=mask)
-    tl.store(partials_ptr + 2 * n_rows + rows, lse, mask=mask)
+    loss = tl.where(unequal == 0, lse - target_term + z_loss, float("nan"))
+    ignored = tl.load(target_ptr + rows, mask=mask, other=ignore_index) == ignore_index
+    tl.store(out_ptr + rows, tl.where(ignored, 0.0, loss), mask=mask)
+    tl.store(out_ptr + out_stride + rows, tl.where(ignored, 0.0, z_loss), mask=mask)
+    tl.store(out_ptr + 2 * out_stride + rows, lse, mask=mask)
 
 
 @triton.jit
@@ -340,9 +351,8 @@ def _grad_kernel(
 
 _launch_forward = Launcher(_forward_kernel)
 _launch_grad = Launcher(_grad_kernel)
-_launch_rescale = Launcher(_rescale_kernel)
 _launch_loss_from_partials = Launcher(_loss_from_partials_kernel)
-LAUNCHERS = (_launch_forward, _launch_grad, _launch_rescale, _launch_loss_from_partials)
+LAUNCHERS = (_launch_forward, _launch_grad, _launch_loss_from_partials)
 
 
 def launch_settings(device_type, n_cols):
@@ -403,6 +413,8 @@ def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_los
              transform):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
+        if not finish:
+            torch_reference.write_width(out, 0, n_cols)
         return out
     plan = _plan(logits.device, n_rows, n_cols, "fwd", launch_type(logits.device))
     grid, rows_per_program, (slots, slot_width, check), evict, options = plan
@@ -410,7 +422,7 @@ def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_los
     args = (
         logits, logits.stride(0), target, out, n_rows, n_cols, rows_per_program, vocab_start, global_vocab,
         ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab), scale, cap,
-        slots, slot_width, finish, label_smoothing > 0, check, evict, kind,
+        *partials.width_words(n_cols), slots, slot_width, finish, label_smoothing > 0, check, evict, kind,
     )
     _launch_forward(grid, args, options)
     return out
@@ -425,29 +437,24 @@ def fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing, *, t
 
 def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
                    transform=IDENTITY):
-    """fp32 [PARTIAL_ROWS, n], the layout of :mod:`.partials`."""
-    out = torch.empty(PARTIAL_ROWS, logits.shape[0], dtype=torch.float32, device=logits.device)
+    """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`."""
+    out = torch.empty(partials.partials_numel(logits.shape[0]), dtype=torch.float32, device=logits.device)
     return _forward(logits, target, out, vocab_start, global_vocab, ignore_index, 0.0, label_smoothing, False,
                     transform)
 
 
-def _vector_grid(n_rows):
-    return (triton.cdiv(n_rows, VECTOR_BLOCK),)
-
-
-def rescale_sum_exp(partials):
-    n_rows = partials.shape[1]
-    if n_rows:
-        _launch_rescale(_vector_grid(n_rows), (partials, n_rows, VECTOR_BLOCK), ())
-    return partials
-
-
-def loss_from_partials(partials, target, ignore_index, z_loss_coeff):
-    n_rows = partials.shape[1]
-    if n_rows:
-        args = (partials, target, n_rows, ignore_index, float(z_loss_coeff), VECTOR_BLOCK)
-        _launch_loss_from_partials(_vector_grid(n_rows), args, ())
-    return partials[:3]
+def loss_from_partials(gathered, target, ignore_index, z_loss_coeff, out=None):
+    """fp32 ``[3, n]`` (loss, z-loss, lse), into ``out`` when given (unit column stride), from
+    ``[ranks, numel]`` partials; on CUDA several ranks' widths are asserted equal on the device."""
+    ranks, n_rows = gathered.shape[0], partials.rows_of(gathered.shape[1])
+    if out is None:
+        out = torch.empty(3, n_rows, dtype=torch.float32, device=gathered.device)
+    if n_rows or ranks > 1:  # no tokens: the widths are still checked
+        check = ranks > 1 and launch_type(gathered.device) == "cuda"
+        args = (gathered, gathered.stride(0), ranks, target, out, out.stride(0), n_rows, ignore_index,
+                float(z_loss_coeff), VECTOR_BLOCK, check)
+        _launch_loss_from_partials((max(1, triton.cdiv(n_rows, VECTOR_BLOCK)),), args, ASSERT_OPTIONS if check else ())
+    return out
 
 
 def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff, label_smoothing,

@@ -9,9 +9,9 @@ multiplied by the transform's slope.
 
 ``partials``: the forward. A task is a block of ``BLOCK_M`` token rows and a group of
 ``GROUP_N`` consecutive vocab tiles; it keeps the online softmax (row max, sum-exp) and the
-target term over its tiles and writes them as one group's ``[4, n]`` partials of an fp32
-``[groups, 4, n]`` tensor, which ``merge`` folds into the ``[4, n]`` partials of the vocab
-slice (the layout of ``triton_cross_entropy.shard_partials``).
+target term over its tiles and writes the group's lse and target term into an fp32
+``[groups, 2, n]`` tensor, which ``merge`` folds into the partials of the vocab slice (the layout
+of :mod:`.partials`, as ``triton_cross_entropy.shard_partials`` writes it).
 
 ``grad``: the backward, one vocab chunk at a time. A task is one ``[BLOCK_M, BLOCK_N]`` tile:
 the logits are recomputed and replaced by their gradient
@@ -32,11 +32,12 @@ import triton.language as tl
 
 from .device_cores import launch_type, num_programs
 from .logit_transform import IDENTITY
-from .triton_cross_entropy import (LOCAL_MAX, LOG2E, NO_TRANSFORM, PARTIAL_ROWS, ROW_MAX, SUM_EXP, TARGET_TERM,
-                                   _loss_constants, _transform, _transform_with_slope)
+from . import partials, torch_reference
+from .triton_cross_entropy import (LOCAL_LSE, LOG2E, NO_TRANSFORM, TARGET_TERM, WIDTH, _loss_constants, _transform,
+                                   _transform_with_slope)
 from .triton_launcher import Launcher
 
-PARTIALS = tl.constexpr(PARTIAL_ROWS)  # rows of one group's partials, inside the kernels
+GROUP_ROWS = tl.constexpr(partials.PARTIAL_ROWS)  # rows of one group's [2, n] (lse, target term)
 
 # Tiles per device type: BLOCK_M token rows x BLOCK_N vocab columns, BLOCK_K of h per dot (16-bit
 # inputs; fp32 takes a quarter so the pipeline's buffers fit in shared memory), a forward task of
@@ -96,7 +97,7 @@ def _partials_kernel(
     x_ptr, x_row_stride,  # [n, h]
     w_ptr, w_row_stride,  # [n_cols, h]: this rank's vocab rows
     target_ptr,  # [n] global ids
-    out_ptr,  # fp32 [groups, PARTIAL_ROWS, n]
+    out_ptr,  # fp32 [groups, 2, n]: (LOCAL_LSE, TARGET_TERM) rows per group
     n_rows, n_cols, h, vocab_start, global_vocab, ignore_index,
     target_weight,  # 1 - label_smoothing
     smoothing_per_col,  # label_smoothing / global_vocab
@@ -136,35 +137,35 @@ def _partials_kernel(
             term += smoothing_per_col * logit_sum
         invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
         term = tl.where(invalid, float("nan"), term)
-        out = out_ptr + group.to(tl.int64) * (PARTIALS * n_rows) + rows
-        tl.store(out + ROW_MAX * n_rows, row_max, mask=row_ok)
-        tl.store(out + SUM_EXP * n_rows, sum_exp, mask=row_ok)
+        out = out_ptr + group.to(tl.int64) * (GROUP_ROWS * n_rows) + rows
+        tl.store(out + LOCAL_LSE * n_rows, row_max + tl.log(sum_exp), mask=row_ok)
         tl.store(out + TARGET_TERM * n_rows, term, mask=row_ok)
-        tl.store(out + LOCAL_MAX * n_rows, row_max, mask=row_ok)
 
 
 @triton.jit
-def _merge_kernel(groups_ptr, out_ptr, n_rows, n_groups, BLOCK: tl.constexpr):
-    """``[groups, 4, n]`` -> ``[4, n]``: max, sum-exp rescaled to it, summed target terms."""
+def _merge_kernel(groups_ptr, out_ptr, n_rows, n_groups, width_hi, width_lo, BLOCK: tl.constexpr):
+    """``[groups, 2, n]`` -> the slice's partials: the log-sum-exp of the groups' lse, their target
+    terms summed, the slice's width words (program 0)."""
+    if tl.program_id(0) == 0:
+        tl.store(out_ptr + WIDTH * n_rows, width_hi)
+        tl.store(out_ptr + WIDTH * n_rows + 1, width_lo)
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = rows < n_rows
-    row_max = tl.full([BLOCK], -float("inf"), tl.float32)
-    sum_exp = tl.zeros([BLOCK], tl.float32)
+    lse_max = tl.full([BLOCK], -float("inf"), tl.float32)
+    sum_exp = tl.zeros([BLOCK], tl.float32)  # sum of exp(group lse - lse_max)
     term = tl.zeros([BLOCK], tl.float32)
     part = groups_ptr + rows  # int64 rows: the pointer walks the groups in 64 bits
     for _ in range(0, n_groups):
-        g_max = tl.load(part + ROW_MAX * n_rows, mask=mask, other=-float("inf"))
-        g_sum = tl.load(part + SUM_EXP * n_rows, mask=mask, other=0.0)
-        new_max = tl.maximum(row_max, g_max)
+        g_lse = tl.load(part + LOCAL_LSE * n_rows, mask=mask, other=0.0)  # rows past the end: finite
+        new_max = tl.maximum(lse_max, g_lse)
         ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E
-        sum_exp = sum_exp * tl.exp2(row_max * LOG2E - ref) + g_sum * tl.exp2(g_max * LOG2E - ref)
-        row_max = new_max
+        sum_exp = sum_exp * tl.exp2(lse_max * LOG2E - ref) + tl.exp2(g_lse * LOG2E - ref)
+        lse_max = new_max
         term += tl.load(part + TARGET_TERM * n_rows, mask=mask, other=0.0)
-        part += PARTIALS * n_rows
-    tl.store(out_ptr + ROW_MAX * n_rows + rows, row_max, mask=mask)
-    tl.store(out_ptr + SUM_EXP * n_rows + rows, sum_exp, mask=mask)
+        part += GROUP_ROWS * n_rows
+    lse = tl.where(lse_max == -float("inf"), 0.0, lse_max) + tl.log(sum_exp)
+    tl.store(out_ptr + LOCAL_LSE * n_rows + rows, lse, mask=mask)
     tl.store(out_ptr + TARGET_TERM * n_rows + rows, term, mask=mask)
-    tl.store(out_ptr + LOCAL_MAX * n_rows + rows, row_max, mask=mask)
 
 
 @triton.jit
@@ -234,7 +235,7 @@ def launch_plans_changed():
 
 
 def groups(n_cols, device_type):
-    """How many ``[4, n]`` partials ``linear_partials`` makes for a slice of ``n_cols`` columns."""
+    """How many groups' ``[2, n]`` ``linear_partials`` makes for a slice of ``n_cols`` columns."""
     c = launch_settings(device_type)
     return triton.cdiv(n_cols, c["block_n"] * c["group_n"])
 
@@ -245,25 +246,27 @@ def _unit_stride(t):
 
 def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
                     ce_backend=None, chunk_cols=None, transform=IDENTITY):
-    """fp32 ``[4, n]`` partials (``shard_partials``'s layout) of ``rows @ weight.T``, no logits (so
+    """fp32 partials (the layout of :mod:`.partials`) of ``rows @ weight.T``, no logits (so
     neither a cross-entropy backend nor a chunk width: ``ce_backend`` and ``chunk_cols`` are unused)."""
     rows, weight = _unit_stride(rows), _unit_stride(weight)
     n_rows, h = rows.shape
     n_cols = weight.shape[0]
-    out = torch.empty(PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
+    out = torch.empty(partials.partials_numel(n_rows), dtype=torch.float32, device=rows.device)
     if n_rows == 0:
+        torch_reference.write_width(out, 0, n_cols)
         return out
     grid, constexprs, options, precision = _plan(rows.device, n_rows, n_cols, rows.dtype, "partials",
                                                   launch_type(rows.device))
     n_groups = groups(n_cols, launch_type(rows.device))
-    per_group = torch.empty(n_groups, PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
+    per_group = torch.empty(n_groups, partials.PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
     _, target_weight, smoothing_per_col = _loss_constants(0.0, label_smoothing, global_vocab)
     scale, cap, kind = transform.kernel_args()
     args = (rows, rows.stride(0), weight, weight.stride(0), target, per_group, n_rows, n_cols, h, vocab_start,
             global_vocab, ignore_index, target_weight, smoothing_per_col, scale, cap, *constexprs, label_smoothing > 0,
             precision, kind)
     _launch_partials(grid, args, options)
-    _launch_merge((triton.cdiv(n_rows, MERGE_BLOCK),), (per_group, out, n_rows, n_groups, MERGE_BLOCK), ())
+    _launch_merge((triton.cdiv(n_rows, MERGE_BLOCK),),
+                  (per_group, out, n_rows, n_groups, *partials.width_words(n_cols), MERGE_BLOCK), ())
     return out
 
 

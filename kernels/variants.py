@@ -49,7 +49,8 @@ def variants(settings, dtype="bf16", n_cols=151936):
     ints = ["n_rows", "n_cols", "rows_per_program", "vocab_start", "global_vocab", "ignore_index"]
     fwd_sig = {"logits_ptr": f"*{dtype}", "row_stride": "i32", "target_ptr": "*i64", "out_ptr": "*fp32",
                **{k: "i32" for k in ints}, "z_loss_coeff": "fp32", "target_weight": "fp32",
-               "smoothing_per_col": "fp32", "logit_scale": "fp32", "logit_softcap": "fp32"}
+               "smoothing_per_col": "fp32", "logit_scale": "fp32", "logit_softcap": "fp32", "width_hi": "fp32",
+               "width_lo": "fp32"}
     bwd_sig = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i32", "grad_ptr": f"*{dtype}",
                "grad_row_stride": "i32", "target_ptr": "*i64", "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32",
                "grad_loss_stride": "i32", "n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32",
@@ -74,12 +75,14 @@ def variants(settings, dtype="bf16", n_cols=151936):
         out.append(Variant("grad" + _named(transform), tce._grad_kernel, bwd_sig,
                            {"BLOCK_V": bwd_block, "EVICT": "evict_first", "TRANSFORM": TRANSFORMS.get(transform, 0)},
                            settings["bwd_warps"]))
-    out.append(Variant("rescale", tce._rescale_kernel, {"partials_ptr": "*fp32", "n_rows": "i32"},
-                       {"BLOCK": tce.VECTOR_BLOCK}, 4))
-    out.append(Variant("loss from partials", tce._loss_from_partials_kernel,
-                       {"partials_ptr": "*fp32", "target_ptr": "*i64", "n_rows": "i32", "ignore_index": "i32",
-                        "z_loss_coeff": "fp32"},
-                       {"BLOCK": tce.VECTOR_BLOCK}, 4))
+    # CUDA asserts that the ranks' widths agree (CHECK_WIDTHS, a debug compile), other devices not.
+    for check in (False, True):
+        out.append(Variant("loss from partials" + (" check_widths" if check else ""), tce._loss_from_partials_kernel,
+                           {"partials_ptr": "*fp32", "rank_stride": "i32", "n_ranks": "i32", "target_ptr": "*i64",
+                            "out_ptr": "*fp32", "out_stride": "i32", "n_rows": "i32", "ignore_index": "i32",
+                            "z_loss_coeff": "fp32"},
+                           {"BLOCK": tce.VECTOR_BLOCK, "CHECK_WIDTHS": check}, 4, cuda_only=check,
+                           options=dict(tce.ASSERT_OPTIONS if check else ())))
     return out
 
 
@@ -109,7 +112,8 @@ def linear_variants(device_type, dtype="bf16"):
                     {**tiles, "SWIZZLE_M": c["swizzle_m"], "PRECISION": precision, "TRANSFORM": TRANSFORMS.get(t, 0)},
                     c["warps"], options=options) for t in (None, *TRANSFORMS)]
     out.append(Variant("linear merge", tlce._merge_kernel,
-                       {"groups_ptr": "*fp32", "out_ptr": "*fp32", "n_rows": "i32", "n_groups": "i32"},
+                       {"groups_ptr": "*fp32", "out_ptr": "*fp32", "n_rows": "i32", "n_groups": "i32",
+                        "width_hi": "fp32", "width_lo": "fp32"},
                        {"BLOCK": tlce.MERGE_BLOCK}, 4))
     out += accumulate_variants(device_type, dtype)
     return out

@@ -3,10 +3,9 @@
 Per token, with each tensor-parallel rank holding the vocab slice
 ``[rank*v_local, (rank+1)*v_local)``:
 
-    m   = allreduce_max(local max)
-    s   = allreduce_sum(local sum-exp * exp(local max - m))    } one SUM all-reduce of
-    t   = allreduce_sum(target logit on the owning rank)       } the stacked partials
-    lse = m + log(s)
+    l_r = log(sum(exp(x))) over rank r's slice (-inf for a slice that is -inf across the row)
+    lse = logsumexp over ranks of l_r                           } one all-gather of every rank's
+    t   = sum over ranks of the target logit on the owning rank } (l_r, t_r, slice width)
     loss = lse - (1-a)*t - a*mean(x over the global vocab) + c*lse**2
     dx   = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)   (no collective)
 
@@ -25,15 +24,11 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from mindspeed_cez import cann, kernels
 from mindspeed_cez.first_order import first_order_input, first_order_only
-from mindspeed_cez.kernels.logit_transform import LogitTransform
+from mindspeed_cez.kernels.logit_transform import LogitTransform, transform_of
 from mindspeed_cez.tensor_parallel import group_rank_and_size, merged_loss, resolve_tp_group
-
-_checked_shard_widths = {}
-
 
 def check_target(target):
     """The one type check of ``target`` (both ops)."""
@@ -100,24 +95,6 @@ def _check_target_range(target, global_vocab, ignore_index, backend):
         )
 
 
-def _check_equal_shards(v_local, tp_group, device):
-    """Ranks must hold slices of equal width. Checked once per (group, width), not per step."""
-    key = (tp_group, v_local)
-    if key in _checked_shard_widths:
-        return
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return  # a graph capture is no place for a host sync; the eager warm-up checked it
-    widths = torch.tensor([v_local, -v_local], dtype=torch.int64, device=device)
-    dist.all_reduce(widths, op=dist.ReduceOp.MAX, group=tp_group)
-    widest, narrowest = int(widths[0]), -int(widths[1])
-    if widest != narrowest:
-        raise ValueError(
-            f"logits: tensor-parallel ranks hold vocab shards of unequal width (from {narrowest} to {widest}); "
-            "pad the vocab so it divides evenly by the tensor-parallel size"
-        )
-    _checked_shard_widths[key] = True
-
-
 def _as_rows(logits):
     """[..., v] -> [n, v] with a contiguous last dim (a view whenever the layout allows)."""
     rows = logits.reshape(-1, logits.shape[-1])
@@ -150,12 +127,9 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         rank, world_size = group_rank_and_size(options.tp_group)
         v_local = logits.shape[-1]
         global_vocab = v_local * world_size
-        if world_size > 1:
-            _check_equal_shards(v_local, options.tp_group, logits.device)
         rows = _as_rows(logits)
         flat_target = target.reshape(-1)
         vocab_start = rank * v_local
-        _check_target_range(flat_target, global_vocab, ignore_index, backend)
         if world_size == 1:
             out = backend.fused_loss(rows, flat_target, ignore_index, options.z_loss_coeff, options.label_smoothing,
                                      transform=options.transform)
@@ -164,6 +138,8 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
                                               options.label_smoothing, transform=options.transform)
             out = merged_loss(backend, partials, flat_target, ignore_index, options.z_loss_coeff, options.tp_group,
                               world_size)
+        # After the collective: where ranks disagree on the vocab, merged_loss refused on all of them.
+        _check_target_range(flat_target, global_vocab, ignore_index, backend)
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)  # one view op for the three
 
         # The gradient goes into the logits' own buffer when they are an intermediate of the
@@ -260,7 +236,7 @@ def vocab_parallel_cross_entropy_zloss(
     """
     _check_arguments(logits, target, z_loss_coeff, label_smoothing, ignore_index)
     ignore_index = int(ignore_index)
-    transform = LogitTransform(logit_scale, logit_softcap)
+    transform = transform_of(logit_scale, logit_softcap)
     tp_group = resolve_tp_group(tp_group)
     if backend == cann.NAME:  # the vendor op (torch_npu), TP = 1: its own autograd
         cann.check_applies(group_rank_and_size(tp_group)[1], logit_scale, logit_softcap)

@@ -21,6 +21,8 @@ Tensor parallelism as Megatron's ``ColumnParallelLinear`` feeding the loss: each
 vocab rows ``weight [v_local, h]``; with ``sequence_parallel`` the hidden states arrive as this
 rank's sequence chunk, are all-gathered along the sequence in forward, and ``dhidden`` is
 reduce-scattered back; without it every rank holds all of ``hidden`` and ``dhidden`` is all-reduced.
+Either collective starts once ``dhidden`` is complete and runs beside the last weight-gradient GEMM,
+as ``ColumnParallelLinear`` overlaps it.
 """
 
 import math
@@ -37,9 +39,9 @@ from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.cross_entropy_zloss import (CrossEntropyOptions, _check_target_range, check_coefficients,
                                                check_ignore_index, check_target)
-from mindspeed_cez.kernels.logit_transform import LogitTransform
+from mindspeed_cez.kernels.logit_transform import transform_of
 from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
-                                           resolve_tp_group)
+                                           resolve_tp_group, start_reduce_dhidden)
 
 
 def _check(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_size, sequence_parallel):
@@ -128,11 +130,12 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         flat_target = target.reshape(-1)
         v_local = weight.shape[0]
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
-        _check_targets(flat_target, global_vocab, options.ignore_index)
         stats = options.linear.linear_partials(rows, weight, flat_target, vocab_start, global_vocab, options.ignore_index,
                                          options.label_smoothing, ce_backend=options.backend, chunk_cols=options.chunk_cols,
                                          transform=options.transform)
-        out = merged_loss(options.backend, stats, flat_target, options.ignore_index, options.z_loss_coeff, options.tp_group, tp_size)
+        out = merged_loss(options.backend, stats, flat_target, options.ignore_index, options.z_loss_coeff, options.tp_group,
+                          tp_size, shard_name="weight")
+        _check_targets(flat_target, global_vocab, options.ignore_index)  # after the collective: see the op's forward
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
 
         ctx.save_for_backward(hidden, weight, flat_target, lse)
@@ -163,17 +166,20 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
                                            ctx.vocab_start + c, options.z_loss_coeff, options.label_smoothing, ctx.global_vocab,
                                            ce_backend=options.backend, transform=options.transform)
             accumulate(drows, dlogits, w)  # fp32 sum over vocab chunks
+            if c + step >= v_local:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
+                reduction = start_reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, tp_size,
+                                                 options.sequence_parallel)
             if into_main_grad:
                 accumulate(weight.main_grad[c:c + step], dlogits.t(), rows)
             else:
                 torch.matmul(dlogits.t(), rows, out=dweight[c:c + step])
-        dhidden = reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, tp_size, options.sequence_parallel)
+        dhidden = reduction.wait()
         if into_main_grad:
             dweight = _main_grad_placeholder(weight)
         return dhidden, dweight, None, None
 
 
-RECOMPUTE_FIX = "--lm-fused-output-layer recompute (the op: grads='recompute')"
+RECOMPUTE_FIX = "grads='recompute'"
 
 
 class ForwardGradientError(RuntimeError):
@@ -248,7 +254,9 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
 
     With ``grad_scale`` the upstream gradient is known in forward: ``grad_scale * token_weights``
     (Megatron's loss scale over its token count); each block's gradient is made for it, ``dhidden``
-    in the input's dtype exactly as the unfused path makes it, and ``dweight`` added straight into
+    in the input's dtype exactly as the unfused path makes it (its reduction over the TP ranks
+    started in forward, overlapped with the last block's weight-gradient GEMM as
+    ``ColumnParallelLinear`` overlaps it; backward waits for it), and ``dweight`` added straight into
     ``weight.main_grad`` (``gradient_accumulation_fusion``; else an fp32 buffer until backward).
     Backward checks on the device that the gradient that came is that one.
 
@@ -274,7 +282,6 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         weights = torch.where(flat_target == ignore_index, 0.0, token_weights.reshape(-1).float())
         n, v_local = rows.shape[0], weight.shape[0]
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
-        _check_target_range(flat_target, global_vocab, ignore_index, backend)
         upstream_known = grad_scale is not None  # the upstream gradient is grad_scale * weights
         upstream = weights * grad_scale if upstream_known else torch.ones(n, dtype=torch.float32, device=rows.device)
         into_main_grad = upstream_known and options.gradient_accumulation_fusion and hasattr(weight, "main_grad")
@@ -286,25 +293,31 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         step = options.row_block or default_row_block(n, v_local, options.block_fraction)
         block = rows.new_empty((min(step, n), v_local))  # one block's logits, then their gradient
         accumulate = Accumulator(rows.device)
+        reduction = None  # dhidden's collective, started in forward where the upstream gradient is known
         for r in range(0, n, step):
             x, t = rows[r:r + step], flat_target[r:r + step]
             logits = block[:x.shape[0]]
             torch.matmul(x, weight.t(), out=logits)
             stats = backend.shard_partials(logits, t, vocab_start, global_vocab, ignore_index, label_smoothing,
                                            transform=transform)
-            out[:, r:r + step] = merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size)
+            merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size, "weight", out[:, r:r + step])
+            if r == 0:  # after the first collective (see the op's forward), before anything is written
+                _check_target_range(flat_target, global_vocab, ignore_index, backend)
             backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], ignore_index, vocab_start,
                                z_loss_coeff, label_smoothing, global_vocab, transform=transform)
             if upstream_known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
                 torch.matmul(logits, weight, out=drows[r:r + step])
+                if r + step >= n:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
+                    reduction = start_reduce_dhidden(drows.view(full.shape), tp_group, tp_size, sequence_parallel)
                 accumulate(dweight, logits.t(), x)
             else:
                 drows[r:r + step] = 0
                 accumulate(drows[r:r + step], logits, weight)
                 accumulate(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
-        ctx.save_for_backward(drows, None if into_main_grad else dweight, weights, upstream, weight,
-                              flat_target != ignore_index)
+        ctx.save_for_backward(None if reduction is not None else drows, None if into_main_grad else dweight, weights, upstream,
+                              weight, flat_target != ignore_index)
+        ctx.reduction = reduction  # holds this rank's dhidden (its sequence chunk with SP), not all of drows
         ctx.options, ctx.tp_size, ctx.upstream_known, ctx.into_main_grad = options, tp_size, upstream_known, into_main_grad
         ctx.full_shape, ctx.input_dtype = full.shape, hidden.dtype
         ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_main_grad else None
@@ -349,11 +362,13 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
         # (CUDA takes assert messages under 255 characters: tests/test_linear_cross_entropy.py checks)
         torch._assert_async(matches.all(), message)
-        if ctx.upstream_known:
-            drows = drows.view(ctx.full_shape)
+        if ctx.reduction is not None:
+            dhidden = ctx.reduction.wait()
         else:
-            drows = (drows * g[:, None]).to(ctx.input_dtype).view(ctx.full_shape)
-        dhidden = reduce_dhidden(drows, options.tp_group, ctx.tp_size, options.sequence_parallel)
+            if not ctx.upstream_known:
+                drows = drows * g[:, None]
+            drows = drows.to(ctx.input_dtype).view(ctx.full_shape)
+            dhidden = reduce_dhidden(drows, options.tp_group, ctx.tp_size, options.sequence_parallel)
         if ctx.into_main_grad:
             return dhidden, _main_grad_placeholder(weight), *no_grads
         if not ctx.upstream_known:
@@ -501,7 +516,7 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
                   tp_group=tp_group, sequence_parallel=bool(sequence_parallel),
                   gradient_accumulation_fusion=bool(gradient_accumulation_fusion),
                   backend=kernels.backend_for(hidden.device, backend),
-                  transform=LogitTransform(logit_scale, logit_softcap))
+                  transform=transform_of(logit_scale, logit_softcap))
     if grads == "forward" and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         grads = "recompute"  # no backward will come (torch.no_grad(), no input needing it): the loss alone
     if grads == "recompute":

@@ -122,6 +122,23 @@ def ce_backends(device, world_size):
     return [(n, n == auto) for n in names]
 
 
+def absent_backends(device, world_size):
+    """{backend: why it has no rows here} for the backends ``ce_backends`` leaves out."""
+    out = {}
+    if not kernels.triton_available():
+        out["triton"] = "Triton is not installed (triton; triton-ascend on Ascend NPUs)"
+    elif not _triton_runs_on(device):
+        out["triton"] = ("no GPU/NPU here: the kernels run on accelerators (TRITON_INTERPRET=1 runs them on the "
+                         "CPU in Triton's interpreter, at the small size)")
+    if device.type != "npu":
+        out[cann.NAME] = "Ascend NPUs only"
+    elif world_size > 1:
+        out[cann.NAME] = "tensor-parallel size 1 only"
+    elif not cann.available():
+        out[cann.NAME] = "this torch_npu has no npu_cross_entropy_loss"
+    return out
+
+
 def linear_variants(device, world_size):
     """[(linear_backend, grads, cross-entropy backend, picked automatically)] for
     ``linear_cross_entropy_zloss`` here: the GEMM projection with each cross-entropy backend that
@@ -369,8 +386,8 @@ def _tolerance(op, backend, dtype_name):
 
 # ----------------------------------------------------------------------------------- reporting
 def table(results):
-    head = f"{'op':<36} {'backend':<22} {'dtype':<5} {'size':<12} {'loss':>8} {'z-loss':>8} {'grad':>8} " \
-           f"{'ms':>8} {'torch ms':>8}  status"
+    head = f"{'op':<36} {'backend':<22} {'dtype':<5} {'size: tokens x vocab':<20} {'loss':>8} {'z-loss':>8} " \
+           f"{'grad':>8} {'ms':>8} {'torch ms':>8}  status"
     lines = [head, "-" * len(head)]
     for r in results:
         name = r["backend"] + (f"+{r['ce_backend']}" if r.get("ce_backend") else "") + ("*" if r.get("auto") else "")
@@ -379,9 +396,9 @@ def table(results):
         grad = max((v for k, v in e.items() if k in ("grad", "dhidden", "dweight")), default=None)
         cells = [f"{v:8.1e}" if v is not None else f"{'-':>8}" for v in (e.get("loss"), e.get("z_loss"), grad)]
         times = [f"{r[k]:8.2f}" if k in r else f"{'-':>8}" for k in ("ms", "torch_ms")]
-        size = f"{r['size']} {r['vocab']}" + (f"/tp{r['tp']}" if r["tp"] > 1 else "")
+        size = f"{r['size']} {r['rows']}x{r['vocab']}" + (f"/tp{r['tp']}" if r["tp"] > 1 else "")
         status = r["status"] + (f" ({r['reason']})" if r.get("reason") else "")
-        lines.append(f"{r['op']:<36} {name:<22} {r['dtype']:<5} {size:<12} {' '.join(cells)} {' '.join(times)}  "
+        lines.append(f"{r['op']:<36} {name:<22} {r['dtype']:<5} {size:<20} {' '.join(cells)} {' '.join(times)}  "
                      + status)
     return "\n".join(lines)
 
@@ -419,6 +436,7 @@ def main(argv=None, group=None):
         sys.exit(f"selfcheck: the small vocab (1000) and 151936 must divide by the world size, got {world}")
     info = environment(device)
     results = run(args, device, group if world > 1 else None)
+    absent = absent_backends(device, world)
     ok = all(r["status"] != "FAIL" for r in results)
     if rank == 0:
         print(f"mindspeed_cez selfcheck on {info['device']} ({info['device_name']}), tensor-parallel size {world}: "
@@ -426,17 +444,21 @@ def main(argv=None, group=None):
               + (f", triton-ascend {info['triton-ascend']}" if info["triton-ascend"] else "")
               + (f", torch_npu {info['torch_npu']}, CANN {info['cann']}" if info["torch_npu"] else ""))
         print(table(results))
+        for name, why in absent.items():
+            print(f"no {name} rows: {why}")
         print(f"\n{'PASSED' if ok else 'FAILED'}: {sum(r['status'] == 'ok' for r in results)} ok, "
               f"{sum(r['status'] == 'FAIL' for r in results)} failed, "
               f"{sum(r['status'] == 'skipped' for r in results)} skipped  (* = picked automatically here; errors: "
               "relative L2 against float64; ms: forward + backward, median)")
         if args.json:
-            report = json.dumps({"ok": ok, "environment": info, "results": results}, indent=1, default=str)
+            report = json.dumps({"ok": ok, "environment": info, "results": results, "absent_backends": absent},
+                                indent=1, default=str)
             if args.json == "-":
                 print(report)
             else:
                 with open(args.json, "w") as f:
                     f.write(report + "\n")
+                print(f"wrote {os.path.abspath(args.json)} (device, versions, results: what a bug report needs)")
     if created:
         dist.destroy_process_group()
     return 0 if ok else 1

@@ -5,19 +5,24 @@ Megatron-Core's unfused and fused vocab-parallel cross entropy share one set of 
 (``VocabParallelCrossEntropy``); so do ``vocab_parallel_cross_entropy_zloss`` and both paths of
 ``linear_cross_entropy_zloss``:
 
-* :func:`merged_loss`: a rank's ``[4, n]`` partials -> the loss over the global vocab: MAX
-  all-reduce of the row maxima, sum-exp rescaled to them, one SUM all-reduce of
-  (sum-exp, target term), then the loss;
-* :func:`gather_sequence` / :func:`reduce_dhidden`: ``ColumnParallelLinear``'s input all-gather
-  along the sequence and its ``dhidden`` reduction (reduce-scatter with sequence parallelism,
-  else all-reduce).
+* :func:`merged_loss`: a rank's partials (its slice's lse and target term per row and its width,
+  ``kernels/partials.py``) -> the loss over the global vocab: one all-gather of every rank's
+  partials, then one kernel combines them (lse: the log-sum-exp of the ranks'; target: their sum)
+  and checks that the widths agree (on the CPU here, with a ``ValueError``; on CUDA a device-side
+  assert, no host sync);
+* :func:`gather_sequence` / :func:`reduce_dhidden` (:func:`start_reduce_dhidden`: asynchronous):
+  ``ColumnParallelLinear``'s input all-gather along the sequence and its ``dhidden`` reduction
+  (reduce-scatter with sequence parallelism, else all-reduce).
 """
 
 import sys
 
 import torch.distributed as dist
 
-from mindspeed_cez.kernels.partials import ROW_MAX, SUM_EXP, TARGET_TERM
+from mindspeed_cez.kernels import partials as layout
+
+# Ranks' tensors concatenated along dim 0 (torch 2.13 renames all_gather_into_tensor, now deprecated).
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def resolve_tp_group(tp_group=None):
@@ -40,14 +45,29 @@ def group_rank_and_size(tp_group):
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
-def merged_loss(backend, partials, target, ignore_index, z_loss_coeff, tp_group, tp_size):
-    """fp32 ``[3, n]`` (loss, z-loss, lse) from this rank's ``[4, n]`` partials (``shard_partials``'s
-    layout), merged over ``tp_group`` first when it has more than one rank. Overwrites ``partials``."""
-    if tp_size > 1:
-        dist.all_reduce(partials[ROW_MAX], op=dist.ReduceOp.MAX, group=tp_group)
-        backend.rescale_sum_exp(partials)
-        dist.all_reduce(partials[SUM_EXP:TARGET_TERM + 1], op=dist.ReduceOp.SUM, group=tp_group)
-    return backend.loss_from_partials(partials, target, ignore_index, z_loss_coeff)
+def check_equal_widths(gathered, shard_name):
+    """On the CPU (host memory: no sync): every rank's slice has the same width, else the same
+    ``ValueError`` on every rank, naming ``shard_name``, the tensor whose last dim is the slice."""
+    widths = layout.widths(gathered)
+    if min(widths) != max(widths):
+        raise ValueError(
+            f"{shard_name}: tensor-parallel ranks hold vocab shards of unequal width (from {min(widths)} to "
+            f"{max(widths)}), by rank {widths}; pad the vocab so it divides evenly by the tensor-parallel size")
+
+
+def merged_loss(backend, partials, target, ignore_index, z_loss_coeff, tp_group, tp_size, shard_name="logits",
+                out=None):
+    """fp32 ``[3, n]`` (loss, z-loss, lse), into ``out`` when given, from this rank's partials
+    (``shard_partials``'s layout), all-gathered over ``tp_group`` first when it has more than one
+    rank: the op's one collective. ``shard_name``: what an error about unequal widths names."""
+    if tp_size == 1:
+        return backend.loss_from_partials(partials[None], target, ignore_index, z_loss_coeff, out)
+    gathered = partials.new_empty(tp_size * partials.numel())  # flat: gloo takes no stacked output
+    all_gather(gathered, partials, group=tp_group)
+    gathered = gathered.view(tp_size, partials.numel())
+    if gathered.device.type == "cpu":
+        check_equal_widths(gathered, shard_name)
+    return backend.loss_from_partials(gathered, target, ignore_index, z_loss_coeff, out)
 
 
 def gather_sequence(hidden, tp_group, tp_size, sequence_parallel):
@@ -55,18 +75,40 @@ def gather_sequence(hidden, tp_group, tp_size, sequence_parallel):
     if not (sequence_parallel and tp_size > 1):
         return hidden
     out = hidden.new_empty((hidden.shape[0] * tp_size, *hidden.shape[1:]))
-    dist.all_gather_into_tensor(out, hidden.contiguous(), group=tp_group)
+    all_gather(out, hidden.contiguous(), group=tp_group)
     return out
 
 
-def reduce_dhidden(dhidden, tp_group, tp_size, sequence_parallel):
+class StartedReduction:
+    """:func:`start_reduce_dhidden`'s collective, running: :meth:`wait` makes the current stream wait
+    for it and gives its result (again on later calls)."""
+
+    __slots__ = ("result", "work")
+
+    def __init__(self, result, work):
+        self.result, self.work = result, work
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.result
+
+
+def start_reduce_dhidden(dhidden, tp_group, tp_size, sequence_parallel):
     """This rank's ``dhidden`` of the whole sequence -> what ``ColumnParallelLinear`` returns: the
-    sum over ranks, reduce-scattered to this rank's sequence chunk with sequence parallelism."""
+    sum over ranks, reduce-scattered to this rank's sequence chunk with sequence parallelism; the
+    collective started asynchronously, so kernels queued before :meth:`StartedReduction.wait`
+    overlap it (as ``ColumnParallelLinear`` overlaps it with its weight-gradient GEMM)."""
     if tp_size == 1:
-        return dhidden
+        return StartedReduction(dhidden, None)
     if sequence_parallel:
         local = dhidden.new_empty((dhidden.shape[0] // tp_size, *dhidden.shape[1:]))
-        dist.reduce_scatter_tensor(local, dhidden.contiguous(), group=tp_group)
-        return local
-    dist.all_reduce(dhidden, group=tp_group)
-    return dhidden
+        return StartedReduction(local, dist.reduce_scatter_tensor(local, dhidden.contiguous(), group=tp_group,
+                                                                  async_op=True))
+    return StartedReduction(dhidden, dist.all_reduce(dhidden, group=tp_group, async_op=True))
+
+
+def reduce_dhidden(dhidden, tp_group, tp_size, sequence_parallel):
+    """:func:`start_reduce_dhidden`, waited for."""
+    return start_reduce_dhidden(dhidden, tp_group, tp_size, sequence_parallel).wait()

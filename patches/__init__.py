@@ -42,7 +42,8 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
         label_smoothing: Megatron's convention; None takes ``config.label_smoothing`` if the
             model config has that field (megatron-core 0.16/0.19 do not), else 0.
         log_z_loss: record ``lm_z_loss`` in Megatron's MoE metrics tracker (when ``c > 0``).
-        log_lse: also record the mean log-sum-exp as ``lm_lse``.
+        log_lse: also record the mean log-sum-exp as ``lm_lse`` and its maximum over the
+            iteration's tokens as ``lm_lse_max``.
         fused_output_layer: compute GPT's output layer and the LM loss together with
             :func:`mindspeed_cez.linear_cross_entropy_zloss` (no logits tensor), see :mod:`.output_layer`.
         output_layer_grads: the op's ``grads``: ``"forward"`` (default; gradients during the forward,

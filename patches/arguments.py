@@ -11,7 +11,8 @@ Flags (one argument group, shown in ``--help``):
 ``--no-lm-fused-ce``
     Opt out: Megatron's own cross entropy, whatever else is set (``C > 0`` is then an error).
 ``--lm-z-loss-log-lse``
-    Also log the mean log-sum-exp as ``lm_lse``.
+    Also log the mean log-sum-exp as ``lm_lse`` and its maximum over the iteration's tokens as
+    ``lm_lse_max``.
 ``--lm-fused-output-layer [recompute|forward]``
     Compute GPT's output layer and the LM loss as one op (``linear_cross_entropy_zloss``): no
     logits tensor on the training path; turns the fused loss on like ``--lm-fused-ce``.
@@ -91,7 +92,8 @@ def add_lm_z_loss_args(parser):
     )
     group.add_argument(
         FLAG_LOG_LSE, action="store_true", default=False, dest="lm_z_loss_log_lse",
-        help="Also log the mean log-sum-exp of the logits as lm_lse (taken from the fused kernel, no extra pass).",
+        help="Also log the mean log-sum-exp of the logits as lm_lse and its maximum over the iteration's "
+             "tokens as lm_lse_max (taken from the fused kernel, no extra pass).",
     )
     group.add_argument(
         FLAG_OUTPUT_LAYER, nargs="?", const="forward", default=None, metavar="{" + ",".join(OUTPUT_LAYER_GRADS) + "}",

@@ -3,8 +3,9 @@
 Every wrapper is a *decorator* (``xxx_wrapper(original) -> replacement``), the convention of
 MindSpeed's patch manager (a new function whose name ends in ``wrapper`` decorates the current
 one), so the same objects serve both the MindSpeed path and the direct megatron-core path.
-Each replacement reads :data:`mindspeed_cez.patches.settings.ACTIVE` on every call; while it is
-``None`` the original runs unchanged.
+Each replacement is made by :func:`.pass_through.while_active`: it reads
+:data:`mindspeed_cez.patches.settings.ACTIVE` on every call; while it is ``None`` the original runs
+unchanged.
 
 Patched (see ``patch_targets()`` in :mod:`.targets`):
 
@@ -26,7 +27,6 @@ Patched (see ``patch_targets()`` in :mod:`.targets`):
 * ``ColumnParallelLinear.forward`` -- only for that deferral; every other call runs unchanged.
 """
 
-import functools
 import importlib
 import inspect
 import sys
@@ -40,7 +40,7 @@ from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 from mindspeed_cez.patches import output_layer as _output_layer
 from mindspeed_cez.kernels.logit_transform import IDENTITY
 from mindspeed_cez.patches.logit_transform import LogitTransformError, TransformedLogits
-from mindspeed_cez.patches import settings as _settings
+from mindspeed_cez.patches.pass_through import while_active
 from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
 
 
@@ -67,36 +67,29 @@ def _module_tp_group(module):
     return resolve_tp_group(group)
 
 
-def ce_value_with_z_loss_gradient(loss, z_loss, z_loss_coeff):
-    """Megatron's convention for auxiliary losses: the per-token ``loss = CE + c*lse**2`` of the ops
-    minus their detached ``z_loss``, so the value is the CE (what Megatron logs as ``lm loss``) and
-    the gradient still that of ``CE + c*lse**2`` (what it trains on)."""
-    return loss - z_loss if z_loss_coeff > 0 else loss
+def in_megatron_convention(loss_fn, v_local, tp_group, label_smoothing_megatron, z_loss_coeff):
+    """``loss_fn(label_smoothing)`` -- an op returning ``(loss, z_loss, lse)``, ``loss = CE + c*lse**2``
+    -- in Megatron's conventions: its label smoothing over the global vocab (``v_local`` per rank of
+    ``tp_group``), and for auxiliary losses: ``loss`` minus its detached ``z_loss``, so the value is
+    the CE (what Megatron logs as ``lm loss``) and the gradient still that of ``CE + c*lse**2`` (what
+    it trains on), as Megatron's router losses enter the gradient but not the logged loss."""
+    global_vocab = v_local * _tp_world_size(tp_group)
+    loss, z_loss, lse = loss_fn(megatron_to_torch_smoothing(label_smoothing_megatron, global_vocab))
+    return (loss - z_loss if z_loss_coeff > 0 else loss), z_loss, lse
 
 
 def loss_in_megatron_convention(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff, backend=None,
                                 transform=IDENTITY):
-    """The op on ``[s, b, v_local]`` logits, in Megatron's convention for auxiliary losses.
-
-    Returns ``(loss, z_loss, lse)`` shaped like ``target``: ``loss`` has the value of the plain
-    cross entropy (what Megatron logs as ``lm loss``) and the gradient of ``CE + c*lse**2`` (what
-    it trains on), as Megatron's router losses enter the gradient but not the logged loss.
-    """
+    """The op on ``[s, b, v_local]`` logits, :func:`in_megatron_convention`; ``(loss, z_loss, lse)``
+    shaped like ``target``."""
     tp_group = resolve_tp_group(tp_group)
-    global_vocab = logits.shape[-1] * _tp_world_size(tp_group)
-    smoothing = megatron_to_torch_smoothing(label_smoothing_megatron, global_vocab)
-    loss, z_loss, lse = vocab_parallel_cross_entropy_zloss(
-        logits,
-        target,
-        z_loss_coeff=z_loss_coeff,
-        label_smoothing=smoothing,
-        tp_group=tp_group,
-        backend=backend,
-        logit_scale=transform.scale,
-        logit_softcap=transform.cap,
-        return_lse=True,
-    )
-    return ce_value_with_z_loss_gradient(loss, z_loss, z_loss_coeff), z_loss, lse
+
+    def loss_fn(label_smoothing):
+        return vocab_parallel_cross_entropy_zloss(
+            logits, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing, tp_group=tp_group,
+            backend=backend, logit_scale=transform.scale, logit_softcap=transform.cap, return_lse=True)
+
+    return in_megatron_convention(loss_fn, logits.shape[-1], tp_group, label_smoothing_megatron, z_loss_coeff)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,18 +138,14 @@ def loss_context_wrapper(fn):
     call (:mod:`.output_layer`)."""
     signature = inspect.signature(fn)
 
-    @functools.wraps(fn)
-    def with_loss_context(self, *args, **kwargs):
-        if _settings.ACTIVE is None:
-            return fn(self, *args, **kwargs)
+    def with_loss_context(settings, self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
         context = loss_context.LossContext(bound.get("labels"), bound.get("loss_mask"),
-                                           _output_layer.main_head_call(self, bound, _settings.ACTIVE))
+                                           _output_layer.main_head_call(self, bound, settings))
         with loss_context.opened(context):
             return fn(self, *args, **kwargs)
 
-    with_loss_context.__cez_wraps__ = fn
-    return with_loss_context
+    return while_active(fn, with_loss_context)
 
 
 _WARNED_NO_MASK = set()
@@ -212,11 +201,7 @@ def _logits_and_transform(module, logits, is_main, context, settings):
 def compute_language_model_loss_wrapper(fn):
     """Every CE path of ``compute_language_model_loss`` becomes the fused CE + z-loss op."""
 
-    @functools.wraps(fn)
-    def compute_language_model_loss(self, labels, logits):
-        settings = _settings.ACTIVE
-        if settings is None:
-            return fn(self, labels, logits)
+    def compute_language_model_loss(settings, self, labels, logits):
         context = loss_context.innermost()  # None: no model that passes a loss mask around us
         is_main = context is None or context.labels is labels  # an MTP head's labels are rolled copies
         loss_mask = context.loss_mask if context is not None else None
@@ -225,30 +210,28 @@ def compute_language_model_loss_wrapper(fn):
         if smoothing is None:
             smoothing = getattr(self.config, "label_smoothing", 0.0) or 0.0
         logits, transform = _logits_and_transform(self, logits, is_main, context, settings)
-        if not isinstance(logits, _output_layer.DeferredLogits):
-            path = "unfused"
-        elif settings.output_layer_grads == "forward" and loss_mask is not None and torch.is_grad_enabled():
-            path = "forward"  # gradients made in forward, for the upstream gradient of Megatron's schedule
-        else:
-            path = "recompute"
         target = labels.transpose(0, 1).contiguous()  # [b s] => [s b], as Megatron does
         tp_group = _module_tp_group(self)
-        if path == "unfused":
+        if not isinstance(logits, _output_layer.DeferredLogits):
             loss, z_loss, lse = loss_in_megatron_convention(logits, target, tp_group, smoothing, coeff, settings.backend,
                                                             transform)
         else:
-            global_vocab = logits.weight.shape[0] * _tp_world_size(tp_group)
-            loss, z_loss, lse = _output_layer.linear_loss(
-                logits, target, tp_group, megatron_to_torch_smoothing(smoothing, global_vocab), coeff, settings,
-                transform, path, loss_mask, self.config)
-            loss = ce_value_with_z_loss_gradient(loss, z_loss, coeff)
+            if settings.output_layer_grads == "forward" and loss_mask is not None and torch.is_grad_enabled():
+                path = "forward"  # gradients made in forward, for the upstream gradient of Megatron's schedule
+            else:
+                path = "recompute"
+
+            def loss_fn(label_smoothing):
+                return _output_layer.linear_loss(logits, target, tp_group, label_smoothing, coeff, settings, transform,
+                                                 path, loss_mask, self.config)
+
+            loss, z_loss, lse = in_megatron_convention(loss_fn, logits.weight.shape[0], tp_group, smoothing, coeff)
         if is_main:
             _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, context is not None)
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged
         return loss.transpose(0, 1).contiguous()
 
-    compute_language_model_loss.__cez_wraps__ = fn
-    return compute_language_model_loss
+    return while_active(fn, compute_language_model_loss)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,33 +242,25 @@ def compute_language_model_loss_wrapper(fn):
 def vocab_parallel_cross_entropy_wrapper(fn):
     """``tensor_parallel.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0[, tp_group])``."""
 
-    @functools.wraps(fn)
-    def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
-        settings = _settings.ACTIVE
-        if settings is None:
-            if tp_group is None:
-                return fn(vocab_parallel_logits, target, label_smoothing)
-            return fn(vocab_parallel_logits, target, label_smoothing, tp_group=tp_group)
+    def vocab_parallel_cross_entropy(settings, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
         return loss_in_megatron_convention(vocab_parallel_logits, target, tp_group, label_smoothing,
                                            settings.z_loss_coeff, settings.backend)[0]
 
-    vocab_parallel_cross_entropy.__cez_wraps__ = fn
-    return vocab_parallel_cross_entropy
+    return while_active(fn, vocab_parallel_cross_entropy)
 
 
 def fused_vocab_parallel_cross_entropy_wrapper(fn):
     """``fused_vocab_parallel_cross_entropy(logits, target, tp_group)`` (Megatron's 'native' impl)."""
 
-    @functools.wraps(fn)
-    def fused_vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group=None):
-        settings = _settings.ACTIVE
-        if settings is None:
-            return fn(vocab_parallel_logits, target, tp_group)
+    def fused_vocab_parallel_cross_entropy(settings, vocab_parallel_logits, target, tp_group=None):
         return loss_in_megatron_convention(vocab_parallel_logits, target, tp_group, 0.0, settings.z_loss_coeff,
                                            settings.backend)[0]
 
-    fused_vocab_parallel_cross_entropy.__cez_wraps__ = fn
-    return fused_vocab_parallel_cross_entropy
+    return while_active(fn, fused_vocab_parallel_cross_entropy)
+
+
+def _transformer_engine_absent(*args, **kwargs):
+    raise RuntimeError("Trying to use a TE block when it's not present.")  # Megatron's error
 
 
 def te_parallel_cross_entropy_wrapper(fn):
@@ -295,15 +270,7 @@ def te_parallel_cross_entropy_wrapper(fn):
     then keeps Megatron's error while inactive and serves the 'te' selection while active.
     """
 
-    def te_parallel_cross_entropy(logits, labels, tp_group=None, is_cg_capturable=False):
-        settings = _settings.ACTIVE
-        if settings is None:
-            if fn is None:
-                raise RuntimeError("Trying to use a TE block when it's not present.")
-            return fn(logits, labels, tp_group, is_cg_capturable)
+    def te_parallel_cross_entropy(settings, logits, labels, tp_group=None, is_cg_capturable=False):
         return loss_in_megatron_convention(logits, labels, tp_group, 0.0, settings.z_loss_coeff, settings.backend)[0]
 
-    if fn is not None:
-        te_parallel_cross_entropy = functools.wraps(fn)(te_parallel_cross_entropy)
-    te_parallel_cross_entropy.__cez_wraps__ = fn
-    return te_parallel_cross_entropy
+    return while_active(fn, te_parallel_cross_entropy, inactive=fn or _transformer_engine_absent)

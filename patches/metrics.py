@@ -1,4 +1,4 @@
-"""The ``lm_z_loss`` (and ``lm_lse``) metrics: recorded per micro-batch, reported per iteration.
+"""The ``lm_z_loss`` (and ``lm_lse``, ``lm_lse_max``) metrics: recorded per micro-batch, reported per iteration.
 
 Metrics
 -------
@@ -10,10 +10,15 @@ Metrics
     every token). MTP losses are not part of it (Megatron logs those as ``mtp_*``).
 ``lm_lse`` (opt-in: ``--lm-z-loss-log-lse`` / ``apply(log_lse=True)``)
     The same mean of the per-token log-sum-exp, taken from the fused op (no extra pass).
+``lm_lse_max`` (with ``lm_lse``)
+    The largest log-sum-exp of the iteration's counted tokens (``loss_mask`` > 0), over every
+    micro-batch, data-parallel x context-parallel rank and pipeline stage: the token whose logits
+    drift furthest, which the mean hides. ``-inf`` when the iteration counts no token.
 
-Recording adds three sums to a small device tensor (no host sync). Reporting all-reduces them
-over the data-parallel group with context parallelism and over the pipeline group, once per
-iteration, then hands the means to Megatron's logging:
+Recording adds three sums and a running maximum to small device tensors (no host sync). Reporting
+all-reduces them (SUM, and MAX for the maximum) over the data-parallel group with context
+parallelism and over the pipeline group, once per iteration, then hands the values to Megatron's
+logging:
 
 * ``megatron.training`` (any version, MoE or dense): the patched ``training_log``
   (:mod:`mindspeed_cez.patches.training_log`) adds them to the iteration's ``loss_dict`` on the
@@ -28,6 +33,7 @@ names to :func:`report_names` whenever its settings change.
 """
 
 import contextlib
+import math
 import sys
 
 import torch
@@ -37,18 +43,21 @@ from mindspeed_cez.patches import moe_tracker
 
 LM_Z_LOSS = "lm_z_loss"
 LM_LSE = "lm_lse"
+LM_LSE_MAX = "lm_lse_max"
 
-__all__ = ["LM_Z_LOSS", "LM_LSE", "record_lm_z_loss", "reduce_iteration", "report"]
+__all__ = ["LM_Z_LOSS", "LM_LSE", "LM_LSE_MAX", "record_lm_z_loss", "reduce_iteration", "report"]
 
-# This iteration's [sum(z * mask), sum(lse * mask), sum(mask)]: one buffer on the device, updated
-# and cleared in place, so a CUDA graph that captured the loss keeps adding into it on replay.
+# This iteration's [sum(z * mask), sum(lse * mask), sum(mask)] and [max(lse where mask > 0)]: buffers
+# on the device, updated and cleared in place, so a CUDA graph that captured the loss keeps
+# writing into them on replay.
 _SUMS = None
+_MAX = None
 _REPORTING = [False]  # a caller reports our metrics itself: the MoE report wrapper stays out
 _NAMES = []  # the names reduce_iteration() reports by default (the adaptor's settings)
 
 
 def report_names(names):
-    """Report ``names`` (of ``LM_Z_LOSS``, ``LM_LSE``) by default from now on; ``[]``: none."""
+    """Report ``names`` (of ``LM_Z_LOSS``, ``LM_LSE``, ``LM_LSE_MAX``) by default from now on; ``[]``: none."""
     _NAMES[:] = names
 
 
@@ -59,9 +68,10 @@ def record_lm_z_loss(z_loss_per_token=None, loss_mask=None, *, lse_per_token=Non
         z_loss_per_token: ``c * lse**2`` per token (the op's second output), or None.
         loss_mask: the mask ``lm loss`` uses (1 = counted), any layout with the tokens' count;
             None counts every token.
-        lse_per_token: per-token log-sum-exp, or None.
+        lse_per_token: per-token log-sum-exp (the op's third output), or None; gives the sum
+            and the maximum over the counted tokens.
     """
-    global _SUMS
+    global _SUMS, _MAX
     given = [t for t in (z_loss_per_token, lse_per_token) if t is not None]
     if not given:
         return
@@ -80,6 +90,12 @@ def record_lm_z_loss(z_loss_per_token=None, loss_mask=None, *, lse_per_token=Non
     if _SUMS is None:
         _SUMS = torch.zeros(3, device=sums.device)
     _SUMS.add_(sums)
+    if lse_per_token is not None and n > 0:
+        lse = lse_per_token.detach().float().reshape(-1)
+        largest = torch.where(mask > 0, lse, torch.full_like(lse, -math.inf)).amax().reshape(1)
+        if _MAX is None:
+            _MAX = torch.full((1,), -math.inf, device=sums.device)
+        torch.maximum(_MAX, largest, out=_MAX)
 
 
 def _parallel_state():
@@ -99,32 +115,45 @@ def _collective_device(group):
 
 
 def reduce_iteration(names=None):
-    """This iteration's token-weighted means ``{name: 0-dim fp32 tensor}``; clears the sums.
+    """This iteration's values ``{name: 0-dim fp32 tensor}``: token-weighted means, the maximum for
+    ``lm_lse_max``; clears the buffers.
 
     Collective: with Megatron's parallel state initialized, every rank must call it once per
-    iteration (the sums are all-reduced over data x context parallel, then over the pipeline,
-    so every rank returns the last stage's values). ``names`` defaults to :func:`report_names`'.
+    iteration (the sums are all-reduced over data x context parallel, then over the pipeline, the
+    maximum likewise with MAX, so every rank returns the last stage's values). ``names`` defaults to
+    :func:`report_names`'.
     """
     if names is None:
         names = list(_NAMES)
-    sums = None
+    sums = maxima = None
     if _SUMS is not None:
         sums = _SUMS.clone()
         _SUMS.zero_()
+    if _MAX is not None:
+        maxima = _MAX.clone()
+        _MAX.fill_(-math.inf)
     if not names:
         return {}
     ps = _parallel_state()
     if ps is not None:
         dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        groups = (dp_cp, ps.get_pipeline_model_parallel_group())
         if sums is None:
             sums = torch.zeros(3, device=_collective_device(dp_cp))
-        dist.all_reduce(sums, group=dp_cp)
-        dist.all_reduce(sums, group=ps.get_pipeline_model_parallel_group())
+        for group in groups:
+            dist.all_reduce(sums, group=group)
+        if LM_LSE_MAX in names:  # the same names on every rank: the same collectives
+            if maxima is None:
+                maxima = torch.full((1,), -math.inf, device=sums.device)
+            for group in groups:
+                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
     if sums is None:
         return {}
     means = sums[:2] / sums[2].clamp(min=1.0)
-    rows = {LM_Z_LOSS: 0, LM_LSE: 1}
-    return {name: means[rows[name]] for name in names}
+    values = {LM_Z_LOSS: means[0], LM_LSE: means[1]}
+    if maxima is not None:
+        values[LM_LSE_MAX] = maxima[0]
+    return {name: values[name] for name in names if name in values}
 
 
 def write(values, iteration, writer=None, wandb_writer=None, total_loss_dict=None):
@@ -177,7 +206,7 @@ def report(iteration, num_microbatches, num_layers, *, track_names=("load_balanc
 
     Calls Megatron's own MoE report for ``track_names`` (``()`` for a dense model) as
     ``megatron.training`` does (``loss_scale = 1/num_microbatches``), then adds ``lm_z_loss`` /
-    ``lm_lse`` when the adaptor is active. Collective: call it on every rank once per iteration.
+    ``lm_lse`` / ``lm_lse_max`` when the adaptor is active. Collective: call it on every rank once per iteration.
     """
     capture = _CapturingWriter(writer)
     with reported_here():

@@ -18,9 +18,9 @@ import functools
 
 import torch
 
-from mindspeed_cez.linear_cross_entropy import check_forward_gradients, linear_cross_entropy_zloss
+from mindspeed_cez.linear_cross_entropy import ForwardGradientError, check_forward_gradients, linear_cross_entropy_zloss
 from mindspeed_cez.patches import loss_context
-from mindspeed_cez.patches import settings as _settings
+from mindspeed_cez.patches.pass_through import while_active
 from mindspeed_cez.patches.logit_transform import TransformedLogits
 
 FLAG = "--lm-fused-output-layer"
@@ -28,6 +28,11 @@ FLAG = "--lm-fused-output-layer"
 
 class FusedOutputLayerError(RuntimeError):
     pass
+
+
+def _naming_the_flag(error):
+    """The op's :class:`ForwardGradientError`, its fix (the op's ``grads='recompute'``) named by the flag."""
+    return ForwardGradientError(f"{error} With Megatron: {FLAG} recompute.")
 
 
 class DeferredLogits:
@@ -116,21 +121,42 @@ def column_parallel_forward_wrapper(fn):
     return forward
 
 
+def _num_microbatches():
+    """Megatron's micro-batch count, None where no micro-batch calculator is set up (a model run
+    outside Megatron's schedule). A megatron-core that keeps its calculator elsewhere fails loudly."""
+    from megatron.core import num_microbatches_calculator as calculators
+
+    if not hasattr(calculators, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR"):
+        raise FusedOutputLayerError(
+            f"{FLAG} (forward, the default) reads Megatron's micro-batch count from "
+            "megatron.core.num_microbatches_calculator, which this megatron-core does not keep there; "
+            f"run with {FLAG} recompute")
+    if calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
+        return None
+    return calculators.get_num_microbatches()
+
+
+def _context_parallel_size():
+    """Megatron's context-parallel size: 0 without torch.distributed, None where it runs but
+    Megatron's groups are not set up (the token count's span is then unknown)."""
+    from megatron.core import parallel_state
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    group = parallel_state.get_context_parallel_group(check_initialized=False)
+    return None if group is None else group.size()
+
+
 def megatron_grad_scale(config, loss_mask):
     """The gradient Megatron's schedule sends into each unmasked token's LM loss of this micro-batch,
     per unit of ``loss_mask``, as a device scalar: its loss scale (``config.grad_scale_func``),
     over the micro-batch's token count (``loss_mask.sum()``, what GPT's ``loss_func`` returns) and
     the number of micro-batches (``calculate_per_token_loss``: the loss scale alone). None where it
     is not known in forward: no micro-batch calculator set up (a model run outside Megatron's
-    schedule), context parallelism (the count spans the CP group). The op checks it in backward."""
-    try:
-        from megatron.core import parallel_state
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-
-        if parallel_state.get_context_parallel_world_size() > 1:
-            return None
-        num_microbatches = get_num_microbatches()
-    except (ImportError, AttributeError, AssertionError, RuntimeError):
+    schedule), context parallelism (the count spans the CP group) or Megatron's groups not set up.
+    The op checks it in backward."""
+    num_microbatches = _num_microbatches()
+    if num_microbatches is None or _context_parallel_size() not in (0, 1):
         return None
     one = torch.ones((), dtype=torch.float32, device=loss_mask.device)
     scale_func = getattr(config, "grad_scale_func", None)
@@ -154,15 +180,18 @@ def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, setti
     # into it as the layer would with --gradient-accumulation-fusion (which needs apex / TE, the op not)
     into_main_grad = bool(getattr(layer, "gradient_accumulation_fusion", False)) or (
         hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad"))
-    return linear_cross_entropy_zloss(
-        deferred.hidden, weight, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
-        tp_group=tp_group, sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
-        gradient_accumulation_fusion=into_main_grad,
-        token_weights=loss_mask.transpose(0, 1).to(torch.float32) if forward else None,  # [b s] => [s b]
-        grad_scale=megatron_grad_scale(config, loss_mask) if forward else None,
-        grads=grads, backend=settings.backend, linear_backend=settings.linear_backend,
-        logit_scale=transform.scale, logit_softcap=transform.cap,
-        block_fraction=settings.output_layer_block_fraction if forward else None, return_lse=True)
+    try:
+        return linear_cross_entropy_zloss(
+            deferred.hidden, weight, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
+            tp_group=tp_group, sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
+            gradient_accumulation_fusion=into_main_grad,
+            token_weights=loss_mask.transpose(0, 1).to(torch.float32) if forward else None,  # [b s] => [s b]
+            grad_scale=megatron_grad_scale(config, loss_mask) if forward else None,
+            grads=grads, backend=settings.backend, linear_backend=settings.linear_backend,
+            logit_scale=transform.scale, logit_softcap=transform.cap,
+            block_fraction=settings.output_layer_block_fraction if forward else None, return_lse=True)
+    except ForwardGradientError as error:  # a dropped forward's gradient, found at this one
+        raise _naming_the_flag(error) from error
 
 
 def finish_grad_sync_wrapper(fn):
@@ -170,12 +199,12 @@ def finish_grad_sync_wrapper(fn):
     reads ``main_grad``): with the flag on, first checks that every forward that added the output
     weight's gradient into ``main_grad`` got its backward (:func:`check_forward_gradients`)."""
 
-    @functools.wraps(fn)
-    def finish_grad_sync(self, *args, **kwargs):
-        settings = _settings.ACTIVE
-        if settings is not None and settings.fused_output_layer:
-            check_forward_gradients()
-        return fn(self, *args, **kwargs)
+    def finish_grad_sync(settings, *args, **kwargs):
+        if settings.fused_output_layer:
+            try:
+                check_forward_gradients()
+            except ForwardGradientError as error:
+                raise _naming_the_flag(error) from error
+        return fn(*args, **kwargs)
 
-    finish_grad_sync.__cez_wraps__ = fn
-    return finish_grad_sync
+    return while_active(fn, finish_grad_sync)

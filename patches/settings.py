@@ -17,7 +17,7 @@ from mindspeed_cez.cross_entropy_zloss import check_label_smoothing, check_z_los
 from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.linear_cross_entropy import check_block_fraction, check_grads
 from mindspeed_cez.patches import metrics
-from mindspeed_cez.patches.metrics import LM_LSE, LM_Z_LOSS
+from mindspeed_cez.patches.metrics import LM_LSE, LM_LSE_MAX, LM_Z_LOSS
 
 BACKENDS = (*kernels.BACKENDS, cann.NAME)  # "cann": torch_npu's op, where the vocab is not sharded
 BACKEND_ENV = "MINDSPEED_CEZ_BACKEND"
@@ -33,7 +33,8 @@ class Settings:
     label_smoothing: in *Megatron's* convention (``tensor_parallel.vocab_parallel_cross_entropy``);
         ``None`` takes ``config.label_smoothing`` when the model config has such a field, else 0.
     log_z_loss: record ``lm_z_loss`` in Megatron's MoE metrics tracker (only when ``c > 0``).
-    log_lse: also record the mean log-sum-exp as ``lm_lse`` (the op's own lse: no extra pass).
+    log_lse: also record the mean log-sum-exp as ``lm_lse`` and its maximum over the iteration's
+        tokens as ``lm_lse_max`` (the op's own lse: no extra pass).
     fused_output_layer: GPT's output layer and LM loss as one op, without the logits tensor
         (``--lm-fused-output-layer``, :mod:`mindspeed_cez.patches.output_layer`).
     output_layer_grads: ``"forward"`` (default: gradients made in the forward with the loss mask as
@@ -90,7 +91,7 @@ class Settings:
         if self.log_z_loss and self.z_loss_coeff > 0:
             names.append(LM_Z_LOSS)
         if self.log_lse:
-            names.append(LM_LSE)
+            names += [LM_LSE, LM_LSE_MAX]
         return names
 
 

@@ -1,4 +1,4 @@
-"""Where Megatron logs an iteration: the wrappers that add ``lm_z_loss`` / ``lm_lse`` to it.
+"""Where Megatron logs an iteration: the wrappers that add ``lm_z_loss`` / ``lm_lse`` / ``lm_lse_max`` to it.
 
 * ``megatron.training.training.training_log`` (and MindSpeed-LLM's): the metrics join the
   iteration's ``loss_dict``, logged like ``lm loss`` (MoE and dense models);
@@ -14,6 +14,7 @@ import inspect
 
 from mindspeed_cez.patches import metrics
 from mindspeed_cez.patches import settings as _settings
+from mindspeed_cez.patches.pass_through import while_active
 
 
 def moe_metrics_report_wrapper(fn):
@@ -37,11 +38,10 @@ def training_log_wrapper(fn):
     """``megatron.training.training.training_log``: our metrics join ``loss_dict`` (MoE and dense)."""
     signature = inspect.signature(fn)
 
-    @functools.wraps(fn)
-    def training_log(*args, **kwargs):
+    def training_log(settings, *args, **kwargs):
         # reporting(): an outer wrapper already added our values (the same function wrapped under two
         # names: MindSpeed-LLM 2.2.0 re-exports Megatron's training_log)
-        if _settings.ACTIVE is None or metrics.reporting():
+        if metrics.reporting():
             return fn(*args, **kwargs)
         values = metrics.reduce_iteration()
         bound = signature.bind(*args, **kwargs)
@@ -51,5 +51,4 @@ def training_log_wrapper(fn):
         with metrics.reported_here():
             return fn(*bound.args, **bound.kwargs)
 
-    training_log.__cez_wraps__ = fn
-    return training_log
+    return while_active(fn, training_log)

@@ -88,11 +88,10 @@ def first_validation(text):
     return _fields(line.partition("|")[2])
 
 
-def launch(out, args, nproc=2, iters=ITERS, env=None):
-    """Run the example (its test harness) under torchrun; returns ``{"rows", "log", "dump", "validation"}``."""
-    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs, or none (CPU + gloo)")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+def launch_command(out, args, nproc=2, env=None, backend=None):
+    """``(cmd, env)`` that run the example (its test harness) under torchrun on ``nproc`` ranks,
+    dumping into ``out/dump``; ``backend``: nccl with CUDA, else gloo."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
@@ -101,6 +100,15 @@ def launch(out, args, nproc=2, iters=ITERS, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "mindspeed_cez.launch", str(ENTRY), *args, "--distributed-backend", backend]
+    return cmd, env
+
+
+def launch(out, args, nproc=2, iters=ITERS, env=None):
+    """Run the example (its test harness) under torchrun; returns ``{"rows", "log", "dump", "validation"}``."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs, or none (CPU + gloo)")
+    out = Path(out)
+    cmd, env = launch_command(out, args, nproc, env)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + "\n" + proc.stderr
     if proc.returncode != 0 and CPP_ABORT in log:
@@ -118,13 +126,13 @@ def launch(out, args, nproc=2, iters=ITERS, env=None):
 
 
 def recompute_from_dump(dump_dir, name=f"iter{DUMP_ITERATION}"):
-    """Per (data-parallel rank, micro-batch): lse and CE over the full vocab (every TP shard,
-    float64) and the loss mask, from the logits the harness dumped."""
-    pattern = re.compile(rf"logits_{name}_dp(\d+)_mb(\d+)_tp(\d+)\.pt")
+    """Per (data-parallel rank, context-parallel rank, micro-batch): lse and CE over the full vocab
+    (every TP shard, float64) and the loss mask, from the logits the harness dumped."""
+    pattern = re.compile(rf"logits_{name}_dp(\d+)_cp(\d+)_mb(\d+)_tp(\d+)\.pt")
     files = {}
     for path in Path(dump_dir).glob(f"logits_{name}_*.pt"):
-        dp, mb, tp = map(int, pattern.fullmatch(path.name).groups())
-        files.setdefault((dp, mb), {})[tp] = path
+        dp, cp, mb, tp = map(int, pattern.fullmatch(path.name).groups())
+        files.setdefault((dp, cp, mb), {})[tp] = path
     micro_batches = []
     for key in sorted(files):
         shards = [torch.load(files[key][r]) for r in sorted(files[key])]
@@ -140,21 +148,22 @@ def recompute_from_dump(dump_dir, name=f"iter{DUMP_ITERATION}"):
     return micro_batches
 
 
-def grad_scale_known(dump_dir, name=f"iter{DUMP_ITERATION}"):
-    """Per dumped micro-batch and rank, whether the adaptor knew Megatron's upstream gradient in
-    forward (the fused output layer's default path: the weight gradient into main_grad then)."""
-    flags = [torch.load(path).get("grad_scale_known", False)
-             for path in sorted(Path(dump_dir).glob(f"logits_{name}_*.pt"))]
+def dumped_flags(dump_dir, key, name=f"iter{DUMP_ITERATION}"):
+    """Per dumped micro-batch and rank, the harness's flag ``key`` (False where not recorded):
+    ``deferred`` (the output layer made no logits: ``--lm-fused-output-layer``), ``grad_scale_known``
+    (the adaptor knew Megatron's upstream gradient in forward: the fused layer's default path),
+    ``into_main_grad`` (the deferred layer's weight had Megatron's DDP ``main_grad``)."""
+    flags = [torch.load(path).get(key, False) for path in sorted(Path(dump_dir).glob(f"logits_{name}_*.pt"))]
     assert flags, f"nothing dumped for {name} in {dump_dir}"
     return flags
+
+
+def grad_scale_known(dump_dir, name=f"iter{DUMP_ITERATION}"):
+    return dumped_flags(dump_dir, "grad_scale_known", name)
 
 
 def deferred_output_layer(dump_dir, name=f"iter{DUMP_ITERATION}"):
-    """Per dumped micro-batch and rank, whether the output layer deferred its call
-    (``--lm-fused-output-layer``: no logits made on the training path)."""
-    flags = [torch.load(path)["deferred"] for path in sorted(Path(dump_dir).glob(f"logits_{name}_*.pt"))]
-    assert flags, f"nothing dumped for {name} in {dump_dir}"
-    return flags
+    return dumped_flags(dump_dir, "deferred", name)
 
 
 def token_mean(micro_batches, per_token):
@@ -171,6 +180,20 @@ def ce_mean(micro_batches):
     return token_mean(micro_batches, lambda lse, ce: ce)
 
 
+def lse_max(micro_batches):
+    """The largest lse among the counted tokens (mask > 0) of every micro-batch: ``lm_lse_max``."""
+    return max(float(lse[mask > 0].max()) for lse, _, mask in micro_batches if (mask > 0).any())
+
+
+def assert_lse_metrics(row, micro_batches, what):
+    """``lm_lse`` and ``lm_lse_max`` of a log line against the lse recomputed from the dumped logits."""
+    assert row["lm_lse"] == pytest.approx(token_mean(micro_batches, lambda lse, ce: lse), rel=1e-5), (what, row)
+    largest = lse_max(micro_batches)
+    assert row["lm_lse_max"] == pytest.approx(largest, rel=1e-5), (what, row, largest)
+
+
 def per_micro_batch_z_mean(micro_batches, coeff=Z_COEFF):
-    """The weighting ``lm_z_loss`` must not have: a plain mean of per-micro-batch means."""
-    return sum(coeff * float((lse**2 * m).sum() / m.sum()) for lse, _, m in micro_batches) / len(micro_batches)
+    """The weighting ``lm_z_loss`` must not have: a plain mean of per-micro-batch means (of those
+    with a token counted)."""
+    means = [coeff * float((lse**2 * m).sum() / m.sum()) for lse, _, m in micro_batches if m.sum() > 0]
+    return sum(means) / len(means)

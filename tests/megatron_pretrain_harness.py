@@ -6,14 +6,19 @@ wraps three of its functions:
   copy of its logits (this rank's vocab shard);
 * ``loss_func``: writes them, with the micro-batch's labels and loss mask, for every micro-batch of
   iteration ``CEZ_DUMP_ITERATION`` (default 1) and of the first evaluation, to
-  ``$CEZ_DUMP_LOGITS_DIR/logits_{iterN|eval}_dp{d}_mb{k}_tp{t}.pt``;
+  ``$CEZ_DUMP_LOGITS_DIR/logits_{iterN|eval}_dp{d}_cp{c}_mb{k}_tp{t}.pt``;
 * ``get_batch``: with ``CEZ_TEST_MASK_TAIL`` set, each micro-batch's loss mask drops a
-  data-dependent tail, so that micro-batches (and data-parallel ranks) count different numbers of
-  tokens, as packed sequences do.
+  data-dependent tail of the sequence, so that micro-batches (and data-parallel ranks) count
+  different numbers of tokens, as packed sequences do.
+
+With ``CEZ_TEST_CP_ATTENTION`` set, Megatron's local layer specs build the test-only
+context-parallel attention of ``tests/context_parallel_attention.py`` (context parallelism without
+Transformer Engine).
 
 The dump also records whether the adaptor knew Megatron's upstream gradient in that forward
 (``patches.output_layer.megatron_grad_scale`` returned one: the fused output layer's default path
-then adds the weight gradient into ``main_grad`` during the forward).
+then adds the weight gradient into ``main_grad`` during the forward), and whether the deferred
+output layer's weight had the ``main_grad`` of Megatron's DDP buckets.
 """
 
 import functools
@@ -68,6 +73,8 @@ def _keep_logits_hook(module, inputs, output):
         logits = output[0] if isinstance(output, tuple) else output
         deferred = type(logits).__name__ == "DeferredLogits"
         if deferred:  # --lm-fused-output-layer: made here for the dump only
+            weight = logits.weight
+            _CURRENT_BATCH["into_main_grad"] = hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad")
             with torch.no_grad():
                 hidden = logits.hidden
                 if module.sequence_parallel:
@@ -86,6 +93,7 @@ def _dump_logits(name, logits):
     os.makedirs(out_dir, exist_ok=True)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
+    cp_rank = parallel_state.get_context_parallel_rank()
     torch.save(
         {
             "logits": logits,  # [s, b, vocab / tp], this rank's shard
@@ -96,8 +104,9 @@ def _dump_logits(name, logits):
             "lm_z_loss_coeff": getattr(get_args(), "lm_z_loss_coeff", None),
             "deferred": _CURRENT_BATCH.get("deferred", False),  # the output layer made no logits
             "grad_scale_known": _CURRENT_BATCH.pop("grad_scale_known", False),
+            "into_main_grad": _CURRENT_BATCH.pop("into_main_grad", False),  # the weight had DDP's main_grad
         },
-        os.path.join(out_dir, f"logits_{name}_dp{dp_rank}_mb{_DUMPED[kind]}_tp{tp_rank}.pt"),
+        os.path.join(out_dir, f"logits_{name}_dp{dp_rank}_cp{cp_rank}_mb{_DUMPED[kind]}_tp{tp_rank}.pt"),
     )
     _DUMPED[kind] += 1
 
@@ -119,8 +128,12 @@ def model_provider(*args, **kwargs):
 def get_batch(data_iterator):
     batch = _example_get_batch(data_iterator)
     if os.environ.get("CEZ_TEST_MASK_TAIL"):
-        keep = 4 + int(batch["tokens"].sum()) % (get_args().seq_length - 4)
-        batch["loss_mask"][:, keep:] = 0.0
+        # the tail of the whole sequence (this rank's share of it under context parallelism)
+        total = batch["tokens"].sum()
+        if parallel_state.get_context_parallel_world_size() > 1:
+            torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+        keep = 4 + int(total) % (get_args().seq_length - 4)
+        batch["loss_mask"][batch["position_ids"] >= keep] = 0.0  # mock data: position_ids = arange(seq)
     _CURRENT_BATCH.update(batch)
     return batch
 
@@ -131,6 +144,11 @@ def loss_func(loss_mask, output_tensor):
         _dump_logits(*pending)
     return _example_loss_func(loss_mask, output_tensor)
 
+
+if os.environ.get("CEZ_TEST_CP_ATTENTION"):
+    import context_parallel_attention
+
+    context_parallel_attention.use_in_local_specs()
 
 # The example's forward_step and main look these names up in their module when they run.
 example.model_provider, example.get_batch, example.loss_func = model_provider, get_batch, loss_func

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, as one device call from the repository root (carry .whl, see
 # bench/README.md): the op's test suite on CUDA (incl. TP=2 over NCCL), the main job on GPUs,
-# the Megatron-LM style launch (megatron.training, TP=2, NCCL), and the self-check users run (one GPU;
-# TP=2 through torchrun where two GPUs are present). Logs land in $OUT.
+# the Megatron-LM style launch (megatron.training, TP=2, NCCL), the self-check users run (one GPU;
+# TP=2 through torchrun where two GPUs are present), and, where four GPUs or more are, the parallel
+# layouts of Megatron's pretrain (tests/gpu_layouts.py, ~5-7 minutes on 4 H100s). Logs land in $OUT.
 #
-#     bash tests/run_gpu_checks.sh
+#     bash tests/run_gpu_checks.sh            # all of it
+#     bash tests/run_gpu_checks.sh layouts    # the layouts alone (one device command of its own)
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
@@ -13,6 +15,20 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 export PYTHONPATH=$SITE
+
+GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+layouts() {  # every layout of Megatron's pretrain the GPUs found hold, 4 variants each; asserted
+    if [ "$GPUS" -ge 4 ]; then
+        echo "== parallel layouts of Megatron's pretrain over NCCL ($GPUS GPUs)"
+        timeout 560 python3 tests/gpu_layouts.py --out "$OUT/layouts" --budget-s 420 2>&1 | tee "$OUT/layouts.log"
+        return "${PIPESTATUS[0]}"
+    fi
+    echo "== parallel layouts: skipped (they need four GPUs, this machine has $GPUS)"
+}
+if [ "${1:-all}" = layouts ]; then
+    layouts
+    exit $?
+fi
 
 # Only files that run on a GPU machine, and each must pass at least one test there (a file that
 # skips whole on CUDA would be a silent no-op). The CPU/gloo files that skip whenever CUDA is
@@ -43,7 +59,6 @@ print("passed per file:", {f: passed.get(f[: -len(".py")], 0) for f in sys.argv[
 sys.exit(f"no test passed in: {' '.join(idle)}" if idle else 0)
 PY
 
-GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [ "$GPUS" -ge 2 ]; then  # the demo and the Megatron-LM style launch run TP=2, one rank per GPU
     echo "== main job on GPUs (quick)"
     timeout 150 python3 examples/train_tiny_moe.py --quick 2>&1 | tee "$OUT/train_tiny_moe_gpu.log" | tail -15
@@ -66,4 +81,5 @@ if [ "$GPUS" -ge 2 ]; then
     echo "selfcheck TP=2 exit status: $tp2_status"
     [ "$tp2_status" -eq 0 ] || selfcheck_status=$tp2_status
 fi
+layouts || selfcheck_status=$?
 exit "$selfcheck_status"

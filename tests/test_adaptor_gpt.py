@@ -11,7 +11,8 @@ TP vocab shards):
   gradient of the logits equals that of ``sum((CE + c*lse^2) * mask) / sum(mask)``, and the
   parameter gradients equal Megatron's backward of that float64 logits gradient;
 * ``lm_z_loss`` and ``lm_lse`` reported by :func:`mindspeed_cez.patches.metrics.report` equal
-  ``sum(c*lse^2*mask) / sum(mask)`` over both micro-batches and both DP ranks, next to
+  ``sum(c*lse^2*mask) / sum(mask)`` over both micro-batches and both DP ranks, ``lm_lse_max`` the
+  largest lse of their counted tokens (float64 from the logits gathered over TP), next to
   Megatron's ``load_balancing_loss``; an eval forward (``model.eval()``, no grad) gives CE and
   records nothing.
 
@@ -194,8 +195,11 @@ def _gpt_worker(rank, world_size, tp):
         m = loss_mask.double()
         sums += torch.stack([(COEFF * r["lse"] ** 2 * m).sum(), (r["lse"] * m).sum(), m.sum()])
     dist.all_reduce(sums, group=dp_group)
+    largest = torch.stack([r["lse"][m > 0].max() for r, (_, _, m) in zip(ref, batches)]).max()
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=dp_group)
     assert scalars["lm_z_loss"] == pytest.approx(float(sums[0] / sums[2]), rel=1e-5), scalars
     assert scalars["lm_lse"] == pytest.approx(float(sums[1] / sums[2]), rel=1e-5), scalars
+    assert scalars["lm_lse_max"] == pytest.approx(float(largest), rel=1e-5), scalars
     assert scalars["load_balancing_loss"] > 0
     per_micro_batch = torch.stack([(COEFF * r["lse"] ** 2 * m).sum() / m.sum() for r, (_, _, m) in zip(ref, batches)])
     assert abs(float(per_micro_batch.mean()) - scalars["lm_z_loss"]) > 1e-7, "the weighting must matter here"

@@ -1,8 +1,8 @@
 """``--lm-fused-output-layer`` on a tiny megatron-core MoE GPTModel (CPU, real gloo processes).
 
 The flag's run against the unfused adaptor's (the same model, the same micro-batches, z-loss on):
-per-token losses (CE), every parameter gradient, ``lm_z_loss`` / ``lm_lse``; the output layer
-hands out no logits on the training path; ``labels=None`` returns the same logits as without the
+per-token losses (CE), every parameter gradient, ``lm_z_loss`` / ``lm_lse`` / ``lm_lse_max``; the
+output layer hands out no logits on the training path; ``labels=None`` returns the same logits as without the
 flag; an eval forward gives CE; both gradient paths (recompute, ``forward`` with the loss mask); tied input-embedding / output weights; an output layer the op
 cannot stand in for fails naming the flag. Layouts: TP=1 x DP=2 and TP=2 with sequence
 parallelism x DP=2. Runs on every megatron-core of CI leg 1 (0.12.1 to 0.16.1) and on 0.19.2.
@@ -63,7 +63,7 @@ def _compare(fused, unfused, what):
     assert gf.keys() == gu.keys(), (what, sorted(set(gf) ^ set(gu)))
     for name in gf:
         torch.testing.assert_close(gf[name], gu[name], rtol=1e-4, atol=1e-6, msg=f"{what}: {name}")
-    for key in ("lm_z_loss", "lm_lse", "load_balancing_loss"):
+    for key in ("lm_z_loss", "lm_lse", "lm_lse_max", "load_balancing_loss"):
         assert sf[key] == pytest.approx(su[key], rel=1e-5), (what, key, sf, su)
 
 
@@ -171,3 +171,29 @@ def _setup_tied(tp):
 @pytest.mark.parametrize("tp,tied", [(1, False), (2, False), (1, True)], ids=["tp1-dp2", "tp2sp-dp2", "tied-tp1-dp2"])
 def test_fused_output_layer_matches_the_unfused_loss(tp, tied):
     run_on_ranks(2 * tp, _worker, tp, tied, timeout=600)
+
+
+def test_grad_scale_is_known_only_under_megatrons_schedule(monkeypatch):
+    """The forward path's upstream gradient is known in forward exactly where Megatron's micro-batch
+    calculator is set up (checked, never inferred from an exception); a megatron-core that keeps it
+    elsewhere fails naming the fix."""
+    import types
+
+    from megatron.core import num_microbatches_calculator as nmc
+    from mindspeed_cez.patches.output_layer import FusedOutputLayerError, megatron_grad_scale
+
+    config = types.SimpleNamespace(grad_scale_func=None, calculate_per_token_loss=False)
+    mask = (torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(3)) > 0.3).float()
+    assert megatron_grad_scale(config, mask) is None  # no calculator: a model run outside the schedule
+    nmc.init_num_microbatches_calculator(0, None, 3 * BATCH, BATCH, 1)  # 3 micro-batches
+    try:
+        torch.testing.assert_close(megatron_grad_scale(config, mask), 1 / (mask.sum() * 3))
+        config.grad_scale_func = lambda loss: loss * 4.0
+        torch.testing.assert_close(megatron_grad_scale(config, mask), 4 / (mask.sum() * 3))
+        config.calculate_per_token_loss = True
+        torch.testing.assert_close(megatron_grad_scale(config, mask), torch.tensor(4.0))
+    finally:
+        nmc.unset_num_microbatches_calculator()
+    monkeypatch.delattr(nmc, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR")
+    with pytest.raises(FusedOutputLayerError, match="run with --lm-fused-output-layer recompute"):
+        megatron_grad_scale(config, mask)

@@ -80,7 +80,7 @@ def test_settings_from_flags():
     s = arguments.settings_from_args(_parse(["--lm-fused-ce"]))
     assert s is not None and s.z_loss_coeff == 0.0 and s.metric_names() == []
     s = arguments.settings_from_args(_parse(["--lm-z-loss-coeff", "3e-4", "--lm-z-loss-log-lse"]))
-    assert math.isclose(s.z_loss_coeff, 3e-4) and s.metric_names() == ["lm_z_loss", "lm_lse"]
+    assert math.isclose(s.z_loss_coeff, 3e-4) and s.metric_names() == ["lm_z_loss", "lm_lse", "lm_lse_max"]
     s = arguments.settings_from_args(_parse(["--lm-fused-output-layer"]))
     assert s is not None and s.fused_output_layer and s.z_loss_coeff == 0.0
     assert s.output_layer_grads == "forward" and s.output_layer_block_fraction is None

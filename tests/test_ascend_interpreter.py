@@ -2,7 +2,7 @@
 NPU launch settings (``kernels.launch_as("npu")``: Ascend's tiles, one slot per forward tile,
 block sizes, warps, eviction, the 16-bit dot without the interpreter's fp32 widening) on CPU
 tensors, and matches float64: loss, z-loss, lse and the logits' gradient, for the streaming kernels
-(one rank: the finishing forward; two vocab shards: partials, rescale, loss from partials) and
+(one rank: the finishing forward; two vocab shards: partials, loss from partials) and
 the fused output projection's ``tl.dot`` kernels (partials, merge, gradient tiles), with and
 without label smoothing, the logit scale and the soft cap; fp32 and bf16, and fp16 for the
 fused layer, whose 16-bit ``tl.dot`` the interpreter executes as the NPU launch compiles it
@@ -104,17 +104,12 @@ def test_streaming_kernels_one_rank_and_two_shards(dtype, smoothing, scale, cap)
         tce.write_grad(logits, grad, target, out[2].clone(), upstream, IGNORE, 0, C, smoothing, N_COLS, **transform)
         _check("one rank", out, grad, logits, target, upstream, TOL[dtype], **kw)
 
-        # two vocab shards: partials, then the two collectives done by hand, rescale, loss
+        # two vocab shards: partials, the all-gather done by hand (a stack), then the loss
         half = N_COLS // 2
         shards = (logits[:, :half].contiguous(), logits[:, half:].contiguous())
         parts = [tce.shard_partials(s, target, r * half, N_COLS, IGNORE, smoothing, **transform)
                  for r, s in enumerate(shards)]
-        row_max = torch.maximum(parts[0][0], parts[1][0])
-        for p in parts:
-            p[0] = row_max
-            tce.rescale_sum_exp(p)
-        parts[0][1:3] += parts[1][1:3]
-        merged = tce.loss_from_partials(parts[0], target, IGNORE, C)
+        merged = tce.loss_from_partials(torch.stack(parts), target, IGNORE, C)
         grads = [torch.empty_like(s) for s in shards]
         for r, (s, g) in enumerate(zip(shards, grads)):
             tce.write_grad(s, g, target, merged[2].clone(), upstream, IGNORE, r * half, C, smoothing, N_COLS,
@@ -134,7 +129,7 @@ def test_fused_output_projection_kernels(dtype, smoothing, scale, cap):
     transform = _transform(scale, cap)
     with kernels.launch_as("npu"):
         partials = tlce.linear_partials(hidden, weight, target, 0, n_cols, IGNORE, smoothing, **transform)
-        out = tce.loss_from_partials(partials, target, IGNORE, C)
+        out = tce.loss_from_partials(partials[None], target, IGNORE, C)
         grad = torch.empty(hidden.shape[0], n_cols, dtype=hidden.dtype)
         tlce.linear_grad(hidden, weight, grad, target, out[2].clone(), upstream, IGNORE, 0, C, smoothing, n_cols,
                          **transform)

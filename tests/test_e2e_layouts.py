@@ -10,7 +10,8 @@ micro-batch and rank):
 * ``lm loss`` equals the flag-off run's at iteration 1 (same weights) and, at iteration 3, the
   token-weighted CE recomputed from the dumped logits;
 * ``lm_z_loss`` equals ``sum(c*lse^2*mask) / sum(mask)`` over the iteration's micro-batches and
-  data-parallel ranks, recomputed from the same logits;
+  data-parallel ranks, recomputed from the same logits; so do ``lm_lse`` (the same mean of lse) and
+  ``lm_lse_max`` (the largest lse of the counted tokens; ``--lm-z-loss-log-lse``);
 * every logged loss is finite, and the runs end (no hang: each launch has a time limit).
 
 Each layout also runs with ``--lm-fused-output-layer`` (the output layer and the loss as one op)
@@ -33,7 +34,7 @@ import torch
 pytest.importorskip("megatron.training")
 
 from megatron_launch import (  # noqa: E402
-    DUMP_ITERATION, ITERS, MOE, TINY_GPT, Z_COEFF, ce_mean, launch, per_micro_batch_z_mean,
+    DUMP_ITERATION, ITERS, MOE, TINY_GPT, Z_COEFF, assert_lse_metrics, ce_mean, launch, per_micro_batch_z_mean,
     deferred_output_layer, grad_scale_known, recompute_from_dump, with_args, z_loss_mean,
 )
 
@@ -56,6 +57,7 @@ LAYOUTS = {
 }
 CUDA_ONLY = {"ep2-dp2-overlap"}
 FLAG = ["--lm-z-loss-coeff", str(Z_COEFF)]
+LOG_LSE = ["--lm-z-loss-log-lse"]
 
 
 FUSED_OUTPUT_LAYER = FLAG + ["--lm-fused-output-layer"]
@@ -67,7 +69,7 @@ def runs(request, tmp_path_factory):
     if name in CUDA_ONLY and not torch.cuda.is_available():
         pytest.skip(f"{name}: Megatron runs it in bf16 only, which its optimizer supports on CUDA only")
     out = tmp_path_factory.mktemp(name)
-    return (name, launch(out / "z_loss", LAYOUTS[name] + FLAG), launch(out / "no_flag", LAYOUTS[name]),
+    return (name, launch(out / "z_loss", LAYOUTS[name] + FLAG + LOG_LSE), launch(out / "no_flag", LAYOUTS[name]),
             launch(out / "fused_output_layer", LAYOUTS[name] + FUSED_OUTPUT_LAYER))
 
 
@@ -108,6 +110,7 @@ def test_layout(runs):
     expected_z = z_loss_mean(micro_batches)
     assert row["lm_z_loss"] == pytest.approx(expected_z, rel=1e-5), (name, row, expected_z)
     assert row["lm loss"] == pytest.approx(ce_mean(micro_batches), rel=1e-5), (name, row)
+    assert_lse_metrics(row, micro_batches, name)
     counts = {float(mask.sum()) for _, _, mask in micro_batches}
     assert len(counts) > 1, f"{name}: the masks must keep different numbers of tokens, got {counts}"
     assert abs(per_micro_batch_z_mean(micro_batches) - expected_z) > 1e-5 * expected_z

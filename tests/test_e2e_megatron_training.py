@@ -13,7 +13,9 @@ output is parsed and checked against the logits that the test harness's forward 
   iteration 1 (same weights); the validation ``lm loss`` and its PPL are CE too;
 * without the flag ``lm loss`` is Megatron's own cross entropy: identical, line for line, to the
   run that opts out (``--no-lm-fused-ce``), and equal to the CE recomputed from the dumped logits;
-* the fused kernel without z-loss (``--lm-fused-ce``) reproduces Megatron's ``lm loss``;
+* the fused kernel without z-loss (``--lm-fused-ce``) reproduces Megatron's ``lm loss``; with
+  ``--lm-z-loss-log-lse`` it logs ``lm_lse`` (token-weighted mean) and ``lm_lse_max`` (the largest
+  lse of the counted tokens of both micro-batches), as recomputed from the dumped logits;
 * a dense model logs ``lm_z_loss`` too.
 
 Bad flag values fail in ``megatron.training``'s real parser + ``validate_args`` (the 0.19
@@ -37,7 +39,7 @@ import pytest
 pytest.importorskip("megatron.training")
 
 from megatron_launch import (  # noqa: E402
-    DUMP_ITERATION, ITERATION_LINE, ITERS, MOE, REPO, TINY_GPT, Z_COEFF, ce_mean, launch,
+    DUMP_ITERATION, ITERATION_LINE, ITERS, MOE, REPO, TINY_GPT, Z_COEFF, assert_lse_metrics, ce_mean, launch,
     per_micro_batch_z_mean, recompute_from_dump, with_args, z_loss_mean,
 )
 
@@ -69,7 +71,7 @@ def opt_out_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fused_ce_run(tmp_path_factory):
-    return _launch(tmp_path_factory, "fused_ce", ["--lm-fused-ce"])
+    return _launch(tmp_path_factory, "fused_ce", ["--lm-fused-ce", "--lm-z-loss-log-lse"])
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,8 @@ def test_fused_kernel_without_z_loss_matches_megatron(fused_ce_run, plain_run):
     for it in range(1, ITERS + 1):
         assert fused_ce_run["rows"][it]["lm loss"] == pytest.approx(plain_run["rows"][it]["lm loss"], rel=1e-5), it
         assert "lm_z_loss" not in fused_ce_run["rows"][it]
+        assert {"lm_lse", "lm_lse_max"} <= set(fused_ce_run["rows"][it]), fused_ce_run["rows"][it]
+    assert_lse_metrics(fused_ce_run["rows"][DUMP_ITERATION], recompute_from_dump(fused_ce_run["dump"]), "c=0, TP=2")
     assert fused_ce_run["validation"]["lm loss value"] == pytest.approx(plain_run["validation"]["lm loss value"], rel=1e-5)
 
 

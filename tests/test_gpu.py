@@ -76,7 +76,7 @@ def test_cuda_graph_captures_forward_and_backward(transform):
         (grad,) = torch.autograd.grad(loss, leaf, static_upstream)
         return loss, z_loss, grad
 
-    graph, out = capture_cuda_graph(step)  # warm-up compiles kernels, checks shard widths eagerly
+    graph, out = capture_cuda_graph(step)  # warm-up compiles the kernels
     for seed in range(3):
         torch.manual_seed(seed)
         static_logits.copy_(torch.randn(n, vocab, device="cuda") * 3)
@@ -112,6 +112,73 @@ def test_tensor_parallel_over_nccl(tp):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     run_on_ranks(tp, _tp_nccl, 4096, 151936, backend="nccl")
+
+
+def _tp_nccl_graph(rank, world_size):
+    n, v_local = 1024, 8000
+    static_logits = torch.empty(n, v_local, device="cuda", dtype=torch.bfloat16)
+    static_target = torch.empty(n, device="cuda", dtype=torch.long)
+    static_upstream = torch.empty(n, device="cuda")
+
+    def refill(seed):  # the same target and upstream gradient on every rank, each rank its own shard
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        static_target.copy_(torch.randint(0, v_local * world_size, (n,), device="cuda", generator=gen))
+        static_upstream.copy_(torch.randn(n, device="cuda", generator=gen))
+        static_logits.copy_(torch.randn(n, v_local, device="cuda", generator=gen.manual_seed(seed + 100 + rank)) * 3)
+
+    def step():
+        leaf = static_logits.detach().requires_grad_(True)
+        loss, z_loss = vocab_parallel_cross_entropy_zloss(leaf * 1, static_target, z_loss_coeff=1e-3,
+                                                          tp_group=dist.group.WORLD)
+        (grad,) = torch.autograd.grad(loss, leaf, static_upstream)
+        return loss, z_loss, grad
+
+    refill(0)
+    step()  # eager first: NCCL's communicator and the kernels made before the capture
+    graph, out = capture_cuda_graph(step)
+    for seed in range(1, 4):
+        refill(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for replayed, expected in zip(out, eager):
+            assert torch.equal(replayed, expected)
+
+
+def test_tensor_parallel_forward_and_backward_capture_in_a_cuda_graph():
+    """The TP forward's one collective and its width check make no host sync: forward + backward
+    capture in a CUDA graph over NCCL, and replays equal eager calls."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_on_ranks(2, _tp_nccl_graph, backend="nccl")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_unequal_shard_widths_are_a_device_assert(backend):
+    """CUDA: the ranks' widths travel with the partials and are compared on the device (no host
+    sync): partials of a 10- and a 12-column slice fail the stream (child process: the CUDA
+    context is dead afterwards)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys
+        import torch
+        from mindspeed_cez import kernels
+        backend = kernels.get_backend(sys.argv[1])
+        target = torch.randint(0, 20, (64,), device="cuda")
+        parts = [backend.shard_partials(torch.randn(64, w, device="cuda"), target, 0, 20, -100) for w in (10, 12)]
+        backend.loss_from_partials(torch.stack(parts), target, -100, 1e-3)
+        torch.cuda.synchronize()
+        print("no error")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code, backend], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "no error" not in result.stdout
+    if backend == "triton":
+        assert "vocab shards of unequal width" in result.stderr + result.stdout
 
 
 def test_triton_is_the_cuda_backend():

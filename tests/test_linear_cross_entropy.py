@@ -361,6 +361,19 @@ def test_sequence_parallel_target_must_cover_the_gathered_sequence():
     run_on_ranks(2, _sp_shape_worker)
 
 
+def _unequal_weight_rows_worker(rank, world_size):
+    h, target = torch.randn(6, 8), torch.randint(0, 10, (6,))
+    w = torch.randn(5 + rank, 8)  # 5 and 6 vocab rows
+    for grads, extra in (("recompute", {}), ("forward", {"token_weights": torch.ones(6), "grad_scale": 1.0})):
+        with pytest.raises(ValueError, match=r"weight: tensor-parallel ranks hold vocab shards of unequal width "
+                                             r"\(from 5 to 6\).*pad the vocab"):
+            linear_cross_entropy_zloss(h.requires_grad_(), w, target, tp_group=dist.group.WORLD, grads=grads, **extra)
+
+
+def test_unequal_weight_rows_are_refused_on_every_rank():
+    run_on_ranks(2, _unequal_weight_rows_worker, timeout=120)
+
+
 def test_default_chunk_is_small_beside_the_logits():
     for n, v in ((8192, 151936), (8192, 37984), (65536, 151936), (16384, 16160), (39, 53)):
         step = chunked_linear.default_chunk_cols(n, v)
@@ -468,8 +481,7 @@ def test_a_forward_without_its_backward_is_detected():
     h, w, target, mask, upstream = _main_grad_problem(15)
     loss, _ = _forward_into_main_grad(h, w, target, mask)
     del loss  # the graph goes without a backward
-    with pytest.raises(ForwardGradientError, match="freed without a backward.*torch.no_grad.*--lm-fused-output-layer "
-                                                   "recompute"):
+    with pytest.raises(ForwardGradientError, match="freed without a backward.*torch.no_grad.*grads='recompute'"):
         _forward_into_main_grad(h, w, target, mask)
     check_forward_gradients()  # reported once
 
@@ -503,9 +515,9 @@ def test_the_mismatch_message_names_the_cause_and_the_fix(monkeypatch):
     h, w, target, mask, upstream = _main_grad_problem(16)
     loss, _ = _forward_into_main_grad(h, w, target, mask)
     with pytest.raises(RuntimeError, match="loss was weighted otherwise. For custom loss weighting run with "
-                                           "--lm-fused-output-layer recompute"):
+                                           "grads='recompute'"):
         (loss * upstream * 2).sum().backward()
     loss, _ = linear_cross_entropy_zloss(h, w, target, token_weights=mask, grads="forward")
-    with pytest.raises(RuntimeError, match="must be k \\* w .*--lm-fused-output-layer recompute"):
+    with pytest.raises(RuntimeError, match="must be k \\* w .*grads='recompute'"):
         (loss * torch.rand(mask.shape)).sum().backward()
     assert len(messages) == 2 and all(len(m) < 255 for m in messages), [len(m) for m in messages]

@@ -1,10 +1,12 @@
-"""``lm_z_loss`` / ``lm_lse`` reduction over Megatron's parallel groups (real gloo processes).
+"""``lm_z_loss`` / ``lm_lse`` / ``lm_lse_max`` reduction over Megatron's parallel groups (real gloo
+processes).
 
 On two ranks laid out as data parallel, context parallel (the sequence split; attention itself
 needs Transformer Engine, the reduction does not) or pipeline parallel, each rank records its
 own micro-batches with different masks, and every rank must report
 ``sum(z * mask) / sum(mask)`` over the micro-batches of the ranks that hold the LM head (all of
-them for DP and CP, the last pipeline stage for PP), in float64 within fp32 rounding.
+them for DP and CP, the last pipeline stage for PP), in float64 within fp32 rounding, and the
+largest lse among their counted tokens (the largest of all tokens is masked out on purpose).
 """
 
 import pytest
@@ -21,6 +23,8 @@ def _records(rank, micro_batch):
     g = torch.Generator().manual_seed(100 * rank + micro_batch)
     lse = 5 + torch.rand(TOKENS, generator=g, dtype=torch.float64)
     mask = (torch.rand(TOKENS, generator=g) < 0.3 + 0.4 * rank).double()
+    lse[micro_batch % TOKENS] = 50.0  # the largest lse, on a token the mask drops
+    mask[micro_batch % TOKENS] = 0.0
     return 1e-2 * lse**2, lse, mask
 
 
@@ -32,7 +36,7 @@ def _worker(rank, world_size, layout):
     ps.initialize_model_parallel(**{"dp": {}, "cp": {"context_parallel_size": 2},
                                     "pp": {"pipeline_model_parallel_size": 2}}[layout])
     heads = [0, 1] if layout != "pp" else [1]  # ranks holding the LM head
-    names = [metrics.LM_Z_LOSS, metrics.LM_LSE]
+    names = [metrics.LM_Z_LOSS, metrics.LM_LSE, metrics.LM_LSE_MAX]
     for iteration in range(2):  # sums are cleared between iterations
         if rank in heads:
             for mb in range(2 + iteration):
@@ -40,12 +44,15 @@ def _worker(rank, world_size, layout):
                 metrics.record_lm_z_loss(z.float(), mask.float(), lse_per_token=lse.float())
         values = metrics.reduce_iteration(names)
         num = torch.zeros(3, dtype=torch.float64)
+        largest = -float("inf")
         for r in heads:
             for mb in range(2 + iteration):
                 z, lse, mask = _records(r, 10 * iteration + mb)
                 num += torch.stack([(z * mask).sum(), (lse * mask).sum(), mask.sum()])
+                largest = max(largest, float(lse[mask > 0].max()))
         assert float(values[metrics.LM_Z_LOSS]) == pytest.approx(float(num[0] / num[2]), rel=1e-6), layout
         assert float(values[metrics.LM_LSE]) == pytest.approx(float(num[1] / num[2]), rel=1e-6), layout
+        assert float(values[metrics.LM_LSE_MAX]) == pytest.approx(largest, rel=1e-6), layout
     ps.destroy_model_parallel()
 
 

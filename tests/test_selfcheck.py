@@ -1,5 +1,6 @@
 """``python -m mindspeed_cez.selfcheck`` on the CPU: green as shipped (the command itself, with
-``--json``), red with a planted broken backend (a wrong loss, a wrong gradient, a backend that
+``--json``), the notes it prints (where the report went, why a backend has no rows, the tokens of each
+row), red with a planted broken backend (a wrong loss, a wrong gradient, a backend that
 raises), and at TP = 2 through gloo collectives in two spawned processes. The real size runs
 shrunk (4 tokens of vocab 151936), Triton under the interpreter at the small size only.
 """
@@ -9,9 +10,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from support import run_on_ranks
 
-from mindspeed_cez import selfcheck
+from mindspeed_cez import kernels, selfcheck
 from mindspeed_cez.kernels import torch_reference
 
 QUICK = ["--real-rows", "4", "--reps", "0", "--small-rows", "16"]
@@ -25,6 +27,9 @@ def test_command_passes_and_writes_a_report(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASSED" in proc.stdout and "vocab_parallel_cross_entropy_zloss" in proc.stdout
+    assert f"wrote {out} " in proc.stdout  # where the report went
+    # every row says how many tokens it used: the real vocab with --real-rows 4, the small one with 16
+    assert " real 4x151936 " in proc.stdout and " small 16x1000 " in proc.stdout
     report = json.loads(out.read_text())
     assert report["ok"] and report["environment"]["device"] == "cpu" and report["environment"]["torch"]
     results = report["results"]
@@ -39,6 +44,22 @@ def test_command_passes_and_writes_a_report(tmp_path):
     assert any(r["auto"] for r in results)
     if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU suite: Triton runs at the small size
         assert any(r["backend"] == "triton" and r["status"] == "ok" for r in results)
+
+
+@pytest.mark.parametrize("triton_installed", [True, False])
+def test_says_why_a_backend_has_no_rows(monkeypatch, capsys, triton_installed):
+    kernels.triton_available()  # import the kernels as the suite has them: triton.jit reads TRITON_INTERPRET then
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU as a user has it
+    monkeypatch.setattr(kernels, "triton_available", lambda: triton_installed)
+    status = selfcheck.main([*QUICK, "--skip-real", "--dtypes", "fp32", "--json", "-"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    report = json.loads(out[out.index("\n{") + 1:])
+    assert report["results"] and not any("triton" in (r["backend"], r["ce_backend"]) for r in report["results"])
+    why = ("no GPU/NPU here: the kernels run on accelerators" if triton_installed else "Triton is not installed")
+    assert report["absent_backends"]["triton"].startswith(why)
+    assert report["absent_backends"]["cann"] == "Ascend NPUs only"
+    assert f"no triton rows: {why}" in out and "no cann rows: Ascend NPUs only" in out
 
 
 def _planted(monkeypatch, where):
