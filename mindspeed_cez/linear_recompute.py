@@ -18,6 +18,7 @@ from mindspeed_cez.cross_entropy_zloss import _check_target_range
 from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
+from mindspeed_cez.kernels.rows import as_rows
 from mindspeed_cez.linear_layer import LinearLossOptions, main_grad_placeholder
 from mindspeed_cez.tensor_parallel import gather_sequence, group_rank_and_size, merged_loss, start_reduce_dhidden
 
@@ -26,12 +27,6 @@ def _check_targets(target, global_vocab, ignore_index):
     """CPU: a Python exception; CUDA: an asynchronous device-side assert (the linear kernels do not
     assert themselves); elsewhere an out-of-range target gives a NaN loss."""
     _check_target_range(target, global_vocab, ignore_index, kernels.torch_reference)
-
-
-def _rows(hidden):
-    """``[..., h]`` -> ``[n, h]`` with unit column stride (the kernels' layout)."""
-    rows = hidden.reshape(-1, hidden.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,7 +45,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, options):
         rank, tp_size = group_rank_and_size(options.tp_group)
         full = gather_sequence(hidden, options.tp_group, tp_size, options.sequence_parallel)
-        rows = _rows(full)
+        rows = as_rows(full)
         flat_target = target.reshape(-1)
         v_local = weight.shape[0]
         global_vocab, vocab_start = v_local * tp_size, rank * v_local
@@ -74,7 +69,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         hidden, weight, flat_target, lse = ctx.saved_tensors
         options, tp_size = ctx.options, ctx.tp_size
         full = gather_sequence(hidden, options.tp_group, tp_size, options.sequence_parallel)
-        rows = _rows(full)
+        rows = as_rows(full)
         lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
         into_main_grad = options.gradient_accumulation_fusion and hasattr(weight, "main_grad")
