@@ -30,48 +30,20 @@ recomputes z from x per element and multiplies by its slope. tanh is ``_tanh_and
 exp2 (``tl.math.tanh`` does not lower on triton-ascend).
 
 Launches go through ``triton_launcher.Launcher`` (the compiled kernel reused without Triton's per-call
-specialization) with each shape's grid and settings computed once.
+specialization) with each shape's grid and settings computed once (:mod:`.triton_cross_entropy_plan`).
 """
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from . import logit_transform, partials, torch_reference
-from .device_cores import launch_type, num_programs
+from .device_cores import launch_type
 from .logit_transform import IDENTITY
 from .triton_launcher import Launcher
+from .triton_cross_entropy_plan import (ASSERT_OPTIONS, LAUNCH_CONFIG,  # noqa: F401 (LAUNCH_CONFIG.. re-exported)
+                                       _loss_constants, _plan, launch_plans_changed, launch_settings)
 
-# Launch settings per device type, as (narrowest vocab slice they apply to, settings), widest
-# first. Settings of the forward (fwd_*) and the backward (bwd_*) kernel: columns per tile,
-# columns per slot of the forward (None: one slot per tile), warps, and programs per core of the
-# persistent grid. Ascend wants about one program per vector core, and a program's working set
-# (current and prefetched tile plus a few fp32 temporaries) well inside the ~192 KiB unified
-# buffer: 4096 columns use about 64 KiB. On CUDA many short programs share each SM; the values
-# are the best of a sweep on an H200 (bench/results/2026-11-23_h200/tune_kernels_h200_2026-11-23.log). CUDA-only tuning
-# lives here, not in the kernel bodies.
-LAUNCH_CONFIG = {
-    "cuda": [
-        (65536, {"fwd_block_v": 8192, "slot_width": 16, "fwd_warps": 4, "fwd_per_core": 64,
-                 "bwd_block_v": 16384, "bwd_warps": 32, "bwd_per_core": 64}),
-        # Narrow slices: as many programs as rows up to 128 per SM (one row each at the shapes
-        # measured) and 4096-column forward tiles (56 registers): fwd+bwd 1.10-1.13x of the
-        # floor instead of 1.20x at 32 programs per SM and 8192 columns (bench/NOTES.md 10-12).
-        (0, {"fwd_block_v": 4096, "slot_width": 8, "fwd_warps": 4, "fwd_per_core": 128,
-             "bwd_block_v": 16384, "bwd_warps": 4, "bwd_per_core": 128}),
-    ],
-    "npu": [
-        (0, {"fwd_block_v": 4096, "slot_width": None, "fwd_warps": 4, "fwd_per_core": 1,
-             "bwd_block_v": 4096, "bwd_warps": 4, "bwd_per_core": 1}),
-    ],
-    "cpu": [  # the interpreter
-        (0, {"fwd_block_v": 4096, "slot_width": 8, "fwd_warps": 4, "fwd_per_core": 1,
-             "bwd_block_v": 4096, "bwd_warps": 4, "bwd_per_core": 1}),
-    ],
-}
-EVICTION = {"cuda": "evict_first", "npu": "evict_first", "cpu": ""}
 # Rows per program of the small [N] kernel (loss from partials).
 VECTOR_BLOCK = 1024
 
@@ -353,60 +325,6 @@ _launch_forward = Launcher(_forward_kernel)
 _launch_grad = Launcher(_grad_kernel)
 _launch_loss_from_partials = Launcher(_loss_from_partials_kernel)
 LAUNCHERS = (_launch_forward, _launch_grad, _launch_loss_from_partials)
-
-
-def launch_settings(device_type, n_cols):
-    """The LAUNCH_CONFIG settings for a vocab slice of ``n_cols`` columns on this device type."""
-    for narrowest, settings in LAUNCH_CONFIG.get(device_type, LAUNCH_CONFIG["npu"]):
-        if n_cols >= narrowest:
-            return settings
-    raise ValueError(f"no launch settings for {n_cols} columns on {device_type}")
-
-
-def _assert_options():
-    """On CUDA the forward asserts on its targets: a debug compile, without the integer-overflow
-    checks a debug compile adds where Triton has them (``sanitize_overflow``, Triton 3.2+)."""
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-
-        sanitizer = "sanitize_overflow" in CUDAOptions.__dataclass_fields__
-    except Exception:  # noqa: BLE001 - no NVIDIA backend here (triton-ascend): never launched with it
-        sanitizer = False
-    return (("debug", True),) + ((("sanitize_overflow", False),) if sanitizer else ())
-
-
-ASSERT_OPTIONS = _assert_options()
-
-
-@functools.lru_cache(maxsize=256)
-def _plan(device, n_rows, n_cols, kernel, kind):
-    """(grid, rows per program, constexprs, eviction policy, launch options) of the ``"fwd"`` or
-    ``"bwd"`` kernel for ``[n_rows, n_cols]`` logits on ``device``; the constexprs are (SLOTS,
-    SLOT_WIDTH, CHECK_TARGETS) for the forward (the check, on CUDA, with its debug options) and
-    (BLOCK_V,) for the backward; ``kind``: the device type whose settings apply (``launch_type``)."""
-    config = launch_settings(kind, n_cols)
-    programs = num_programs(device, n_rows, config[f"{kernel}_per_core"])
-    block_v = min(config[f"{kernel}_block_v"], triton.next_power_of_2(n_cols))
-    evict = EVICTION.get(kind, "")
-    options = (("num_warps", config[f"{kernel}_warps"]),)
-    if kernel == "bwd":
-        constexprs = (block_v,)
-    else:
-        slot_width = min(config["slot_width"] or block_v, block_v)
-        check = kind == "cuda"
-        constexprs = (block_v // slot_width, slot_width, check)
-        options += ASSERT_OPTIONS if check else ()
-    return (programs,), triton.cdiv(n_rows, programs), constexprs, evict, options
-
-
-def launch_plans_changed():
-    """Forget the plans computed so far; call after changing ``LAUNCH_CONFIG``."""
-    _plan.cache_clear()
-
-
-def _loss_constants(z_loss_coeff, label_smoothing, global_vocab):
-    """The kernels' (z_loss_coeff, target_weight, smoothing_per_col) arguments."""
-    return float(z_loss_coeff), 1.0 - float(label_smoothing), float(label_smoothing) / global_vocab
 
 
 def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_loss_coeff, label_smoothing, finish,

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .device_cores import launch_type, num_programs
 from .logit_transform import IDENTITY
+from .rows import as_rows
 from . import partials, torch_reference
 from .triton_cross_entropy import (LOCAL_LSE, LOG2E, NO_TRANSFORM, TARGET_TERM, WIDTH, _loss_constants, _transform,
                                    _transform_with_slope)
@@ -240,15 +241,11 @@ def groups(n_cols, device_type):
     return triton.cdiv(n_cols, c["block_n"] * c["group_n"])
 
 
-def _unit_stride(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
                     ce_backend=None, chunk_cols=None, transform=IDENTITY):
     """fp32 partials (the layout of :mod:`.partials`) of ``rows @ weight.T``, no logits (so
     neither a cross-entropy backend nor a chunk width: ``ce_backend`` and ``chunk_cols`` are unused)."""
-    rows, weight = _unit_stride(rows), _unit_stride(weight)
+    rows, weight = as_rows(rows), as_rows(weight)
     n_rows, h = rows.shape
     n_cols = weight.shape[0]
     out = torch.empty(partials.partials_numel(n_rows), dtype=torch.float32, device=rows.device)
@@ -274,7 +271,7 @@ def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_
                 label_smoothing, global_vocab, *, ce_backend=None, transform=IDENTITY):
     """Writes the gradient of ``rows @ weight.T``'s loss into ``grad`` ``[n, weight rows]`` (in the
     kernel: ``ce_backend`` is unused)."""
-    rows, weight = _unit_stride(rows), _unit_stride(weight)
+    rows, weight = as_rows(rows), as_rows(weight)
     n_rows, h = rows.shape
     n_cols = weight.shape[0]
     if n_rows == 0:

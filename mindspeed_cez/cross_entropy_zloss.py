@@ -28,6 +28,7 @@ import torch
 from mindspeed_cez import cann, kernels
 from mindspeed_cez.first_order import first_order_input, first_order_only
 from mindspeed_cez.kernels.logit_transform import LogitTransform, transform_of
+from mindspeed_cez.kernels.rows import as_rows
 from mindspeed_cez.tensor_parallel import group_rank_and_size, merged_loss, resolve_tp_group
 
 def check_target(target):
@@ -95,14 +96,6 @@ def _check_target_range(target, global_vocab, ignore_index, backend):
         )
 
 
-def _as_rows(logits):
-    """[..., v] -> [n, v] with a contiguous last dim (a view whenever the layout allows)."""
-    rows = logits.reshape(-1, logits.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return rows
-
-
 @dataclass(frozen=True, eq=False)
 class CrossEntropyOptions:
     """Everything :class:`VocabParallelCrossEntropyZLoss` takes besides its tensors, checked by
@@ -127,7 +120,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         rank, world_size = group_rank_and_size(options.tp_group)
         v_local = logits.shape[-1]
         global_vocab = v_local * world_size
-        rows = _as_rows(logits)
+        rows = as_rows(logits)
         flat_target = target.reshape(-1)
         vocab_start = rank * v_local
         if world_size == 1:

@@ -5,15 +5,17 @@
 of the logits scaled and soft-capped as that op's ``logit_scale`` / ``logit_softcap`` say (by the
 backends, per tile or chunk). Two paths:
 
-- recompute (``LinearCrossEntropyZLoss``): the forward reduces the logits to the partials as
-  they are made (Triton: ``tl.dot`` tiles in registers, kernels/triton_linear_cross_entropy.py;
-  torch: GEMMs on chunks of the vocab); backward recomputes them one vocab chunk at a time into
-  their gradient (a ``[tokens, chunk]`` buffer), then one GEMM adds that chunk's share into an
-  fp32 ``dhidden`` and one writes its rows of ``dweight``: four GEMMs in all.
-- gradients in forward (``LinearCrossEntropyZLossForwardGrads``, ``grads="forward"``): blocks
-  of token rows with the whole vocab slice, three GEMMs; with ``grad_scale`` (the upstream
-  gradient known in forward, Megatron's) ``dweight`` goes into ``main_grad`` during the forward,
-  else an fp32 ``dweight`` is kept until backward.
+- recompute (``LinearCrossEntropyZLoss``, :mod:`mindspeed_cez.linear_recompute`): the forward
+  reduces the logits to the partials as they are made (Triton: ``tl.dot`` tiles in registers,
+  kernels/triton_linear_cross_entropy.py; torch: GEMMs on chunks of the vocab); backward
+  recomputes them one vocab chunk at a time into their gradient (a ``[tokens, chunk]`` buffer),
+  then one GEMM adds that chunk's share into an fp32 ``dhidden`` and one writes its rows of
+  ``dweight``: four GEMMs in all.
+- gradients in forward (``LinearCrossEntropyZLossForwardGrads``, ``grads="forward"``,
+  :mod:`mindspeed_cez.linear_forward_grads`): blocks of token rows with the whole vocab slice,
+  three GEMMs; with ``grad_scale`` (the upstream gradient known in forward, Megatron's)
+  ``dweight`` goes into ``main_grad`` during the forward, else an fp32 ``dweight`` is kept until
+  backward.
 
 docs/fused_linear_cross_entropy.md compares them with measurements.
 
@@ -26,22 +28,19 @@ as ``ColumnParallelLinear`` overlaps it.
 """
 
 import math
-import weakref
-from dataclasses import dataclass
-from types import ModuleType
-from typing import Optional
 
 import torch
 
 from mindspeed_cez import kernels
-from mindspeed_cez.first_order import first_order_only
-from mindspeed_cez.fp32_accumulation import Accumulator
-from mindspeed_cez.kernels import chunked_linear
-from mindspeed_cez.cross_entropy_zloss import (CrossEntropyOptions, _check_target_range, check_coefficients,
-                                               check_ignore_index, check_target)
+from mindspeed_cez.cross_entropy_zloss import check_coefficients, check_ignore_index, check_target
 from mindspeed_cez.kernels.logit_transform import transform_of
-from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
-                                           resolve_tp_group, start_reduce_dhidden)
+from mindspeed_cez.linear_forward_grads import (BLOCK_FRACTION, LEAN_BLOCK_FRACTION, ForwardGradsOptions,
+                                                LinearCrossEntropyZLossForwardGrads)
+# Re-exported: the adaptor and the tests import them from here.
+from mindspeed_cez.linear_forward_grads import (ForwardGradientError, check_forward_gradients,  # noqa: F401
+                                                default_row_block)
+from mindspeed_cez.linear_recompute import LinearCrossEntropyZLoss, RecomputeOptions
+from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 
 
 def _check(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_size, sequence_parallel):
@@ -67,318 +66,6 @@ def _check(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, 
         raise ValueError(f"target ({target.device}) and hidden ({hidden.device}) are on different devices")
     check_coefficients(z_loss_coeff, label_smoothing)
     check_ignore_index(ignore_index)
-
-
-def _check_targets(target, global_vocab, ignore_index):
-    """CPU: a Python exception; CUDA: an asynchronous device-side assert (the linear kernels do not
-    assert themselves); elsewhere an out-of-range target gives a NaN loss."""
-    _check_target_range(target, global_vocab, ignore_index, kernels.torch_reference)
-
-
-def _rows(hidden):
-    """``[..., h]`` -> ``[n, h]`` with unit column stride (the kernels' layout)."""
-    rows = hidden.reshape(-1, hidden.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-def _main_grad_placeholder(weight):
-    """What Megatron's linear layers return for a weight whose gradient went into ``main_grad``: a
-    dummy gradient where the weight carries ``grad_added_to_main_grad`` (so its DDP hook runs and
-    skips the add), else None."""
-    if not hasattr(weight, "grad_added_to_main_grad"):
-        return None
-    weight.grad_added_to_main_grad = True
-    if getattr(weight, "zero_out_wgrad", False):
-        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
-    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-
-
-@dataclass(frozen=True, eq=False)
-class LinearLossOptions(CrossEntropyOptions):
-    """What both paths' autograd Functions take besides their tensors: the loss's options and the
-    projection's tensor parallelism, checked by :func:`linear_cross_entropy_zloss` before it is made."""
-
-    sequence_parallel: bool = False
-    gradient_accumulation_fusion: bool = False
-
-
-@dataclass(frozen=True, eq=False)
-class RecomputeOptions(LinearLossOptions):
-    """:class:`LinearCrossEntropyZLoss`'s options: the projection's backend and its vocab chunk."""
-
-    linear: Optional[ModuleType] = None  # kernels.linear_backend_for's module
-    chunk_cols: Optional[int] = None
-
-
-@dataclass(frozen=True, eq=False)
-class ForwardGradsOptions(LinearLossOptions):
-    """:class:`LinearCrossEntropyZLossForwardGrads`'s options: the token rows per block."""
-
-    row_block: Optional[int] = None
-    block_fraction: Optional[float] = None
-
-
-class LinearCrossEntropyZLoss(torch.autograd.Function):
-    """``(loss, z_loss, lse)`` of ``hidden @ weight.T`` without the logits; backward recomputes
-    them one vocab chunk at a time."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, target, options):
-        rank, tp_size = group_rank_and_size(options.tp_group)
-        full = gather_sequence(hidden, options.tp_group, tp_size, options.sequence_parallel)
-        rows = _rows(full)
-        flat_target = target.reshape(-1)
-        v_local = weight.shape[0]
-        global_vocab, vocab_start = v_local * tp_size, rank * v_local
-        stats = options.linear.linear_partials(rows, weight, flat_target, vocab_start, global_vocab, options.ignore_index,
-                                         options.label_smoothing, ce_backend=options.backend, chunk_cols=options.chunk_cols,
-                                         transform=options.transform)
-        out = merged_loss(options.backend, stats, flat_target, options.ignore_index, options.z_loss_coeff, options.tp_group,
-                          tp_size, shard_name="weight")
-        _check_targets(flat_target, global_vocab, options.ignore_index)  # after the collective: see the op's forward
-        loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
-
-        ctx.save_for_backward(hidden, weight, flat_target, lse)
-        ctx.options, ctx.tp_size, ctx.vocab_start, ctx.global_vocab = options, tp_size, vocab_start, global_vocab
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(z_loss, lse)
-        return loss, z_loss, lse
-
-    @staticmethod
-    @first_order_only("linear_cross_entropy_zloss")
-    def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
-        hidden, weight, flat_target, lse = ctx.saved_tensors
-        options, tp_size = ctx.options, ctx.tp_size
-        full = gather_sequence(hidden, options.tp_group, tp_size, options.sequence_parallel)
-        rows = _rows(full)
-        lse = lse.reshape(-1)
-        grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
-        into_main_grad = options.gradient_accumulation_fusion and hasattr(weight, "main_grad")
-        dweight = None if into_main_grad else torch.empty_like(weight)
-        drows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
-        n, v_local = rows.shape[0], weight.shape[0]
-        step = chunked_linear.chunk_width(options.chunk_cols, n, v_local)
-        chunk = rows.new_empty((rows.shape[0], step))
-        accumulate = Accumulator(rows.device)
-        for c in range(0, weight.shape[0], step):
-            w = weight[c:c + step]
-            dlogits = options.linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss, options.ignore_index,
-                                           ctx.vocab_start + c, options.z_loss_coeff, options.label_smoothing, ctx.global_vocab,
-                                           ce_backend=options.backend, transform=options.transform)
-            accumulate(drows, dlogits, w)  # fp32 sum over vocab chunks
-            if c + step >= v_local:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
-                reduction = start_reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, tp_size,
-                                                 options.sequence_parallel)
-            if into_main_grad:
-                accumulate(weight.main_grad[c:c + step], dlogits.t(), rows)
-            else:
-                torch.matmul(dlogits.t(), rows, out=dweight[c:c + step])
-        dhidden = reduction.wait()
-        if into_main_grad:
-            dweight = _main_grad_placeholder(weight)
-        return dhidden, dweight, None, None
-
-
-RECOMPUTE_FIX = "grads='recompute'"
-
-
-class ForwardGradientError(RuntimeError):
-    """A weight gradient added into ``main_grad`` during a forward whose backward never came."""
-
-
-class _OwedBackward:
-    """Made by a forward that added ``weight``'s gradient into ``main_grad``; its backward marks it
-    paid. Held by the autograd graph only: freed unpaid means the graph went without a backward."""
-
-    __slots__ = ("what", "paid", "__weakref__")
-
-    def __init__(self, what):
-        self.what, self.paid = what, False
-        _OWED.add(self)
-
-    def __del__(self):
-        if not self.paid:
-            _DROPPED.append(self.what)
-
-
-_OWED = weakref.WeakSet()  # forwards whose graph is alive and backward not yet run
-_DROPPED = []  # forwards whose graph was freed without a backward
-
-
-def check_forward_gradients(backward_pending_ok=False):
-    """Raise :class:`ForwardGradientError` where a forward of ``grads="forward"`` added a weight
-    gradient into ``main_grad`` whose backward never came: its graph freed without one (an extra
-    forward with autograd on, output discarded), or, unless ``backward_pending_ok``, not run yet.
-    Called by the op's forwards (pending backwards are fine there: pipelined micro-batches) and by
-    the adaptor before Megatron's gradient sync (``finish_grad_sync``), so such a gradient never
-    reaches the optimizer. No device work."""
-    dropped, pending = list(_DROPPED), [] if backward_pending_ok else [t.what for t in _OWED if not t.paid]
-    _DROPPED.clear()
-    if dropped:
-        raise ForwardGradientError(
-            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {dropped[0]} into main_grad "
-            f"during a forward ({len(dropped)} such forward(s)) whose output was freed without a backward: main_grad "
-            "now holds a gradient no loss asked for. An extra forward with autograd on (e.g. a metric computed in "
-            "training mode) must run under torch.no_grad(); or run with " + RECOMPUTE_FIX + ", which adds nothing "
-            "in forward.")
-    if pending:
-        for token in list(_OWED):
-            token.paid = True  # reported once
-        raise ForwardGradientError(
-            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {pending[0]} into main_grad "
-            f"during a forward whose backward has not run ({len(pending)} such forward(s)) before the gradients are "
-            "used (Megatron's gradient sync): every training forward of the loss needs its backward. Run other "
-            "forwards under torch.no_grad(), or run with " + RECOMPUTE_FIX + ".")
-
-
-ROW_BLOCK_MIN = 1024
-BLOCK_FRACTION = 0.5  # the default: a block's logits are half the logits
-LEAN_BLOCK_FRACTION = 0.125  # the lean setting: an eighth
-
-
-def default_row_block(n_rows, v_local, block_fraction=None):
-    """Token rows per block of the gradients-in-forward path: ``block_fraction`` of the tokens
-    (None: ``BLOCK_FRACTION``, 1/2), rounded down to a power of two, at least ``ROW_BLOCK_MIN``
-    (1024: GEMMs of fewer rows lose speed) and at most the tokens. A block's logits (then their
-    gradient) are the path's working memory: ``block_fraction`` x the logits. Each block reads and
-    writes the fp32 ``dweight`` once, ``8 V h`` bytes beside ``6 rows V h`` FLOPs of GEMMs: ~30 % of
-    an H100's GEMM time at 1024 rows, ~8 % at 4096, ~4 % at 8192 (docs/weight_gradient.md)."""
-    fraction = BLOCK_FRACTION if block_fraction is None else block_fraction
-    rows = max(int(n_rows * fraction), 1)
-    return max(1, min(n_rows, max(ROW_BLOCK_MIN, 1 << (rows.bit_length() - 1))))  # 1 for 0 tokens: no blocks
-
-
-class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
-    """Gradients made during the forward, three GEMMs in all (no recomputation): blocks of token
-    rows with their whole vocab slice, each turned into its gradient in place.
-
-    With ``grad_scale`` the upstream gradient is known in forward: ``grad_scale * token_weights``
-    (Megatron's loss scale over its token count); each block's gradient is made for it, ``dhidden``
-    in the input's dtype exactly as the unfused path makes it (its reduction over the TP ranks
-    started in forward, overlapped with the last block's weight-gradient GEMM as
-    ``ColumnParallelLinear`` overlaps it; backward waits for it), and ``dweight`` added straight into
-    ``weight.main_grad`` (``gradient_accumulation_fusion``; else an fp32 buffer until backward).
-    Backward checks on the device that the gradient that came is that one.
-
-    Without it, the upstream gradient must be ``k * token_weights`` with one unknown scalar ``k``:
-    blocks are made for a unit gradient, ``dhidden`` kept in fp32 and scaled per token in backward,
-    ``dweight`` summed in fp32 with ``token_weights`` and scaled by
-    ``k = sum(g*w) / sum(w*w)`` in backward.
-
-    Either way anything else trips a device-side assert in backward (no host sync), never a silent
-    number; and a forward that adds into ``main_grad`` must be followed by its backward (checked:
-    :func:`check_forward_gradients`). Under ``torch.no_grad()`` the op takes the recompute path's
-    forward instead: the loss alone, nothing into ``main_grad``."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, target, token_weights, grad_scale, options):
-        ignore_index, backend, transform = options.ignore_index, options.backend, options.transform
-        z_loss_coeff, label_smoothing = options.z_loss_coeff, options.label_smoothing
-        tp_group, sequence_parallel = options.tp_group, options.sequence_parallel
-        rank, tp_size = group_rank_and_size(tp_group)
-        full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
-        rows = full.reshape(-1, full.shape[-1])
-        flat_target = target.reshape(-1)
-        weights = torch.where(flat_target == ignore_index, 0.0, token_weights.reshape(-1).float())
-        n, v_local = rows.shape[0], weight.shape[0]
-        global_vocab, vocab_start = v_local * tp_size, rank * v_local
-        upstream_known = grad_scale is not None  # the upstream gradient is grad_scale * weights
-        upstream = weights * grad_scale if upstream_known else torch.ones(n, dtype=torch.float32, device=rows.device)
-        into_main_grad = upstream_known and options.gradient_accumulation_fusion and hasattr(weight, "main_grad")
-        check_forward_gradients(backward_pending_ok=True)
-        out = torch.empty((3, n), dtype=torch.float32, device=rows.device)
-        drows = torch.empty(rows.shape, dtype=rows.dtype if upstream_known else torch.float32, device=rows.device)
-        dweight = weight.main_grad if into_main_grad else torch.zeros(weight.shape, dtype=torch.float32,
-                                                                      device=rows.device)
-        step = options.row_block or default_row_block(n, v_local, options.block_fraction)
-        block = rows.new_empty((min(step, n), v_local))  # one block's logits, then their gradient
-        accumulate = Accumulator(rows.device)
-        reduction = None  # dhidden's collective, started in forward where the upstream gradient is known
-        for r in range(0, n, step):
-            x, t = rows[r:r + step], flat_target[r:r + step]
-            logits = block[:x.shape[0]]
-            torch.matmul(x, weight.t(), out=logits)
-            stats = backend.shard_partials(logits, t, vocab_start, global_vocab, ignore_index, label_smoothing,
-                                           transform=transform)
-            merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size, "weight", out[:, r:r + step])
-            if r == 0:  # after the first collective (see the op's forward), before anything is written
-                _check_target_range(flat_target, global_vocab, ignore_index, backend)
-            backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], ignore_index, vocab_start,
-                               z_loss_coeff, label_smoothing, global_vocab, transform=transform)
-            if upstream_known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
-                torch.matmul(logits, weight, out=drows[r:r + step])
-                if r + step >= n:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
-                    reduction = start_reduce_dhidden(drows.view(full.shape), tp_group, tp_size, sequence_parallel)
-                accumulate(dweight, logits.t(), x)
-            else:
-                drows[r:r + step] = 0
-                accumulate(drows[r:r + step], logits, weight)
-                accumulate(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
-        loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
-        ctx.save_for_backward(None if reduction is not None else drows, None if into_main_grad else dweight, weights, upstream,
-                              weight, flat_target != ignore_index)
-        ctx.reduction = reduction  # holds this rank's dhidden (its sequence chunk with SP), not all of drows
-        ctx.options, ctx.tp_size, ctx.upstream_known, ctx.into_main_grad = options, tp_size, upstream_known, into_main_grad
-        ctx.full_shape, ctx.input_dtype = full.shape, hidden.dtype
-        ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_main_grad else None
-        ctx.backward_done = False
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(z_loss, lse)
-        return loss, z_loss, lse
-
-    @staticmethod
-    @first_order_only("linear_cross_entropy_zloss")
-    def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
-        if ctx.backward_done:
-            raise RuntimeError(
-                "linear_cross_entropy_zloss(grads='forward') made its gradients during the forward for one backward: "
-                "a second backward through the same graph (retain_graph=True) is not served; run the forward again, "
-                "or use " + RECOMPUTE_FIX)
-        ctx.backward_done = True
-        if ctx.owed is not None:
-            ctx.owed.paid = True
-            if grad_loss is None:
-                raise ForwardGradientError(
-                    "linear_cross_entropy_zloss(grads='forward'): the loss got no gradient, but its forward added the "
-                    "weight gradient into main_grad for grad_scale * token_weights: backpropagate the loss, or run "
-                    "with " + RECOMPUTE_FIX + ".")
-        no_grads = (None,) * 4  # target, token_weights, grad_scale, options
-        if grad_loss is None:
-            return None, None, *no_grads
-        drows, dweight_sum, weights, upstream, weight, counted = ctx.saved_tensors
-        options = ctx.options
-        g = grad_loss.reshape(-1).float()
-        if ctx.upstream_known:
-            expected = upstream
-            message = ("linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights "
-                       "as the forward assumed; the loss was weighted otherwise. For custom loss weighting run with "
-                       + RECOMPUTE_FIX)
-        else:
-            k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
-            expected = k * weights
-            message = ("linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w (one "
-                       "scalar k) as the forward assumed; the loss was weighted otherwise. For custom loss weighting "
-                       "run with " + RECOMPUTE_FIX)
-        matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
-        # (CUDA takes assert messages under 255 characters: tests/test_linear_cross_entropy.py checks)
-        torch._assert_async(matches.all(), message)
-        if ctx.reduction is not None:
-            dhidden = ctx.reduction.wait()
-        else:
-            if not ctx.upstream_known:
-                drows = drows * g[:, None]
-            drows = drows.to(ctx.input_dtype).view(ctx.full_shape)
-            dhidden = reduce_dhidden(drows, options.tp_group, ctx.tp_size, options.sequence_parallel)
-        if ctx.into_main_grad:
-            return dhidden, _main_grad_placeholder(weight), *no_grads
-        if not ctx.upstream_known:
-            dweight_sum.mul_(k)
-        if options.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-            weight.main_grad.add_(dweight_sum)
-            dweight = _main_grad_placeholder(weight)
-        else:
-            dweight = dweight_sum.to(weight.dtype)
-        return dhidden, dweight, *no_grads
 
 
 GRADS = ("recompute", "forward")

@@ -23,7 +23,6 @@ import importlib
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,10 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import mindspeed_cez
-from mindspeed_cez import cann, kernels, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import cann, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez.selfcheck_cases import REAL_VOCAB, absent_backends, ce_backends, linear_variants, sizes
+from mindspeed_cez.selfcheck_report import environment, table
 
-REAL_VOCAB = 151936
 IGNORE = -100
 Z_LOSS_COEFF = 1e-4
 SMOOTHING = 0.1
@@ -70,97 +69,6 @@ def _synchronize(device):
     module = getattr(torch, device.type, None)
     if device.type != "cpu" and module is not None and hasattr(module, "synchronize"):
         module.synchronize()
-
-
-def _version(dist_name):
-    try:
-        from importlib.metadata import version
-
-        return version(dist_name)
-    except Exception:  # noqa: BLE001 - not installed
-        return None
-
-
-def environment(device):
-    """What a bug report needs: device, versions, world size."""
-    info = {"device": str(device), "device_name": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "torch": torch.__version__, "mindspeed_cez": mindspeed_cez.__version__,
-            "triton": None, "triton-ascend": _version("triton-ascend"), "torch_npu": _version("torch_npu"),
-            "cann": None, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-    if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
-    elif device.type == "npu":
-        info["device_name"] = getattr(torch.npu, "get_device_name", lambda d: "npu")(device.index)
-        try:
-            info["cann"] = importlib.import_module("torch_npu.utils.collect_env").get_cann_version()
-        except Exception:  # noqa: BLE001 - a torch_npu without the query
-            pass
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return info
-
-
-# ----------------------------------------------------------------------------------- the cases
-def _triton_runs_on(device):
-    if not kernels.triton_available():
-        return False
-    return device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def ce_backends(device, world_size):
-    """[(name, picked automatically)] for ``vocab_parallel_cross_entropy_zloss`` here."""
-    auto = "torch" if kernels.backend_for(device) is kernels.torch_reference else "triton"
-    names = ["triton"] if _triton_runs_on(device) else []
-    names.append("torch")
-    if device.type == "npu" and world_size == 1 and cann.available():
-        names.append(cann.NAME)
-    return [(n, n == auto) for n in names]
-
-
-def absent_backends(device, world_size):
-    """{backend: why it has no rows here} for the backends ``ce_backends`` leaves out."""
-    out = {}
-    if not kernels.triton_available():
-        out["triton"] = "Triton is not installed (triton; triton-ascend on Ascend NPUs)"
-    elif not _triton_runs_on(device):
-        out["triton"] = ("no GPU/NPU here: the kernels run on accelerators (TRITON_INTERPRET=1 runs them on the "
-                         "CPU in Triton's interpreter, at the small size)")
-    if device.type != "npu":
-        out[cann.NAME] = "Ascend NPUs only"
-    elif world_size > 1:
-        out[cann.NAME] = "tensor-parallel size 1 only"
-    elif not cann.available():
-        out[cann.NAME] = "this torch_npu has no npu_cross_entropy_loss"
-    return out
-
-
-def linear_variants(device, world_size):
-    """[(linear_backend, grads, cross-entropy backend, picked automatically)] for
-    ``linear_cross_entropy_zloss`` here: the GEMM projection with each cross-entropy backend that
-    takes vocab partials (not ``cann``), the Triton projection, and ``grads="forward"``."""
-    auto = "triton" if kernels.linear_backend_for(device).__name__.endswith("triton_linear_cross_entropy") else "gemm"
-    auto_ce = [name for name, picked in ce_backends(device, world_size) if picked][0]
-    out = [("gemm", "recompute", ce, auto == "gemm" and ce == auto_ce)
-           for ce, _ in ce_backends(device, world_size) if ce != cann.NAME]
-    if _triton_runs_on(device):
-        out.append(("triton", "recompute", None, auto == "triton"))
-    out.append((None, "forward", None, False))  # the adaptor's default for the fused output layer
-    return out
-
-
-def sizes(device, args):
-    """(name, rows, vocab, hidden): the small size, and the real vocab unless skipped."""
-    out = [("small", args.small_rows, 1000, 64)]
-    if not args.skip_real:
-        rows = args.real_rows or (2048 if device.type != "cpu" else 8)
-        # hidden of the fused layer: its float64 reference runs on the CPU for NPUs (128 keeps it seconds)
-        out.append(("real", rows, REAL_VOCAB, {"cuda": 512, "npu": 128}.get(device.type, 64)))
-    return out
 
 
 # ----------------------------------------------------------------------- float64, row blocks
@@ -384,23 +292,6 @@ def _tolerance(op, backend, dtype_name):
     return {"loss": loss_tol, "z_loss": loss_tol, "grad": grad_tol}
 
 
-# ----------------------------------------------------------------------------------- reporting
-def table(results):
-    head = f"{'op':<36} {'backend':<22} {'dtype':<5} {'size: tokens x vocab':<20} {'loss':>8} {'z-loss':>8} " \
-           f"{'grad':>8} {'ms':>8} {'torch ms':>8}  status"
-    lines = [head, "-" * len(head)]
-    for r in results:
-        name = r["backend"] + (f"+{r['ce_backend']}" if r.get("ce_backend") else "") + ("*" if r.get("auto") else "")
-        name += f" {r['grads']}" if r.get("grads") else ""
-        e = r.get("errors", {})
-        grad = max((v for k, v in e.items() if k in ("grad", "dhidden", "dweight")), default=None)
-        cells = [f"{v:8.1e}" if v is not None else f"{'-':>8}" for v in (e.get("loss"), e.get("z_loss"), grad)]
-        times = [f"{r[k]:8.2f}" if k in r else f"{'-':>8}" for k in ("ms", "torch_ms")]
-        size = f"{r['size']} {r['rows']}x{r['vocab']}" + (f"/tp{r['tp']}" if r["tp"] > 1 else "")
-        status = r["status"] + (f" ({r['reason']})" if r.get("reason") else "")
-        lines.append(f"{r['op']:<36} {name:<22} {r['dtype']:<5} {size:<20} {' '.join(cells)} {' '.join(times)}  "
-                     + status)
-    return "\n".join(lines)
 
 
 def parse_args(argv=None):

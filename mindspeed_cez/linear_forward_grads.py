@@ -1,0 +1,230 @@
+"""The fused output layer's gradients-in-forward path (``grads="forward"``) and its bookkeeping.
+
+Blocks of token rows with the whole vocab slice, three GEMMs; with ``grad_scale`` (the upstream
+gradient known in forward, Megatron's) ``dweight`` goes into ``main_grad`` during the forward, else
+an fp32 ``dweight`` is kept until backward. A forward that added into ``main_grad`` owes its
+backward: :func:`check_forward_gradients` raises :class:`ForwardGradientError` where one never came.
+"""
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mindspeed_cez.cross_entropy_zloss import _check_target_range
+from mindspeed_cez.first_order import first_order_only
+from mindspeed_cez.fp32_accumulation import Accumulator
+from mindspeed_cez.linear_layer import LinearLossOptions, main_grad_placeholder
+from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
+                                           start_reduce_dhidden)
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardGradsOptions(LinearLossOptions):
+    """:class:`LinearCrossEntropyZLossForwardGrads`'s options: the token rows per block."""
+
+    row_block: Optional[int] = None
+    block_fraction: Optional[float] = None
+
+
+RECOMPUTE_FIX = "grads='recompute'"
+
+
+class ForwardGradientError(RuntimeError):
+    """A weight gradient added into ``main_grad`` during a forward whose backward never came."""
+
+
+class _OwedBackward:
+    """Made by a forward that added ``weight``'s gradient into ``main_grad``; its backward marks it
+    paid. Held by the autograd graph only: freed unpaid means the graph went without a backward."""
+
+    __slots__ = ("what", "paid", "__weakref__")
+
+    def __init__(self, what):
+        self.what, self.paid = what, False
+        _OWED.add(self)
+
+    def __del__(self):
+        if not self.paid:
+            _DROPPED.append(self.what)
+
+
+_OWED = weakref.WeakSet()  # forwards whose graph is alive and backward not yet run
+_DROPPED = []  # forwards whose graph was freed without a backward
+
+
+def check_forward_gradients(backward_pending_ok=False):
+    """Raise :class:`ForwardGradientError` where a forward of ``grads="forward"`` added a weight
+    gradient into ``main_grad`` whose backward never came: its graph freed without one (an extra
+    forward with autograd on, output discarded), or, unless ``backward_pending_ok``, not run yet.
+    Called by the op's forwards (pending backwards are fine there: pipelined micro-batches) and by
+    the adaptor before Megatron's gradient sync (``finish_grad_sync``), so such a gradient never
+    reaches the optimizer. No device work."""
+    dropped, pending = list(_DROPPED), [] if backward_pending_ok else [t.what for t in _OWED if not t.paid]
+    _DROPPED.clear()
+    if dropped:
+        raise ForwardGradientError(
+            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {dropped[0]} into main_grad "
+            f"during a forward ({len(dropped)} such forward(s)) whose output was freed without a backward: main_grad "
+            "now holds a gradient no loss asked for. An extra forward with autograd on (e.g. a metric computed in "
+            "training mode) must run under torch.no_grad(); or run with " + RECOMPUTE_FIX + ", which adds nothing "
+            "in forward.")
+    if pending:
+        for token in list(_OWED):
+            token.paid = True  # reported once
+        raise ForwardGradientError(
+            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {pending[0]} into main_grad "
+            f"during a forward whose backward has not run ({len(pending)} such forward(s)) before the gradients are "
+            "used (Megatron's gradient sync): every training forward of the loss needs its backward. Run other "
+            "forwards under torch.no_grad(), or run with " + RECOMPUTE_FIX + ".")
+
+
+ROW_BLOCK_MIN = 1024
+BLOCK_FRACTION = 0.5  # the default: a block's logits are half the logits
+LEAN_BLOCK_FRACTION = 0.125  # the lean setting: an eighth
+
+
+def default_row_block(n_rows, v_local, block_fraction=None):
+    """Token rows per block of the gradients-in-forward path: ``block_fraction`` of the tokens
+    (None: ``BLOCK_FRACTION``, 1/2), rounded down to a power of two, at least ``ROW_BLOCK_MIN``
+    (1024: GEMMs of fewer rows lose speed) and at most the tokens. A block's logits (then their
+    gradient) are the path's working memory: ``block_fraction`` x the logits. Each block reads and
+    writes the fp32 ``dweight`` once, ``8 V h`` bytes beside ``6 rows V h`` FLOPs of GEMMs: ~30 % of
+    an H100's GEMM time at 1024 rows, ~8 % at 4096, ~4 % at 8192 (docs/weight_gradient.md)."""
+    fraction = BLOCK_FRACTION if block_fraction is None else block_fraction
+    rows = max(int(n_rows * fraction), 1)
+    return max(1, min(n_rows, max(ROW_BLOCK_MIN, 1 << (rows.bit_length() - 1))))  # 1 for 0 tokens: no blocks
+
+
+class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
+    """Gradients made during the forward, three GEMMs in all (no recomputation): blocks of token
+    rows with their whole vocab slice, each turned into its gradient in place.
+
+    With ``grad_scale`` the upstream gradient is known in forward: ``grad_scale * token_weights``
+    (Megatron's loss scale over its token count); each block's gradient is made for it, ``dhidden``
+    in the input's dtype exactly as the unfused path makes it (its reduction over the TP ranks
+    started in forward, overlapped with the last block's weight-gradient GEMM as
+    ``ColumnParallelLinear`` overlaps it; backward waits for it), and ``dweight`` added straight into
+    ``weight.main_grad`` (``gradient_accumulation_fusion``; else an fp32 buffer until backward).
+    Backward checks on the device that the gradient that came is that one.
+
+    Without it, the upstream gradient must be ``k * token_weights`` with one unknown scalar ``k``:
+    blocks are made for a unit gradient, ``dhidden`` kept in fp32 and scaled per token in backward,
+    ``dweight`` summed in fp32 with ``token_weights`` and scaled by
+    ``k = sum(g*w) / sum(w*w)`` in backward.
+
+    Either way anything else trips a device-side assert in backward (no host sync), never a silent
+    number; and a forward that adds into ``main_grad`` must be followed by its backward (checked:
+    :func:`check_forward_gradients`). Under ``torch.no_grad()`` the op takes the recompute path's
+    forward instead: the loss alone, nothing into ``main_grad``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, token_weights, grad_scale, options):
+        ignore_index, backend, transform = options.ignore_index, options.backend, options.transform
+        z_loss_coeff, label_smoothing = options.z_loss_coeff, options.label_smoothing
+        tp_group, sequence_parallel = options.tp_group, options.sequence_parallel
+        rank, tp_size = group_rank_and_size(tp_group)
+        full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
+        rows = full.reshape(-1, full.shape[-1])
+        flat_target = target.reshape(-1)
+        weights = torch.where(flat_target == ignore_index, 0.0, token_weights.reshape(-1).float())
+        n, v_local = rows.shape[0], weight.shape[0]
+        global_vocab, vocab_start = v_local * tp_size, rank * v_local
+        upstream_known = grad_scale is not None  # the upstream gradient is grad_scale * weights
+        upstream = weights * grad_scale if upstream_known else torch.ones(n, dtype=torch.float32, device=rows.device)
+        into_main_grad = upstream_known and options.gradient_accumulation_fusion and hasattr(weight, "main_grad")
+        check_forward_gradients(backward_pending_ok=True)
+        out = torch.empty((3, n), dtype=torch.float32, device=rows.device)
+        drows = torch.empty(rows.shape, dtype=rows.dtype if upstream_known else torch.float32, device=rows.device)
+        dweight = weight.main_grad if into_main_grad else torch.zeros(weight.shape, dtype=torch.float32,
+                                                                      device=rows.device)
+        step = options.row_block or default_row_block(n, v_local, options.block_fraction)
+        block = rows.new_empty((min(step, n), v_local))  # one block's logits, then their gradient
+        accumulate = Accumulator(rows.device)
+        reduction = None  # dhidden's collective, started in forward where the upstream gradient is known
+        for r in range(0, n, step):
+            x, t = rows[r:r + step], flat_target[r:r + step]
+            logits = block[:x.shape[0]]
+            torch.matmul(x, weight.t(), out=logits)
+            stats = backend.shard_partials(logits, t, vocab_start, global_vocab, ignore_index, label_smoothing,
+                                           transform=transform)
+            merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size, "weight", out[:, r:r + step])
+            if r == 0:  # after the first collective (see the op's forward), before anything is written
+                _check_target_range(flat_target, global_vocab, ignore_index, backend)
+            backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], ignore_index, vocab_start,
+                               z_loss_coeff, label_smoothing, global_vocab, transform=transform)
+            if upstream_known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
+                torch.matmul(logits, weight, out=drows[r:r + step])
+                if r + step >= n:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
+                    reduction = start_reduce_dhidden(drows.view(full.shape), tp_group, tp_size, sequence_parallel)
+                accumulate(dweight, logits.t(), x)
+            else:
+                drows[r:r + step] = 0
+                accumulate(drows[r:r + step], logits, weight)
+                accumulate(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
+        loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
+        ctx.save_for_backward(None if reduction is not None else drows, None if into_main_grad else dweight, weights, upstream,
+                              weight, flat_target != ignore_index)
+        ctx.reduction = reduction  # holds this rank's dhidden (its sequence chunk with SP), not all of drows
+        ctx.options, ctx.tp_size, ctx.upstream_known, ctx.into_main_grad = options, tp_size, upstream_known, into_main_grad
+        ctx.full_shape, ctx.input_dtype = full.shape, hidden.dtype
+        ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_main_grad else None
+        ctx.backward_done = False
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(z_loss, lse)
+        return loss, z_loss, lse
+
+    @staticmethod
+    @first_order_only("linear_cross_entropy_zloss")
+    def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
+        if ctx.backward_done:
+            raise RuntimeError(
+                "linear_cross_entropy_zloss(grads='forward') made its gradients during the forward for one backward: "
+                "a second backward through the same graph (retain_graph=True) is not served; run the forward again, "
+                "or use " + RECOMPUTE_FIX)
+        ctx.backward_done = True
+        if ctx.owed is not None:
+            ctx.owed.paid = True
+            if grad_loss is None:
+                raise ForwardGradientError(
+                    "linear_cross_entropy_zloss(grads='forward'): the loss got no gradient, but its forward added the "
+                    "weight gradient into main_grad for grad_scale * token_weights: backpropagate the loss, or run "
+                    "with " + RECOMPUTE_FIX + ".")
+        no_grads = (None,) * 4  # target, token_weights, grad_scale, options
+        if grad_loss is None:
+            return None, None, *no_grads
+        drows, dweight_sum, weights, upstream, weight, counted = ctx.saved_tensors
+        options = ctx.options
+        g = grad_loss.reshape(-1).float()
+        if ctx.upstream_known:
+            expected = upstream
+            message = ("linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights "
+                       "as the forward assumed; the loss was weighted otherwise. For custom loss weighting run with "
+                       + RECOMPUTE_FIX)
+        else:
+            k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
+            expected = k * weights
+            message = ("linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w (one "
+                       "scalar k) as the forward assumed; the loss was weighted otherwise. For custom loss weighting "
+                       "run with " + RECOMPUTE_FIX)
+        matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
+        # (CUDA takes assert messages under 255 characters: tests/test_linear_cross_entropy.py checks)
+        torch._assert_async(matches.all(), message)
+        if ctx.reduction is not None:
+            dhidden = ctx.reduction.wait()
+        else:
+            if not ctx.upstream_known:
+                drows = drows * g[:, None]
+            drows = drows.to(ctx.input_dtype).view(ctx.full_shape)
+            dhidden = reduce_dhidden(drows, options.tp_group, ctx.tp_size, options.sequence_parallel)
+        if ctx.into_main_grad:
+            return dhidden, main_grad_placeholder(weight), *no_grads
+        if not ctx.upstream_known:
+            dweight_sum.mul_(k)
+        if options.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
+            weight.main_grad.add_(dweight_sum)
+            dweight = main_grad_placeholder(weight)
+        else:
+            dweight = dweight_sum.to(weight.dtype)
+        return dhidden, dweight, *no_grads
