@@ -19,6 +19,7 @@ no launch hook (a profiler's) is set; everything else goes through ``kernel[grid
 one warning on CUDA where this Triton is outside those versions (torch 2.7.1 brings Triton 3.3.1).
 """
 
+import inspect
 import re
 import warnings
 
@@ -100,17 +101,30 @@ def _hooks_set():
 class Launcher:
     """``Launcher(kernel)(grid, args, options)``: ``kernel[grid](*args, **dict(options))``, with
     the compiled kernel reused for arguments of the same kinds. ``args`` holds every parameter
-    of the kernel in order, constexprs included; ``options`` is a tuple of (name, value) launch
+    of the kernel in order, constexprs included (``bind`` makes it from names); ``options`` is a tuple of (name, value) launch
     options (``num_warps``, ...). ``direct=False`` (an instance's choice: A/B timing, debugging):
     always Triton's own launch path."""
 
     def __init__(self, kernel, direct=True):
         self.kernel = kernel
         self.direct = direct
+        self.params = tuple(inspect.signature(kernel.fn).parameters)  # the kernel's, in order
         constexprs = set(getattr(kernel, "constexprs", ()))  # none under the interpreter
         self.runtime = [i not in constexprs for i in range(len(getattr(kernel, "arg_names", ())))]
         self.compiled = {}
         self.current_stream = None  # Triton's driver's, once a kernel has launched
+
+    def bind(self, shared=None, /, **named):
+        """The kernel's arguments in parameter order, by name: every parameter from ``named``, or else
+        from ``shared`` (a mapping several kernels draw on, e.g. a loss's kernel arguments; names the
+        kernel lacks are left out). A parameter in neither, or a name in ``named`` the kernel lacks, raises."""
+        if not named.keys() <= set(self.params):
+            raise TypeError(f"{self.kernel.fn.__name__} has no parameter {sorted(named.keys() - set(self.params))}")
+        shared = shared or {}
+        try:
+            return tuple(named[p] if p in named else shared[p] for p in self.params)
+        except KeyError as missing:
+            raise TypeError(f"{self.kernel.fn.__name__}: no value for parameter {missing}") from None
 
     def key(self, device, args, options):
         return (device.index, options, *[_arg_key(v) if r else v for r, v in zip(self.runtime, args)])

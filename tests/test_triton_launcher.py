@@ -83,3 +83,19 @@ def test_equal_launcher_keys_mean_equal_triton_specializations(seed, tmp_path):
     for name, row in result.items():
         assert not row["clashes"], f"{name}: one launcher key for several Triton specializations: {row['clashes']}"
         assert row["triton_specs"] > 100, (name, row)  # the random arguments do reach many specializations
+
+
+def test_bind_orders_arguments_by_parameter_name():
+    from mindspeed_cez.kernels import triton_cross_entropy as tce
+    from mindspeed_cez.kernels.triton_launcher import Launcher
+
+    launcher = Launcher(tce._grad_kernel)
+    shared = {p: f"shared {p}" for p in launcher.params} | {"not_a_parameter": 0}
+    args = launcher.bind(shared, BLOCK_V=1024, lse_ptr="named")
+    assert len(args) == len(launcher.params)
+    assert args[launcher.params.index("BLOCK_V")] == 1024 and args[launcher.params.index("lse_ptr")] == "named"
+    assert args[0] == "shared logits_ptr"
+    with pytest.raises(TypeError, match="no parameter .*blockv"):
+        launcher.bind(shared, blockv=1)
+    with pytest.raises(TypeError, match="no value for parameter 'logits_ptr'"):
+        launcher.bind({"BLOCK_V": 1})
