@@ -267,15 +267,20 @@ def profiled_ms(step, make_input, device, iters, align):
             step(x)
         torch.cuda.synchronize(device)
     kernels = gather = 0.0
+    by_name = {}
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA or e.device_time <= 0:
+        # GPU-side ranges (user annotations: record_function, autograd's) span kernels counted already
+        if (e.device_type != torch.autograd.DeviceType.CUDA or e.device_time <= 0
+                or getattr(e, "is_user_annotation", False)):
             continue
         name = e.name.lower()
         if "nccl" in name:
             gather += e.device_time if "allgather" in name else 0.0
         elif "copy" not in name:  # the untimed clone of the input
             kernels += e.device_time
-    return kernels / 1e3 / iters, gather / 1e3 / iters
+            by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.device_time / 1e3 / iters
+    top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:6])
+    return kernels / 1e3 / iters, gather / 1e3 / iters, top
 
 
 def run_tp(args, device):
@@ -403,7 +408,9 @@ def run_tp(args, device):
     if device.type == "cuda":
         report += ["", f"Device time of the op at TP={world}, fwd+bwd per call (profiler kernel sums): "
                    + ", ".join(f"rank {i['rank']} kernels {i['device'][0]:.3f} ms ({i['device'][0] / floor[1]:.2f}x "
-                               f"floor) + all-gather kernel {i['device'][1]:.3f} ms" for i in gathered_rows)]
+                               f"floor) + all-gather kernel {i['device'][1]:.3f} ms" for i in gathered_rows),
+                   "Rank 0's kernels counted there, ms per call: "
+                   + ", ".join(f"`{k}` {v:.3f}" for k, v in gathered_rows[0]["device"][2].items())]
     worst = max(i["rows"][tp_key][1][0] for i in gathered_rows)
     report += ["", f"The op at TP={world}, fwd+bwd, slowest rank: {fmt_ms(worst)} ms = {fmt_ratio(worst, floor[1])}x "
                "the three passes over the shard (target at TP >= 2: <= 1.5x)"]
