@@ -10,6 +10,7 @@ import datetime
 import os
 import pickle
 import queue
+import random
 import socket
 import sys
 import time
@@ -21,11 +22,46 @@ import torch.multiprocessing as mp
 
 
 # ----------------------------------------------------------------------------------- processes
+def _ephemeral_range():
+    """The kernel's range for ports it hands out on its own (NCCL's bootstrap sockets, clients)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = (int(v) for v in fh.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_PORTS = random.Random()  # its own generator: seeded tests do not make processes pick alike
+
+
+def free_ports(n=1):
+    """``n`` distinct TCP ports free on 127.0.0.1 right now, drawn at random below the ephemeral range
+    (a port bound to 0 comes from that range, where NCCL and every other process also take theirs
+    between the pick and the rendezvous store's bind: two test runs side by side collided there)."""
+    low, _ = _ephemeral_range()
+    first = 10000 if low > 12000 else 1024
+    chosen, held = [], []
+    try:
+        while len(chosen) < n:
+            port = _PORTS.randrange(first, low)
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                continue
+            held.append(sock)  # held until all are chosen: none repeats
+            chosen.append(port)
+        return chosen
+    finally:
+        for sock in held:
+            sock.close()
+
+
 def free_port():
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free on 127.0.0.1 right now (see :func:`free_ports`)."""
+    return free_ports(1)[0]
 
 
 def _rank_main(rank, world_size, port, backend, fn, args, reports):
