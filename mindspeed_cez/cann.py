@@ -67,7 +67,7 @@ def _rows_loss(rows, target, valid, z_loss_coeff, label_smoothing):
     """(loss, z_loss, lse) fp32 [n] of one call of the op on ``rows`` [n, V] (n <= MAX_ROWS)."""
     op = _op()
     safe = torch.where(valid, target, torch.zeros_like(target)).long()  # the op ignores nothing here
-    z_args = {"lse_square_scale_for_zloss": float(z_loss_coeff), "return_zloss": True} if z_loss_coeff else {}
+    z_args = {"lse_square_scale_for_zloss": z_loss_coeff, "return_zloss": True} if z_loss_coeff else {}
     ce, _log_prob, zloss, lse_for_zloss = op(rows, safe, reduction="none", **z_args)
     target_logit = rows.gather(1, safe.unsqueeze(1)).squeeze(1).float()
     loss = ce.float()

@@ -139,7 +139,7 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
                                tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False,
                                token_weights=None, *, grad_scale=None, logit_scale=1.0, logit_softcap=0.0,
                                grads="recompute", backend=None, linear_backend=None, chunk_cols=None, row_block=None,
-                               block_fraction=None, return_lse=False, loss=None):
+                               block_fraction=None, return_lse=False, loss=None, remedy=None):
     """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
 
     Args:
@@ -188,6 +188,9 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         loss: the whole loss as one ``LossSpec`` instead of the loose ``ignore_index``,
             ``z_loss_coeff``, ``label_smoothing``, ``logit_scale`` and ``logit_softcap``, as
             :func:`vocab_parallel_cross_entropy_zloss`.
+        remedy: with ``grads="forward"``, the fix that errors raised after the forward (in backward,
+            or on the device, where no caller can re-word them) name; None: ``"grads='recompute'"``.
+            The adaptor passes its flag's.
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``CE + c*lse**2`` per token and the detached
@@ -211,7 +214,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
     else:
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.detach().reshape(()).float()
-        options = ForwardGradsOptions(**common, row_block=row_block, block_fraction=block_fraction)
+        options = ForwardGradsOptions(**common, row_block=row_block, block_fraction=block_fraction,
+                                      **({} if remedy is None else {"remedy": str(remedy)}))
         total, z_loss, lse = LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(),
                                                                        grad_scale, options)
     return (total, z_loss, lse) if return_lse else (total, z_loss)

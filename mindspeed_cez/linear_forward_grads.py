@@ -25,9 +25,10 @@ class ForwardGradsOptions(LinearLossOptions):
 
     row_block: Optional[int] = None
     block_fraction: Optional[float] = None
+    remedy: str = "grads='recompute'"  # the fix that errors raised after the forward name
 
 
-RECOMPUTE_FIX = "grads='recompute'"
+RECOMPUTE_FIX = ForwardGradsOptions.remedy
 
 
 class ForwardGradientError(RuntimeError):
@@ -179,7 +180,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             raise RuntimeError(
                 "linear_cross_entropy_zloss(grads='forward') made its gradients during the forward for one backward: "
                 "a second backward through the same graph (retain_graph=True) is not served; run the forward again, "
-                "or use " + RECOMPUTE_FIX)
+                "or use " + ctx.options.remedy)
         ctx.backward_done = True
         if ctx.owed is not None:
             ctx.owed.paid = True
@@ -187,7 +188,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
                 raise ForwardGradientError(
                     "linear_cross_entropy_zloss(grads='forward'): the loss got no gradient, but its forward added the "
                     "weight gradient into main_grad for grad_scale * token_weights: backpropagate the loss, or run "
-                    "with " + RECOMPUTE_FIX + ".")
+                    "with " + ctx.options.remedy + ".")
         no_grads = (None,) * 4  # target, token_weights, grad_scale, options
         if grad_loss is None:
             return None, None, *no_grads
@@ -198,13 +199,13 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             expected = upstream
             message = ("linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights "
                        "as the forward assumed; the loss was weighted otherwise. For custom loss weighting run with "
-                       + RECOMPUTE_FIX)
+                       + ctx.options.remedy)
         else:
             k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
             expected = k * weights
             message = ("linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w (one "
                        "scalar k) as the forward assumed; the loss was weighted otherwise. For custom loss weighting "
-                       "run with " + RECOMPUTE_FIX)
+                       "run with " + ctx.options.remedy)
         matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
         # (CUDA takes assert messages under 255 characters: tests/test_linear_cross_entropy.py checks)
         torch._assert_async(matches.all(), message)

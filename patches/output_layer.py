@@ -187,7 +187,8 @@ def linear_loss(deferred, target, tp_group, loss, settings, grads, loss_mask, co
             token_weights=loss_mask.transpose(0, 1).to(torch.float32) if forward else None,  # [b s] => [s b]
             grad_scale=megatron_grad_scale(config, loss_mask) if forward else None,
             grads=grads, backend=settings.backend, linear_backend=settings.linear_backend,
-            block_fraction=settings.block_fraction if forward else None, return_lse=True)
+            block_fraction=settings.block_fraction if forward else None, remedy=f"{FLAG} recompute",
+            return_lse=True)
     except ForwardGradientError as error:  # a dropped forward's gradient, found at this one
         raise _naming_the_flag(error) from error
 

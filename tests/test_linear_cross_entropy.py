@@ -523,3 +523,8 @@ def test_the_mismatch_message_names_the_cause_and_the_fix(monkeypatch):
     with pytest.raises(RuntimeError, match="must be k \\* w .*grads='recompute'"):
         (loss * torch.rand(mask.shape)).sum().backward()
     assert len(messages) == 2 and all(len(m) < 255 for m in messages), [len(m) for m in messages]
+    remedy = "--lm-fused-output-layer recompute"  # what the adaptor passes: the flag, where the op has none
+    loss, _ = linear_cross_entropy_zloss(h, w, target, token_weights=mask, grads="forward", remedy=remedy)
+    with pytest.raises(RuntimeError, match="must be k \\* w .*run with --lm-fused-output-layer recompute$"):
+        (loss * torch.rand(mask.shape)).sum().backward()
+    assert len(messages) == 3 and len(messages[-1]) < 255, len(messages[-1])
