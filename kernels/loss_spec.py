@@ -58,24 +58,26 @@ class LossSpec:
         object.__setattr__(self, "ignore_index", int(self.ignore_index))
         object.__setattr__(self, "z_loss_coeff", float(self.z_loss_coeff))
         object.__setattr__(self, "label_smoothing", float(self.label_smoothing))
+        object.__setattr__(self, "_kernel_args", {})  # per global vocab; not a field (no part of ==)
+
+    def __getstate__(self):  # copies and pickles start without the made mappings
+        return {**self.__dict__, "_kernel_args": {}}
 
     def kernel_args(self, global_vocab):
-        """The Triton kernels' loss arguments by parameter name (read-only, one mapping per
-        ``(spec, global_vocab)``): ``ignore_index``, ``global_vocab``, ``z_loss_coeff``,
-        ``target_weight = 1-a``, ``smoothing_per_col = a/V``, ``logit_scale``, ``logit_softcap``, and
-        the constexprs ``TRANSFORM`` and ``WITH_LOGIT_SUM`` (``a > 0``)."""
-        return _kernel_args(self, global_vocab)
-
-
-@functools.lru_cache(maxsize=64)
-def _kernel_args(spec, global_vocab):
-    a = spec.label_smoothing
-    return MappingProxyType({
-        "ignore_index": spec.ignore_index, "global_vocab": global_vocab, "z_loss_coeff": spec.z_loss_coeff,
-        "target_weight": 1.0 - a, "smoothing_per_col": a / global_vocab,
-        "logit_scale": spec.transform.scale, "logit_softcap": spec.transform.cap,
-        "TRANSFORM": spec.transform.kind, "WITH_LOGIT_SUM": a > 0,
-    })
+        """The Triton kernels' loss arguments by parameter name (read-only, made once per global
+        vocab): ``ignore_index``, ``global_vocab``, ``z_loss_coeff``, ``target_weight = 1-a``,
+        ``smoothing_per_col = a/V``, ``logit_scale``, ``logit_softcap``, and the constexprs
+        ``TRANSFORM`` and ``WITH_LOGIT_SUM`` (``a > 0``)."""
+        made = self._kernel_args.get(global_vocab)
+        if made is None:
+            a, transform = self.label_smoothing, self.transform
+            made = self._kernel_args[global_vocab] = MappingProxyType({
+                "ignore_index": self.ignore_index, "global_vocab": global_vocab, "z_loss_coeff": self.z_loss_coeff,
+                "target_weight": 1.0 - a, "smoothing_per_col": a / global_vocab,
+                "logit_scale": transform.scale, "logit_softcap": transform.cap,
+                "TRANSFORM": transform.kind, "WITH_LOGIT_SUM": a > 0,
+            })
+        return made
 
 
 @functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1 (a bool is refused)

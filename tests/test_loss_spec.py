@@ -4,6 +4,7 @@ float64 computation of the loss; the ops' one vocab prologue."""
 
 import argparse
 import math
+import pickle
 
 import pytest
 import torch
@@ -92,6 +93,8 @@ def test_kernel_args_against_a_float64_loss():
     with pytest.raises(TypeError):
         args["z_loss_coeff"] = 0.0  # shared by every launch: read-only
     assert not LossSpec().kernel_args(vocab)["WITH_LOGIT_SUM"]
+    copied = pickle.loads(pickle.dumps(spec))  # a config holding one can be copied and pickled
+    assert copied == spec and hash(copied) == hash(spec) and copied.kernel_args(vocab) == args
 
 
 def test_loss_argument_is_the_loose_arguments_in_one():
