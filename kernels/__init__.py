@@ -3,8 +3,8 @@
 Each backend is a module with the same functions (logits ``[n, v_local]`` with a contiguous
 last dim, target ``[n]`` global ids, results fp32). ``loss`` is the loss's description, a
 :class:`.loss_spec.LossSpec` (ignore index, z-loss coefficient ``c``, label smoothing ``a``, logit
-transform: everything below is of ``z = loss.transform.apply(x)``, transformed per element in the
-backend's own working tiles / chunks, and ``write_grad`` writes ``dz * dz/dx``); ``shard`` is where
+transform: everything below is of ``z = loss.logit_transform.apply(x)``, transformed per element in
+the backend's own working tiles / chunks, and ``write_grad`` writes ``dz * dz/dx``); ``shard`` is where
 the logits' columns lie in the global vocab, a :class:`.loss_spec.VocabShard`:
 
 ``fused_loss(logits, target, loss)``

@@ -1,7 +1,7 @@
 """What the loss is, as one frozen value from the flag to the kernel, and where one call's vocab slice lies.
 
-``LossSpec(ignore_index, z_loss_coeff, label_smoothing, transform)``: per token
-``loss = lse - (1-a)*z[target] - a*mean(z) + c*lse**2`` of ``z = transform.apply(logits)``, 0 where
+``LossSpec(ignore_index, z_loss_coeff, label_smoothing, logit_transform)``: per token
+``loss = lse - (1-a)*z[target] - a*mean(z) + c*lse**2`` of ``z = logit_transform.apply(logits)``, 0 where
 ``target == ignore_index``. Each field is checked and cast here, once, where the user's value enters
 (an op argument, the adaptor's settings, a flag); ``names`` maps a field to the caller's name for it,
 which the error then names. Every backend takes the spec whole; the Triton kernels get
@@ -36,7 +36,7 @@ class LossSpec:
     ignore_index: int = -100
     z_loss_coeff: float = 0.0
     label_smoothing: float = 0.0
-    transform: LogitTransform = IDENTITY
+    logit_transform: LogitTransform = IDENTITY
     names: InitVar[Optional[Mapping[str, str]]] = None
 
     def __post_init__(self, names):
@@ -53,8 +53,8 @@ class LossSpec:
         value = self.label_smoothing
         if not (_number(value) and 0.0 <= value < 1.0):
             raise ValueError(f"{name('label_smoothing')} must be in [0, 1), got {value!r}")
-        if not isinstance(self.transform, LogitTransform):
-            raise TypeError(f"{name('transform')} must be a LogitTransform, got {self.transform!r}")
+        if not isinstance(self.logit_transform, LogitTransform):
+            raise TypeError(f"{name('logit_transform')} must be a LogitTransform, got {self.logit_transform!r}")
         object.__setattr__(self, "ignore_index", int(self.ignore_index))
         object.__setattr__(self, "z_loss_coeff", float(self.z_loss_coeff))
         object.__setattr__(self, "label_smoothing", float(self.label_smoothing))
@@ -70,7 +70,7 @@ class LossSpec:
         ``TRANSFORM`` and ``WITH_LOGIT_SUM`` (``a > 0``)."""
         made = self._kernel_args.get(global_vocab)
         if made is None:
-            a, transform = self.label_smoothing, self.transform
+            a, transform = self.label_smoothing, self.logit_transform
             made = self._kernel_args[global_vocab] = MappingProxyType({
                 "ignore_index": self.ignore_index, "global_vocab": global_vocab, "z_loss_coeff": self.z_loss_coeff,
                 "target_weight": 1.0 - a, "smoothing_per_col": a / global_vocab,

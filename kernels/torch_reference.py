@@ -48,7 +48,7 @@ def write_width(partials, n_rows, width):
 
 
 def shard_partials(logits, target, loss, shard):
-    """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`, of ``loss.transform.apply(logits)``
+    """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`, of ``loss.logit_transform.apply(logits)``
     (``loss``: a :class:`.loss_spec.LossSpec`; ``shard``: the logits' :class:`.loss_spec.VocabShard`)."""
     n_rows, n_cols = logits.shape
     a = loss.label_smoothing
@@ -56,7 +56,7 @@ def shard_partials(logits, target, loss, shard):
     lse, terms = row(partials, LOCAL_LSE, n_rows), row(partials, TARGET_TERM, n_rows)
     invalid = ~valid_targets(target, shard.global_vocab, loss.ignore_index)
     for start, end in _row_chunks(n_rows, n_cols):
-        x = loss.transform.apply(logits[start:end].float())
+        x = loss.logit_transform.apply(logits[start:end].float())
         lse[start:end] = logsumexp(x)
         local, owned = _local_target(target[start:end], shard.vocab_start, n_cols)
         picked = x.gather(1, local[:, None]).squeeze(1)
@@ -104,7 +104,7 @@ def write_grad(logits, grad, target, lse, grad_loss, loss, shard):
     ``logits``), ``g`` the upstream gradient ``grad_loss`` (0 on ignored rows); with a transform,
     that gradient of the transformed logits times their slope ``dz/dx``."""
     n_rows, n_cols = logits.shape
-    a, c, transform = loss.label_smoothing, loss.z_loss_coeff, loss.transform
+    a, c, transform = loss.label_smoothing, loss.z_loss_coeff, loss.logit_transform
     grad_scale = grad_loss.float().masked_fill(target == loss.ignore_index, 0.0)
     for start, end in _row_chunks(n_rows, n_cols):
         z, slope = transform.apply_with_slope(logits[start:end].float())

@@ -183,7 +183,7 @@ def vocab_parallel_cross_entropy_zloss(
     loss = loss_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
     tp_group = resolve_tp_group(tp_group)
     if backend == cann.NAME:  # the vendor op (torch_npu), TP = 1: its own autograd
-        cann.check_applies(group_rank_and_size(tp_group)[1], loss.transform)
+        cann.check_applies(group_rank_and_size(tp_group)[1], loss.logit_transform)
         check_target_range(target.reshape(-1), loss, VocabShard.whole(logits.shape[-1]), kernels.torch_reference)
         total, z_loss, lse = cann.cross_entropy_zloss(
             first_order_input(logits, "vocab_parallel_cross_entropy_zloss"), target, loss)

@@ -41,8 +41,8 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         full = gather_sequence(hidden, options.tp_group, shard.world_size, options.sequence_parallel)
         rows = as_rows(full)
         flat_target = target.reshape(-1)
-        stats = options.linear.linear_partials(rows, weight, flat_target, options.loss, shard, ce_backend=options.backend,
-                                               chunk_cols=options.chunk_cols)
+        stats = options.linear.linear_partials(rows, weight, flat_target, options.loss, shard,
+                                               ce_backend=options.backend, chunk_cols=options.chunk_cols)
         out = merged_loss(options.backend, stats, flat_target, options.loss, options.tp_group, shard.world_size,
                           shard_name="weight")
         # after the collective; the linear kernels do not assert on targets: the torch check does on CUDA
@@ -74,8 +74,8 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         accumulate = Accumulator(rows.device)
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
-            dlogits = options.linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss, options.loss,
-                                                 shard.chunk(c, w.shape[0]), ce_backend=options.backend)
+            dlogits = options.linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss,
+                                                 options.loss, shard.chunk(c, w.shape[0]), ce_backend=options.backend)
             accumulate(drows, dlogits, w)  # fp32 sum over vocab chunks
             if c + step >= v_local:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
                 reduction = start_reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, tp_size,

@@ -74,7 +74,7 @@ class Settings:
             raise TypeError(f"{name('logit_transform')} must be None or a LogitTransform, got {self.logit_transform!r}")
         loss = LossSpec(z_loss_coeff=self.z_loss_coeff,
                         label_smoothing=0.0 if self.label_smoothing is None else self.label_smoothing,
-                        transform=self.logit_transform or IDENTITY, names=names)
+                        logit_transform=self.logit_transform or IDENTITY, names=names)
         object.__setattr__(self, "z_loss_coeff", loss.z_loss_coeff)
         if self.label_smoothing is not None:
             object.__setattr__(self, "label_smoothing", loss.label_smoothing)
