@@ -289,6 +289,7 @@ def run_tp(args, device):
     device), host time (enqueueing it) and device time (profiler kernel sums)."""
     from mindspeed_cez import kernels as cez_kernels
     from mindspeed_cez import vocab_parallel_cross_entropy_zloss as op
+    from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
     from mindspeed_cez.kernels.partials import partials_numel
     from mindspeed_cez.tensor_parallel import all_gather
 
@@ -298,7 +299,8 @@ def run_tp(args, device):
     if global_vocab % world:
         raise SystemExit(f"global vocab {global_vocab} does not divide by {world} ranks")
     v_local = global_vocab // world
-    vocab_start = rank * v_local
+    vocab = VocabShard(rank * v_local, v_local, global_vocab, rank, world)
+    spec = LossSpec(-100, Z_LOSS_COEFF)
 
     # Each rank draws its own vocab slice; targets and upstream gradient are the same on all ranks.
     shard, _, _ = make_inputs(n, v_local, device, seed=1000 + rank, global_vocab=global_vocab)
@@ -351,9 +353,9 @@ def run_tp(args, device):
     def kernels(backward):
         def step(x):
             rows = x.detach()
-            backend.shard_partials(rows, target, vocab_start, global_vocab, -100)
+            backend.shard_partials(rows, target, spec, vocab)
             if backward:
-                backend.write_grad(rows, rows, target, lse, grad_loss, -100, vocab_start, Z_LOSS_COEFF, 0.0, global_vocab)
+                backend.write_grad(rows, rows, target, lse, grad_loss, spec, vocab)
         return step
 
     # The op's one collective alone, on buffers of its size: every rank's partials gathered.

@@ -1,25 +1,26 @@
 """Backends for the fused cross-entropy + z-loss op.
 
 Each backend is a module with the same functions (logits ``[n, v_local]`` with a contiguous
-last dim, target ``[n]`` global ids, results fp32). ``fused_loss``, ``shard_partials`` and
-``write_grad`` also take the keyword ``transform=IDENTITY`` (a :class:`.logit_transform.LogitTransform`):
-everything below is then of ``z = transform.apply(x)``, transformed per element in the backend's
-own working tiles / chunks, and ``write_grad`` writes ``dz * dz/dx``; the default computes on ``x``:
+last dim, target ``[n]`` global ids, results fp32). ``loss`` is the loss's description, a
+:class:`.loss_spec.LossSpec` (ignore index, z-loss coefficient ``c``, label smoothing ``a``, logit
+transform: everything below is of ``z = loss.logit_transform.apply(x)``, transformed per element in
+the backend's own working tiles / chunks, and ``write_grad`` writes ``dz * dz/dx``); ``shard`` is where
+the logits' columns lie in the global vocab, a :class:`.loss_spec.VocabShard`:
 
-``fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing)``
+``fused_loss(logits, target, loss)``
     one rank holds the whole vocab: ``[3, n]`` rows loss, z-loss, lse, in one pass.
-``shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing)``
+``shard_partials(logits, target, loss, shard)``
     the flat partials of this vocab slice, the layout of :mod:`.partials`: per row its
-    log-sum-exp and target term ``(1-a)*x[target] + (a/V)*sum(x)`` (NaN for an out-of-range
+    log-sum-exp and target term ``(1-a)*z[target] + (a/V)*sum(z)`` (NaN for an out-of-range
     target), then the slice's width.
-``loss_from_partials(partials, target, ignore_index, z_loss_coeff, out=None)``
+``loss_from_partials(partials, target, loss, out=None)``
     ``[ranks, numel]`` partials (every rank's, all-gathered; ``[1, numel]`` for one) -> ``[3, n]``
     loss, z-loss, lse (into ``out`` when given); unequal widths give NaN, on CUDA also a
     device-side assert.
-``write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff, label_smoothing, global_vocab)``
+``write_grad(logits, grad, target, lse, grad_loss, loss, shard)``
     writes ``g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)`` into ``grad`` (which may be
     ``logits`` itself), ``g`` the upstream gradient, 0 on ignored rows.
-``check_targets(target, global_vocab, ignore_index)``
+``check_targets(target, loss, shard)``
     on CUDA an asynchronous device-side assert on out-of-range targets (no host sync); the
     Triton backend asserts inside its forward kernel instead, so its ``check_targets`` launches
     nothing.
@@ -31,10 +32,9 @@ accelerators when it imports, else torch. The ops take the name as their ``backe
 nothing in ``kernels/`` reads the environment (the adaptor's settings do).
 
 The fused output projection (``linear_cross_entropy_zloss``) has backends of its own, with
-``linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing,
-*, ce_backend=None, chunk_cols=None, transform=IDENTITY)`` (the ``[4, n]`` partials
-of ``rows @ weight.T``) and ``linear_grad(rows, weight, grad, ..., *, ce_backend=None,
-transform=IDENTITY)`` (its gradient into ``grad``), the transform as above:
+``linear_partials(rows, weight, target, loss, shard, *, ce_backend=None, chunk_cols=None)`` (the
+partials of ``rows @ weight.T``) and ``linear_grad(rows, weight, grad, target, lse, grad_loss, loss,
+shard, *, ce_backend=None)`` (its gradient into ``grad``), ``loss`` and ``shard`` as above:
 ``"triton"`` (``triton_linear_cross_entropy``, ``tl.dot`` tiles; it makes no logits, so it needs
 neither keyword) and ``"gemm"`` (``chunked_linear``: GEMMs on ``chunk_cols`` vocab rows at a time,
 reduced by the cross-entropy backend ``ce_backend``, ``backend_for(device)`` when None);
@@ -47,7 +47,8 @@ interpreter) launch with the NPU's settings; the Ascend leg's execution test use
 import importlib
 
 from . import torch_reference
-from .logit_transform import IDENTITY, LogitTransform  # noqa: F401  (the backends' transform= value)
+from .logit_transform import IDENTITY, LogitTransform  # noqa: F401  (public: the loss's transform)
+from .loss_spec import LossSpec, VocabShard  # noqa: F401  (public: what every backend takes)
 from .device_cores import launch_as  # noqa: F401 - public: kernels.launch_as("npu")
 
 BACKENDS = ("torch", "triton")

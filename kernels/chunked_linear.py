@@ -10,7 +10,6 @@ the inputs: one chunk of logits.
 import torch
 
 from . import backend_for, torch_reference
-from .logit_transform import IDENTITY
 from .partials import LOCAL_LSE, TARGET_TERM, row, rows_of
 
 CHUNK_LOGITS = 1 << 26  # logits per vocab chunk at most (128 MiB in bf16)
@@ -41,23 +40,20 @@ def merge_chunks(parts, n_cols):
     return stats
 
 
-def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
-                    ce_backend=None, chunk_cols=None, transform=IDENTITY):
-    """fp32 partials (``shard_partials``'s layout) of ``rows @ weight.T``, ``chunk_cols``
-    vocab rows at a time (None: :func:`default_chunk_cols`), transformed by the CE backend. Memory
-    beyond one chunk of logits: 8 bytes per token and chunk."""
+def linear_partials(rows, weight, target, loss, shard, *, ce_backend=None, chunk_cols=None):
+    """fp32 partials (``shard_partials``'s layout) of ``rows @ weight.T`` (the vocab slice ``shard``),
+    ``chunk_cols`` vocab rows at a time (None: :func:`default_chunk_cols`), reduced by the CE
+    backend. Memory beyond one chunk of logits: 8 bytes per token and chunk."""
     backend = ce_backend or backend_for(rows.device)
     n_rows, n_cols = rows.shape[0], weight.shape[0]
     step = chunk_width(chunk_cols, n_rows, n_cols)
-    parts = [backend.shard_partials(rows @ weight[c:c + step].t(), target, vocab_start + c, global_vocab,
-                                    ignore_index, label_smoothing, transform=transform)
+    parts = [backend.shard_partials(rows @ weight[c:c + step].t(), target, loss, shard.chunk(c, min(step, n_cols - c)))
              for c in range(0, n_cols, step)]
     return merge_chunks(torch.stack(parts), n_cols)
 
 
-def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff,
-                label_smoothing, global_vocab, *, ce_backend=None, transform=IDENTITY):
-    """Writes the gradient of ``rows @ weight.T``'s loss into ``grad`` ``[n, weight rows]``."""
+def linear_grad(rows, weight, grad, target, lse, grad_loss, loss, shard, *, ce_backend=None):
+    """Writes the gradient of ``rows @ weight.T``'s loss (the vocab slice ``shard``) into ``grad``
+    ``[n, weight rows]``."""
     torch.matmul(rows, weight.t(), out=grad)
-    return (ce_backend or backend_for(rows.device)).write_grad(grad, grad, target, lse, grad_loss, ignore_index, vocab_start,
-                                               z_loss_coeff, label_smoothing, global_vocab, transform=transform)
+    return (ce_backend or backend_for(rows.device)).write_grad(grad, grad, target, lse, grad_loss, loss, shard)

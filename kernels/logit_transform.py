@@ -5,9 +5,9 @@
 ``--output-logit-softcapping``). ``IDENTITY`` (``scale=1, cap=0``) is the loss of ``x`` itself.
 
 Where it goes: the ops build one from their ``logit_scale`` / ``logit_softcap`` arguments (checked
-here, once); the adaptor's settings carry one from MindSpeed-LLM's flags; every backend takes it as
-``transform=``; the Triton kernels get :meth:`LogitTransform.kernel_args` (two fp32 numbers and the
-``TRANSFORM`` constexpr :attr:`kind`), the torch reference calls :meth:`apply` / :meth:`slope`.
+here, once) into the loss's :class:`.loss_spec.LossSpec`; the adaptor's settings carry one from
+MindSpeed-LLM's flags; the Triton kernels get its two fp32 numbers and the ``TRANSFORM`` constexpr
+:attr:`kind` from ``LossSpec.kernel_args``, the torch reference calls :meth:`apply` / :meth:`slope`.
 
 A new transform touches this module (fields, :attr:`kind`, :meth:`apply`, :meth:`slope`), the
 kernels that switch on ``TRANSFORM`` (``triton_cross_entropy._transform`` /
@@ -15,7 +15,6 @@ kernels that switch on ``TRANSFORM`` (``triton_cross_entropy._transform`` /
 list, and the tests (``tests/test_op.py``'s transforms, ``tests/test_logit_transform.py``).
 """
 
-import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -55,10 +54,6 @@ class LogitTransform:
     def is_identity(self):
         return self.kind == NO_TRANSFORM
 
-    def kernel_args(self):
-        """``(scale, cap, TRANSFORM)``: the Triton kernels' two fp32 arguments and constexpr."""
-        return self.scale, self.cap, self.kind
-
     def apply(self, x):
         """z of a (fp32) tensor ``x``."""
         return self.apply_with_slope(x)[0]
@@ -79,17 +74,3 @@ class LogitTransform:
 
 
 IDENTITY = LogitTransform()
-
-
-@functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1.0 (a bool is refused)
-def _made(scale, cap):
-    return LogitTransform(scale, cap)
-
-
-def transform_of(scale, cap):
-    """``LogitTransform(scale, cap)``, one object per pair of numbers: the ops call this per call,
-    checked once. Bad values raise as the constructor does."""
-    try:
-        return _made(scale, cap)
-    except TypeError:  # unhashable: the constructor says what is wrong
-        return LogitTransform(scale, cap)

@@ -7,7 +7,7 @@ the interface. Rows are processed in chunks so the fp32 working copy stays small
 
 import torch
 
-from .logit_transform import IDENTITY
+from .loss_spec import VocabShard
 from .partials import LOCAL_LSE, TARGET_TERM, UNEQUAL_WIDTHS, WIDTH, partials_numel, row, rows_of, width_words
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 elements per working chunk (16 MiB)
@@ -47,27 +47,28 @@ def write_width(partials, n_rows, width):
         words[i].fill_(value)
 
 
-def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
-                   transform=IDENTITY):
-    """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`, of ``transform.apply(logits)``."""
+def shard_partials(logits, target, loss, shard):
+    """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`, of ``loss.logit_transform.apply(logits)``
+    (``loss``: a :class:`.loss_spec.LossSpec`; ``shard``: the logits' :class:`.loss_spec.VocabShard`)."""
     n_rows, n_cols = logits.shape
+    a = loss.label_smoothing
     partials = torch.empty(partials_numel(n_rows), dtype=torch.float32, device=logits.device)
     lse, terms = row(partials, LOCAL_LSE, n_rows), row(partials, TARGET_TERM, n_rows)
-    invalid = ~valid_targets(target, global_vocab, ignore_index)
+    invalid = ~valid_targets(target, shard.global_vocab, loss.ignore_index)
     for start, end in _row_chunks(n_rows, n_cols):
-        x = transform.apply(logits[start:end].float())
+        x = loss.logit_transform.apply(logits[start:end].float())
         lse[start:end] = logsumexp(x)
-        local, owned = _local_target(target[start:end], vocab_start, n_cols)
+        local, owned = _local_target(target[start:end], shard.vocab_start, n_cols)
         picked = x.gather(1, local[:, None]).squeeze(1)
-        term = torch.where(owned, picked, torch.zeros_like(picked)) * (1.0 - label_smoothing)
-        if label_smoothing:
-            term += (label_smoothing / global_vocab) * x.sum(dim=-1)
+        term = torch.where(owned, picked, torch.zeros_like(picked)) * (1.0 - a)
+        if a:
+            term += (a / shard.global_vocab) * x.sum(dim=-1)
         terms[start:end] = torch.where(invalid[start:end], torch.full_like(term, float("nan")), term)
     write_width(partials, n_rows, n_cols)
     return partials
 
 
-def loss_from_partials(partials, target, ignore_index, z_loss_coeff, out=None):
+def loss_from_partials(partials, target, loss, out=None):
     """fp32 ``[3, n]`` rows (loss, z-loss, lse), into ``out`` when given, from ``[ranks, numel]``
     partials (every rank's, all-gathered; ``[1, numel]`` for one): lse the log-sum-exp of the
     ranks' lse, the target terms summed. Slices of unequal width give NaN (on CUDA also a
@@ -75,46 +76,45 @@ def loss_from_partials(partials, target, ignore_index, z_loss_coeff, out=None):
     ranks, n_rows = partials.shape[0], rows_of(partials.shape[1])
     lse = logsumexp(row(partials, LOCAL_LSE, n_rows), dim=0)
     term = row(partials, TARGET_TERM, n_rows).sum(dim=0)
-    z_loss = z_loss_coeff * lse * lse
-    loss = lse - term + z_loss
+    z_loss = loss.z_loss_coeff * lse * lse
+    total = lse - term + z_loss
     if ranks > 1:
         words = partials[:, WIDTH * n_rows:]
         unequal = (words != words[:1]).any()
         if partials.device.type == "cuda":
             torch._assert_async(~unequal, UNEQUAL_WIDTHS)
-        loss = torch.where(unequal, torch.full_like(loss, float("nan")), loss)
-    ignored = target == ignore_index
+        total = torch.where(unequal, torch.full_like(total, float("nan")), total)
+    ignored = target == loss.ignore_index
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
     out = torch.empty(3, n_rows, dtype=torch.float32, device=partials.device) if out is None else out
-    out[0] = torch.where(ignored, zero, loss)
+    out[0] = torch.where(ignored, zero, total)
     out[1] = torch.where(ignored, zero, z_loss)
     out[2] = lse
     return out
 
 
-def fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing, *, transform=IDENTITY):
+def fused_loss(logits, target, loss):
     """One rank holds the whole vocab: fp32 [3, n] rows (loss, z-loss, lse)."""
-    n_cols = logits.shape[1]
-    partials = shard_partials(logits, target, 0, n_cols, ignore_index, label_smoothing, transform=transform)
-    return loss_from_partials(partials[None], target, ignore_index, z_loss_coeff)
+    partials = shard_partials(logits, target, loss, VocabShard.whole(logits.shape[1]))
+    return loss_from_partials(partials[None], target, loss)
 
 
-def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff, label_smoothing,
-               global_vocab, *, transform=IDENTITY):
+def write_grad(logits, grad, target, lse, grad_loss, loss, shard):
     """Write ``g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)`` into ``grad`` (may alias
     ``logits``), ``g`` the upstream gradient ``grad_loss`` (0 on ignored rows); with a transform,
     that gradient of the transformed logits times their slope ``dz/dx``."""
     n_rows, n_cols = logits.shape
-    grad_scale = grad_loss.float().masked_fill(target == ignore_index, 0.0)
+    a, c, transform = loss.label_smoothing, loss.z_loss_coeff, loss.logit_transform
+    grad_scale = grad_loss.float().masked_fill(target == loss.ignore_index, 0.0)
     for start, end in _row_chunks(n_rows, n_cols):
         z, slope = transform.apply_with_slope(logits[start:end].float())
         g = grad_scale[start:end, None]
         row_lse = lse[start:end, None]
-        dx = torch.exp(z - row_lse) * (g * (1.0 + 2.0 * z_loss_coeff * row_lse))
-        if label_smoothing:
-            dx -= g * (label_smoothing / global_vocab)
-        local, owned = _local_target(target[start:end], vocab_start, n_cols)
-        onehot_grad = torch.where(owned[:, None], g * (1.0 - label_smoothing), torch.zeros_like(g))
+        dx = torch.exp(z - row_lse) * (g * (1.0 + 2.0 * c * row_lse))
+        if a:
+            dx -= g * (a / shard.global_vocab)
+        local, owned = _local_target(target[start:end], shard.vocab_start, n_cols)
+        onehot_grad = torch.where(owned[:, None], g * (1.0 - a), torch.zeros_like(g))
         dx.scatter_add_(1, local[:, None], -onehot_grad)
         if not transform.is_identity:
             dx *= slope
@@ -122,9 +122,9 @@ def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, 
     return grad
 
 
-def check_targets(target, global_vocab, ignore_index):
+def check_targets(target, loss, shard):
     """CUDA: an asynchronous device-side assert (no host sync). Elsewhere the partials carry NaN."""
     if target.device.type == "cuda":
-        valid = valid_targets(target, global_vocab, ignore_index)
+        valid = valid_targets(target, shard.global_vocab, loss.ignore_index)
         torch._assert_async(valid.all(), "target outside [0, vocab) and not ignore_index")
 

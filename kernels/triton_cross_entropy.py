@@ -39,10 +39,10 @@ import triton.language as tl
 
 from . import logit_transform, partials, torch_reference
 from .device_cores import launch_type
-from .logit_transform import IDENTITY
+from .loss_spec import VocabShard
 from .triton_launcher import Launcher
 from .triton_cross_entropy_plan import (ASSERT_OPTIONS, LAUNCH_CONFIG,  # noqa: F401 (LAUNCH_CONFIG.. re-exported)
-                                       _loss_constants, _plan, launch_plans_changed, launch_settings)
+                                       _plan, launch_plans_changed, launch_settings)
 
 # Rows per program of the small [N] kernel (loss from partials).
 VECTOR_BLOCK = 1024
@@ -327,41 +327,37 @@ _launch_loss_from_partials = Launcher(_loss_from_partials_kernel)
 LAUNCHERS = (_launch_forward, _launch_grad, _launch_loss_from_partials)
 
 
-def _forward(logits, target, out, vocab_start, global_vocab, ignore_index, z_loss_coeff, label_smoothing, finish,
-             transform):
+def _forward(logits, target, out, loss, shard, finish):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         if not finish:
             torch_reference.write_width(out, 0, n_cols)
         return out
-    plan = _plan(logits.device, n_rows, n_cols, "fwd", launch_type(logits.device))
-    grid, rows_per_program, (slots, slot_width, check), evict, options = plan
-    scale, cap, kind = transform.kernel_args()
-    args = (
-        logits, logits.stride(0), target, out, n_rows, n_cols, rows_per_program, vocab_start, global_vocab,
-        ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab), scale, cap,
-        *partials.width_words(n_cols), slots, slot_width, finish, label_smoothing > 0, check, evict, kind,
-    )
+    grid, rows_per_program, constexprs, options = _plan(logits.device, n_rows, n_cols, "fwd",
+                                                        launch_type(logits.device))
+    width_hi, width_lo = partials.width_words(n_cols)
+    args = _launch_forward.bind(
+        loss.kernel_args(shard.global_vocab), **constexprs, logits_ptr=logits, row_stride=logits.stride(0),
+        target_ptr=target, out_ptr=out, n_rows=n_rows, n_cols=n_cols, rows_per_program=rows_per_program,
+        vocab_start=shard.vocab_start, width_hi=width_hi, width_lo=width_lo, FINISH=finish)
     _launch_forward(grid, args, options)
     return out
 
 
-def fused_loss(logits, target, ignore_index, z_loss_coeff, label_smoothing, *, transform=IDENTITY):
-    """One rank holds the whole vocab: fp32 [3, n] rows (loss, z-loss, lse) in one pass."""
+def fused_loss(logits, target, loss):
+    """One rank holds the whole vocab: fp32 [3, n] rows (loss, z-loss, lse) in one pass, of the loss
+    ``loss`` (a :class:`.loss_spec.LossSpec`)."""
     out = torch.empty(3, logits.shape[0], dtype=torch.float32, device=logits.device)
-    n_cols = logits.shape[1]
-    return _forward(logits, target, out, 0, n_cols, ignore_index, z_loss_coeff, label_smoothing, True, transform)
+    return _forward(logits, target, out, loss, VocabShard.whole(logits.shape[1]), True)
 
 
-def shard_partials(logits, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
-                   transform=IDENTITY):
-    """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`."""
+def shard_partials(logits, target, loss, shard):
+    """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`, of the logits of ``shard``."""
     out = torch.empty(partials.partials_numel(logits.shape[0]), dtype=torch.float32, device=logits.device)
-    return _forward(logits, target, out, vocab_start, global_vocab, ignore_index, 0.0, label_smoothing, False,
-                    transform)
+    return _forward(logits, target, out, loss, shard, False)
 
 
-def loss_from_partials(gathered, target, ignore_index, z_loss_coeff, out=None):
+def loss_from_partials(gathered, target, loss, out=None):
     """fp32 ``[3, n]`` (loss, z-loss, lse), into ``out`` when given (unit column stride), from
     ``[ranks, numel]`` partials; on CUDA several ranks' widths are asserted equal on the device."""
     ranks, n_rows = gathered.shape[0], partials.rows_of(gathered.shape[1])
@@ -369,29 +365,30 @@ def loss_from_partials(gathered, target, ignore_index, z_loss_coeff, out=None):
         out = torch.empty(3, n_rows, dtype=torch.float32, device=gathered.device)
     if n_rows or ranks > 1:  # no tokens: the widths are still checked
         check = ranks > 1 and launch_type(gathered.device) == "cuda"
-        args = (gathered, gathered.stride(0), ranks, target, out, out.stride(0), n_rows, ignore_index,
-                float(z_loss_coeff), VECTOR_BLOCK, check)
+        args = _launch_loss_from_partials.bind(
+            ignore_index=loss.ignore_index, z_loss_coeff=loss.z_loss_coeff, partials_ptr=gathered,
+            rank_stride=gathered.stride(0), n_ranks=ranks, target_ptr=target, out_ptr=out, out_stride=out.stride(0),
+            n_rows=n_rows, BLOCK=VECTOR_BLOCK, CHECK_WIDTHS=check)
         _launch_loss_from_partials((max(1, triton.cdiv(n_rows, VECTOR_BLOCK)),), args, ASSERT_OPTIONS if check else ())
     return out
 
 
-def write_grad(logits, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff, label_smoothing,
-               global_vocab, *, transform=IDENTITY):
+def write_grad(logits, grad, target, lse, grad_loss, loss, shard):
+    """Writes the gradient of the loss of ``logits`` (the slice ``shard``) into ``grad`` (may be ``logits``)."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return grad
-    plan = _plan(logits.device, n_rows, n_cols, "bwd", launch_type(logits.device))
-    grid, rows_per_program, (block_v,), evict, options = plan
-    scale, cap, kind = transform.kernel_args()
-    args = (
-        logits, logits.stride(0), grad, grad.stride(0), target, lse, grad_loss, grad_loss.stride(0), n_rows, n_cols,
-        rows_per_program, vocab_start, ignore_index, *_loss_constants(z_loss_coeff, label_smoothing, global_vocab),
-        scale, cap, block_v, evict, kind,
-    )
+    grid, rows_per_program, constexprs, options = _plan(logits.device, n_rows, n_cols, "bwd",
+                                                        launch_type(logits.device))
+    args = _launch_grad.bind(
+        loss.kernel_args(shard.global_vocab), **constexprs, logits_ptr=logits, logits_row_stride=logits.stride(0),
+        grad_ptr=grad, grad_row_stride=grad.stride(0), target_ptr=target, lse_ptr=lse, grad_loss_ptr=grad_loss,
+        grad_loss_stride=grad_loss.stride(0), n_rows=n_rows, n_cols=n_cols, rows_per_program=rows_per_program,
+        vocab_start=shard.vocab_start)
     _launch_grad(grid, args, options)
     return grad
 
 
-def check_targets(target, global_vocab, ignore_index):
+def check_targets(target, loss, shard):
     """Nothing to launch: on CUDA the forward kernel asserts on out-of-range targets (no host
     sync); other accelerators get the NaN loss the forward kernel writes for such a target."""

@@ -1,8 +1,8 @@
 """Launch plans of the cross-entropy kernels (:mod:`.triton_cross_entropy`): the settings per
-device type and vocab width, each shape's grid, constexprs and options, computed once, and the
-loss's constant arguments."""
+device type and vocab width, each shape's grid, constexprs and options, computed once."""
 
 import functools
+from types import MappingProxyType
 
 import triton
 
@@ -63,30 +63,26 @@ ASSERT_OPTIONS = _assert_options()
 
 @functools.lru_cache(maxsize=256)
 def _plan(device, n_rows, n_cols, kernel, kind):
-    """(grid, rows per program, constexprs, eviction policy, launch options) of the ``"fwd"`` or
-    ``"bwd"`` kernel for ``[n_rows, n_cols]`` logits on ``device``; the constexprs are (SLOTS,
-    SLOT_WIDTH, CHECK_TARGETS) for the forward (the check, on CUDA, with its debug options) and
-    (BLOCK_V,) for the backward; ``kind``: the device type whose settings apply (``launch_type``)."""
+    """(grid, rows per program, constexprs, launch options) of the ``"fwd"`` or ``"bwd"`` kernel for
+    ``[n_rows, n_cols]`` logits on ``device``; the constexprs by the kernel's parameter names: SLOTS,
+    SLOT_WIDTH, CHECK_TARGETS (the check, on CUDA, with its debug options) and EVICT for the
+    forward, BLOCK_V and EVICT for the backward; ``kind``: the device type whose settings apply
+    (``launch_type``). The loss's own constexprs come from ``LossSpec.kernel_args``."""
     config = launch_settings(kind, n_cols)
     programs = num_programs(device, n_rows, config[f"{kernel}_per_core"])
     block_v = min(config[f"{kernel}_block_v"], triton.next_power_of_2(n_cols))
-    evict = EVICTION.get(kind, "")
     options = (("num_warps", config[f"{kernel}_warps"]),)
+    constexprs = {"EVICT": EVICTION.get(kind, "")}
     if kernel == "bwd":
-        constexprs = (block_v,)
+        constexprs["BLOCK_V"] = block_v
     else:
         slot_width = min(config["slot_width"] or block_v, block_v)
         check = kind == "cuda"
-        constexprs = (block_v // slot_width, slot_width, check)
+        constexprs.update(SLOTS=block_v // slot_width, SLOT_WIDTH=slot_width, CHECK_TARGETS=check)
         options += ASSERT_OPTIONS if check else ()
-    return (programs,), triton.cdiv(n_rows, programs), constexprs, evict, options
+    return (programs,), triton.cdiv(n_rows, programs), MappingProxyType(constexprs), options
 
 
 def launch_plans_changed():
     """Forget the plans computed so far; call after changing ``LAUNCH_CONFIG``."""
     _plan.cache_clear()
-
-
-def _loss_constants(z_loss_coeff, label_smoothing, global_vocab):
-    """The kernels' (z_loss_coeff, target_weight, smoothing_per_col) arguments."""
-    return float(z_loss_coeff), 1.0 - float(label_smoothing), float(label_smoothing) / global_vocab

@@ -25,16 +25,16 @@ Offsets are int64; nothing reads tensor values on the host (CUDA-graph capturabl
 """
 
 import functools
+from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
 
 from .device_cores import launch_type, num_programs
-from .logit_transform import IDENTITY
 from .rows import as_rows
 from . import partials, torch_reference
-from .triton_cross_entropy import (LOCAL_LSE, LOG2E, NO_TRANSFORM, TARGET_TERM, WIDTH, _loss_constants, _transform,
+from .triton_cross_entropy import (LOCAL_LSE, LOG2E, NO_TRANSFORM, TARGET_TERM, WIDTH, _transform,
                                    _transform_with_slope)
 from .triton_launcher import Launcher
 
@@ -216,18 +216,21 @@ def launch_settings(device_type):
 
 @functools.lru_cache(maxsize=256)
 def _plan(device, n_rows, n_cols, dtype, kernel, kind):
-    """(grid, constexprs, options) of the ``"partials"`` or ``"grad"`` kernel with ``kind``'s settings."""
+    """(grid, constexprs by parameter name, options) of the ``"partials"`` or ``"grad"`` kernel with
+    ``kind``'s settings; the loss's constexprs come from ``LossSpec.kernel_args``."""
     c = launch_settings(kind)
     tasks = triton.cdiv(n_rows, c["block_m"]) * triton.cdiv(n_cols, c["block_n"] * (c["group_n"] if kernel == "partials"
                                                                                     else 1))
     grid = (num_programs(device, tasks, c["per_core"]),)
     block_k = c["block_k"] // 4 if dtype == torch.float32 else c["block_k"]
-    constexprs = (c["block_m"], c["block_n"], max(16, block_k)) + ((c["group_n"],) if kernel == "partials" else ()) + (
-        c["swizzle_m"],)
-    options = (("num_warps", c["warps"]),) + ((("num_stages", c["stages"]),) if kind == "cuda" else ())
     # The CPU interpreter's dot multiplies bf16's raw bits: there bf16 operands are widened to fp32.
     interpreter_widens = kind == "cpu" or (device.type == "cpu" and dtype == torch.bfloat16)
-    return grid, constexprs, options, "fp32" if interpreter_widens else DOT_PRECISION[dtype]
+    constexprs = {"BLOCK_M": c["block_m"], "BLOCK_N": c["block_n"], "BLOCK_K": max(16, block_k),
+                  "SWIZZLE_M": c["swizzle_m"], "PRECISION": "fp32" if interpreter_widens else DOT_PRECISION[dtype]}
+    if kernel == "partials":
+        constexprs["GROUP_N"] = c["group_n"]
+    options = (("num_warps", c["warps"]),) + ((("num_stages", c["stages"]),) if kind == "cuda" else ())
+    return grid, MappingProxyType(constexprs), options
 
 
 def launch_plans_changed():
@@ -241,10 +244,10 @@ def groups(n_cols, device_type):
     return triton.cdiv(n_cols, c["block_n"] * c["group_n"])
 
 
-def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_index, label_smoothing=0.0, *,
-                    ce_backend=None, chunk_cols=None, transform=IDENTITY):
-    """fp32 partials (the layout of :mod:`.partials`) of ``rows @ weight.T``, no logits (so
-    neither a cross-entropy backend nor a chunk width: ``ce_backend`` and ``chunk_cols`` are unused)."""
+def linear_partials(rows, weight, target, loss, shard, *, ce_backend=None, chunk_cols=None):
+    """fp32 partials (the layout of :mod:`.partials`) of ``rows @ weight.T``, the vocab slice
+    ``shard``, no logits (so neither a cross-entropy backend nor a chunk width: ``ce_backend`` and
+    ``chunk_cols`` are unused)."""
     rows, weight = as_rows(rows), as_rows(weight)
     n_rows, h = rows.shape
     n_cols = weight.shape[0]
@@ -252,35 +255,35 @@ def linear_partials(rows, weight, target, vocab_start, global_vocab, ignore_inde
     if n_rows == 0:
         torch_reference.write_width(out, 0, n_cols)
         return out
-    grid, constexprs, options, precision = _plan(rows.device, n_rows, n_cols, rows.dtype, "partials",
-                                                  launch_type(rows.device))
-    n_groups = groups(n_cols, launch_type(rows.device))
+    kind = launch_type(rows.device)
+    grid, constexprs, options = _plan(rows.device, n_rows, n_cols, rows.dtype, "partials", kind)
+    n_groups = groups(n_cols, kind)
     per_group = torch.empty(n_groups, partials.PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
-    _, target_weight, smoothing_per_col = _loss_constants(0.0, label_smoothing, global_vocab)
-    scale, cap, kind = transform.kernel_args()
-    args = (rows, rows.stride(0), weight, weight.stride(0), target, per_group, n_rows, n_cols, h, vocab_start,
-            global_vocab, ignore_index, target_weight, smoothing_per_col, scale, cap, *constexprs, label_smoothing > 0,
-            precision, kind)
+    args = _launch_partials.bind(
+        loss.kernel_args(shard.global_vocab), **constexprs, x_ptr=rows, x_row_stride=rows.stride(0), w_ptr=weight,
+        w_row_stride=weight.stride(0), target_ptr=target, out_ptr=per_group, n_rows=n_rows, n_cols=n_cols, h=h,
+        vocab_start=shard.vocab_start)
     _launch_partials(grid, args, options)
+    width_hi, width_lo = partials.width_words(n_cols)
     _launch_merge((triton.cdiv(n_rows, MERGE_BLOCK),),
-                  (per_group, out, n_rows, n_groups, *partials.width_words(n_cols), MERGE_BLOCK), ())
+                  _launch_merge.bind(groups_ptr=per_group, out_ptr=out, n_rows=n_rows, n_groups=n_groups,
+                                     width_hi=width_hi, width_lo=width_lo, BLOCK=MERGE_BLOCK), ())
     return out
 
 
-def linear_grad(rows, weight, grad, target, lse, grad_loss, ignore_index, vocab_start, z_loss_coeff,
-                label_smoothing, global_vocab, *, ce_backend=None, transform=IDENTITY):
-    """Writes the gradient of ``rows @ weight.T``'s loss into ``grad`` ``[n, weight rows]`` (in the
-    kernel: ``ce_backend`` is unused)."""
+def linear_grad(rows, weight, grad, target, lse, grad_loss, loss, shard, *, ce_backend=None):
+    """Writes the gradient of ``rows @ weight.T``'s loss (the vocab slice ``shard``) into ``grad``
+    ``[n, weight rows]`` (in the kernel: ``ce_backend`` is unused)."""
     rows, weight = as_rows(rows), as_rows(weight)
     n_rows, h = rows.shape
     n_cols = weight.shape[0]
     if n_rows == 0:
         return grad
-    grid, constexprs, options, precision = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad",
-                                                  launch_type(rows.device))
-    scale, cap, kind = transform.kernel_args()
-    args = (rows, rows.stride(0), weight, weight.stride(0), grad, grad.stride(0), target, lse, grad_loss,
-            grad_loss.stride(0), n_rows, n_cols, h, vocab_start, ignore_index,
-            *_loss_constants(z_loss_coeff, label_smoothing, global_vocab), scale, cap, *constexprs, precision, kind)
+    grid, constexprs, options = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad", launch_type(rows.device))
+    args = _launch_grad.bind(
+        loss.kernel_args(shard.global_vocab), **constexprs, x_ptr=rows, x_row_stride=rows.stride(0), w_ptr=weight,
+        w_row_stride=weight.stride(0), grad_ptr=grad, grad_row_stride=grad.stride(0), target_ptr=target, lse_ptr=lse,
+        grad_loss_ptr=grad_loss, grad_loss_stride=grad_loss.stride(0), n_rows=n_rows, n_cols=n_cols, h=h,
+        vocab_start=shard.vocab_start)
     _launch_grad(grid, args, options)
     return grad

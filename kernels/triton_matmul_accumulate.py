@@ -14,6 +14,7 @@ are int64; nothing reads tensor values on the host (CUDA-graph capturable).
 """
 
 import functools
+from types import MappingProxyType
 
 import torch
 import triton
@@ -98,15 +99,16 @@ def launch_settings(device_type):
 
 @functools.lru_cache(maxsize=256)
 def _plan(device, m, n, k, dtype, kind):
-    """(grid, constexprs, options) with ``kind``'s settings (``launch_type``: the device's, or on the
+    """(grid, constexprs by parameter name, options) with ``kind``'s settings (``launch_type``: the device's, or on the
     CPU the one ``launch_as`` names)."""
     c = launch_settings(kind)
     tasks = triton.cdiv(m, c["block_m"]) * triton.cdiv(n, c["block_n"])
     grid = (num_programs(device, tasks, c["per_core"]),)
     # The CPU interpreter's dot multiplies bf16's raw bits: there bf16 operands are widened to fp32.
     widen = kind == "cpu" or (device.type == "cpu" and dtype == torch.bfloat16)
-    constexprs = (c["block_m"], c["block_n"], c["block_k"], c["group_m"], k % c["block_k"] == 0, widen,
-                  bool(c.get("preload_c")))
+    constexprs = MappingProxyType({"BLOCK_M": c["block_m"], "BLOCK_N": c["block_n"], "BLOCK_K": c["block_k"],
+                                   "GROUP_M": c["group_m"], "EVEN_K": k % c["block_k"] == 0, "WIDEN": widen,
+                                   "PRELOAD_C": bool(c.get("preload_c"))})
     options = (("num_warps", c["warps"]),) + ((("num_stages", c["stages"]),) if kind == "cuda" else ())
     return grid, constexprs, options
 
@@ -132,6 +134,7 @@ def matmul_accumulate(c, a, b):
     if m == 0 or n == 0 or k == 0:
         return c
     grid, constexprs, options = _plan(c.device, m, n, k, a.dtype, launch_type(c.device))
-    args = (a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), c, c.stride(0), m, n, k, *constexprs)
+    args = _launch.bind(constexprs, a_ptr=a, a_stride_m=a.stride(0), a_stride_k=a.stride(1), b_ptr=b,
+                        b_stride_k=b.stride(0), b_stride_n=b.stride(1), c_ptr=c, c_stride_m=c.stride(0), m=m, n=n, k=k)
     _launch(grid, args, options)
     return c

@@ -50,24 +50,24 @@ def available() -> bool:
     return True
 
 
-def check_applies(tp_size, logit_scale=1.0, logit_softcap=0.0):
+def check_applies(tp_size, transform):
     """Refuse what the vendor op cannot compute, naming the argument and the fix."""
     if tp_size > 1:
         raise ValueError(
             f"backend='cann': torch_npu.npu_cross_entropy_loss needs each token's whole vocab on one rank, but the "
             f"tensor-parallel group has {tp_size} ranks holding vocab shards; use backend='triton' (or None) at "
             "tensor-parallel size > 1")
-    if logit_scale != 1.0 or logit_softcap:
+    if not transform.is_identity:
         raise ValueError(
-            f"backend='cann' computes the loss of the logits as given: logit_scale={logit_scale!r} / "
-            f"logit_softcap={logit_softcap!r} need backend='triton' or 'torch' (or scale / cap the logits first)")
+            f"backend='cann' computes the loss of the logits as given: logit_scale={transform.scale!r} / "
+            f"logit_softcap={transform.cap!r} need backend='triton' or 'torch' (or scale / cap the logits first)")
 
 
 def _rows_loss(rows, target, valid, z_loss_coeff, label_smoothing):
     """(loss, z_loss, lse) fp32 [n] of one call of the op on ``rows`` [n, V] (n <= MAX_ROWS)."""
     op = _op()
     safe = torch.where(valid, target, torch.zeros_like(target)).long()  # the op ignores nothing here
-    z_args = {"lse_square_scale_for_zloss": float(z_loss_coeff), "return_zloss": True} if z_loss_coeff else {}
+    z_args = {"lse_square_scale_for_zloss": z_loss_coeff, "return_zloss": True} if z_loss_coeff else {}
     ce, _log_prob, zloss, lse_for_zloss = op(rows, safe, reduction="none", **z_args)
     target_logit = rows.gather(1, safe.unsqueeze(1)).squeeze(1).float()
     loss = ce.float()
@@ -92,17 +92,18 @@ def _rows_loss(rows, target, valid, z_loss_coeff, label_smoothing):
     return torch.where(valid, loss, zero), torch.where(valid, z_loss.detach(), zero), lse
 
 
-def cross_entropy_zloss(logits, target, z_loss_coeff, label_smoothing, ignore_index):
-    """``(loss, z_loss, lse)`` (fp32, shape of ``target``) through the vendor op, for arguments
-    :func:`mindspeed_cez.vocab_parallel_cross_entropy_zloss` checked (:func:`check_applies` included)."""
+def cross_entropy_zloss(logits, target, loss):
+    """``(loss, z_loss, lse)`` (fp32, shape of ``target``) through the vendor op, of the loss ``loss``
+    (a ``LossSpec``) :func:`mindspeed_cez.vocab_parallel_cross_entropy_zloss` checked
+    (:func:`check_applies` included)."""
     rows = logits.reshape(-1, logits.shape[-1])
     flat = target.reshape(-1)
-    valid = flat != ignore_index
+    valid = flat != loss.ignore_index
     if rows.device.type not in ("cpu", "cuda"):  # the op leaves an out-of-range id undefined: assert, no host sync
         in_range = (flat >= 0) & (flat < rows.shape[1])
         torch._assert_async((in_range | ~valid).all(), "target outside [0, vocab) and not ignore_index")
-    parts = [_rows_loss(rows[s:s + MAX_ROWS], flat[s:s + MAX_ROWS], valid[s:s + MAX_ROWS], z_loss_coeff,
-                        label_smoothing) for s in range(0, rows.shape[0], MAX_ROWS)]
+    parts = [_rows_loss(rows[s:s + MAX_ROWS], flat[s:s + MAX_ROWS], valid[s:s + MAX_ROWS], loss.z_loss_coeff,
+                        loss.label_smoothing) for s in range(0, rows.shape[0], MAX_ROWS)]
     if not parts:
         empty = torch.zeros(target.shape, dtype=torch.float32, device=logits.device)
         return empty + 0.0 * logits.sum(), empty, empty

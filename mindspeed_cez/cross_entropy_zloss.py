@@ -17,8 +17,6 @@ The backends in ``mindspeed_cez.kernels`` do the per-row work (with one rank, th
 forward is one kernel); the collectives are the steps of :mod:`mindspeed_cez.tensor_parallel`.
 """
 
-import math
-import numbers
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -27,9 +25,10 @@ import torch
 
 from mindspeed_cez import cann, kernels
 from mindspeed_cez.first_order import first_order_input, first_order_only
-from mindspeed_cez.kernels.logit_transform import LogitTransform, transform_of
+from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard, loss_spec
 from mindspeed_cez.kernels.rows import as_rows
-from mindspeed_cez.tensor_parallel import group_rank_and_size, merged_loss, resolve_tp_group
+from mindspeed_cez.tensor_parallel import (check_target_range, group_rank_and_size, merged_loss, resolve_tp_group,
+                                           vocab_shard)
 
 def check_target(target):
     """The one type check of ``target`` (both ops)."""
@@ -37,7 +36,7 @@ def check_target(target):
         raise TypeError(f"target must be an integer tensor of vocab ids, got {getattr(target, 'dtype', type(target))}")
 
 
-def _check_arguments(logits, target, z_loss_coeff, label_smoothing, ignore_index):
+def _check_tensors(logits, target):
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor (bf16/fp16/fp32), got {getattr(logits, 'dtype', type(logits))}")
     check_target(target)
@@ -49,51 +48,23 @@ def _check_arguments(logits, target, z_loss_coeff, label_smoothing, ignore_index
         raise ValueError("logits has an empty vocab dimension")
     if logits.device != target.device:
         raise ValueError(f"logits ({logits.device}) and target ({target.device}) are on different devices")
-    check_coefficients(z_loss_coeff, label_smoothing)
-    check_ignore_index(ignore_index)
 
 
-def check_ignore_index(value):
-    """The one check of ``ignore_index`` (both ops): an int the targets are compared with."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"ignore_index must be an int (the target value of tokens to ignore, e.g. -100), got {value!r}")
-    if not torch.iinfo(torch.int64).min <= value <= torch.iinfo(torch.int64).max:
-        raise ValueError(f"ignore_index must fit in int64 (the targets' dtype), got {value}")
+LOOSE_DEFAULTS = (-100, 0.0, 0.0, 1.0, 0.0)  # ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap
 
 
-def _number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def check_z_loss_coeff(value, name="z_loss_coeff"):
-    """The one check of the z-loss coefficient (the ops, the adaptor's settings, the flag: ``name``)."""
-    if not (_number(value) and math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-def check_label_smoothing(value, name="label_smoothing"):
-    if not (_number(value) and 0.0 <= value < 1.0):
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-
-
-def check_coefficients(z_loss_coeff, label_smoothing):
-    check_z_loss_coeff(z_loss_coeff)
-    check_label_smoothing(label_smoothing)
-
-
-def _check_target_range(target, global_vocab, ignore_index, backend):
-    """CPU: a Python exception. CUDA: an asynchronous device-side assert (no host sync).
-
-    Elsewhere (Ascend) the kernels turn an out-of-range target into a NaN loss."""
-    if target.device.type != "cpu":
-        backend.check_targets(target, global_vocab, ignore_index)
-        return
-    valid = kernels.torch_reference.valid_targets(target, global_vocab, ignore_index)
-    if target.numel() and not bool(valid.all()):
-        bad = target[~valid][0].item()
-        raise ValueError(
-            f"target holds {bad}, outside [0, {global_vocab}) (the global vocab) and not ignore_index={ignore_index}"
-        )
+def loss_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap):
+    """The ops' :class:`LossSpec`: ``loss`` as given (made and checked where its values entered), or
+    one of the loose arguments (checked here, once; one object per set of values)."""
+    loose = (ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
+    if loss is None:
+        return loss_spec(*loose)
+    if not isinstance(loss, LossSpec):
+        raise TypeError(f"loss must be a mindspeed_cez.kernels.loss_spec.LossSpec or None, got {type(loss).__name__}")
+    if any(type(v) is bool or v != d for v, d in zip(loose, LOOSE_DEFAULTS)):
+        raise ValueError("loss= describes the whole loss: pass it without ignore_index, z_loss_coeff, "
+                         "label_smoothing, logit_scale or logit_softcap, or pass those without loss=")
+    return loss
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,12 +72,9 @@ class CrossEntropyOptions:
     """Everything :class:`VocabParallelCrossEntropyZLoss` takes besides its tensors, checked by
     :func:`vocab_parallel_cross_entropy_zloss` before it is made."""
 
-    z_loss_coeff: float
-    label_smoothing: float
-    ignore_index: int
+    loss: LossSpec
     tp_group: Any  # a resolved process group (None: a single rank)
     backend: ModuleType  # kernels.backend_for's module
-    transform: LogitTransform
 
 
 class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
@@ -116,24 +84,17 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, options):
-        backend, ignore_index = options.backend, options.ignore_index
-        rank, world_size = group_rank_and_size(options.tp_group)
-        v_local = logits.shape[-1]
-        global_vocab = v_local * world_size
+        backend, loss = options.backend, options.loss
+        shard = vocab_shard(options.tp_group, logits.shape[-1])
         rows = as_rows(logits)
         flat_target = target.reshape(-1)
-        vocab_start = rank * v_local
-        if world_size == 1:
-            out = backend.fused_loss(rows, flat_target, ignore_index, options.z_loss_coeff, options.label_smoothing,
-                                     transform=options.transform)
+        if shard.world_size == 1:
+            out = backend.fused_loss(rows, flat_target, loss)
         else:
-            partials = backend.shard_partials(rows, flat_target, vocab_start, global_vocab, ignore_index,
-                                              options.label_smoothing, transform=options.transform)
-            out = merged_loss(backend, partials, flat_target, ignore_index, options.z_loss_coeff, options.tp_group,
-                              world_size)
-        # After the collective: where ranks disagree on the vocab, merged_loss refused on all of them.
-        _check_target_range(flat_target, global_vocab, ignore_index, backend)
-        loss, z_loss, lse = out.view(3, *target.shape).unbind(0)  # one view op for the three
+            partials = backend.shard_partials(rows, flat_target, loss, shard)
+            out = merged_loss(backend, partials, flat_target, loss, options.tp_group, shard.world_size)
+        check_target_range(flat_target, loss, shard, backend)  # after the collective
+        total, z_loss, lse = out.view(3, *target.shape).unbind(0)  # one view op for the three
 
         # The gradient goes into the logits' own buffer when they are an intermediate of the
         # graph (the output layer's result). A leaf's buffer, or a view into one, holds
@@ -143,12 +104,11 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         ctx.grad_written = False
         ctx.options = options
         ctx.logits_shape = logits.shape
-        ctx.vocab_start = vocab_start
-        ctx.global_vocab = global_vocab
+        ctx.shard = shard
         ctx.save_for_backward(rows, flat_target, lse)
         ctx.set_materialize_grads(False)  # no zero tensors for the gradients of z_loss and lse
         ctx.mark_non_differentiable(z_loss, lse)
-        return loss, z_loss, lse
+        return total, z_loss, lse
 
     @staticmethod
     @first_order_only("vocab_parallel_cross_entropy_zloss")
@@ -163,19 +123,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
         grad = rows if ctx.in_place else torch.empty_like(rows)
-        options.backend.write_grad(
-            rows,
-            grad,
-            flat_target,
-            lse,
-            grad_loss,
-            options.ignore_index,
-            ctx.vocab_start,
-            options.z_loss_coeff,
-            options.label_smoothing,
-            ctx.global_vocab,
-            transform=options.transform,
-        )
+        options.backend.write_grad(rows, grad, flat_target, lse, grad_loss, options.loss, ctx.shard)
         if ctx.in_place:
             # The logits now hold their gradient: any later use of them in backward must fail loudly.
             torch.autograd.graph.increment_version(rows)
@@ -195,6 +143,7 @@ def vocab_parallel_cross_entropy_zloss(
     logit_softcap=0.0,
     backend=None,
     return_lse=False,
+    loss=None,
 ):
     """Fused cross entropy + z-loss on this rank's vocab slice of the logits.
 
@@ -217,6 +166,9 @@ def vocab_parallel_cross_entropy_zloss(
             scale / soft cap (:mod:`mindspeed_cez.cann`; its gradient is not written in place).
         return_lse: also return the per-token log-sum-exp the op computed anyway (detached, fp32,
             of the transformed logits): the adaptor logs its mean as ``lm_lse`` without another pass.
+        loss: instead of ``ignore_index``, ``z_loss_coeff``, ``label_smoothing``, ``logit_scale`` and
+            ``logit_softcap``, the whole loss as one :class:`~mindspeed_cez.kernels.loss_spec.LossSpec`
+            (made and checked where its values entered, e.g. from the adaptor's flags).
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``loss = CE + c*lse**2`` per token and the
@@ -227,17 +179,15 @@ def vocab_parallel_cross_entropy_zloss(
     of the autograd graph (the usual case: the output layer's result) the gradient reuses the
     logits' buffer, so the logits must not be read after backward.
     """
-    _check_arguments(logits, target, z_loss_coeff, label_smoothing, ignore_index)
-    ignore_index = int(ignore_index)
-    transform = transform_of(logit_scale, logit_softcap)
+    _check_tensors(logits, target)
+    loss = loss_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
     tp_group = resolve_tp_group(tp_group)
     if backend == cann.NAME:  # the vendor op (torch_npu), TP = 1: its own autograd
-        cann.check_applies(group_rank_and_size(tp_group)[1], logit_scale, logit_softcap)
-        _check_target_range(target.reshape(-1), logits.shape[-1], ignore_index, kernels.torch_reference)
-        loss, z_loss, lse = cann.cross_entropy_zloss(first_order_input(logits, "vocab_parallel_cross_entropy_zloss"),
-                                                     target, z_loss_coeff, label_smoothing, ignore_index)
+        cann.check_applies(group_rank_and_size(tp_group)[1], loss.logit_transform)
+        check_target_range(target.reshape(-1), loss, VocabShard.whole(logits.shape[-1]), kernels.torch_reference)
+        total, z_loss, lse = cann.cross_entropy_zloss(
+            first_order_input(logits, "vocab_parallel_cross_entropy_zloss"), target, loss)
     else:
-        options = CrossEntropyOptions(float(z_loss_coeff), float(label_smoothing), ignore_index, tp_group,
-                                      kernels.backend_for(logits.device, backend), transform)
-        loss, z_loss, lse = VocabParallelCrossEntropyZLoss.apply(logits, target, options)
-    return (loss, z_loss, lse) if return_lse else (loss, z_loss)
+        options = CrossEntropyOptions(loss, tp_group, kernels.backend_for(logits.device, backend))
+        total, z_loss, lse = VocabParallelCrossEntropyZLoss.apply(logits, target, options)
+    return (total, z_loss, lse) if return_lse else (total, z_loss)

@@ -32,8 +32,7 @@ import math
 import torch
 
 from mindspeed_cez import kernels
-from mindspeed_cez.cross_entropy_zloss import check_coefficients, check_ignore_index, check_target
-from mindspeed_cez.kernels.logit_transform import transform_of
+from mindspeed_cez.cross_entropy_zloss import check_target, loss_of
 from mindspeed_cez.linear_forward_grads import (BLOCK_FRACTION, LEAN_BLOCK_FRACTION, ForwardGradsOptions,
                                                 LinearCrossEntropyZLossForwardGrads)
 # Re-exported: the adaptor and the tests import them from here.
@@ -43,7 +42,7 @@ from mindspeed_cez.linear_recompute import LinearCrossEntropyZLoss, RecomputeOpt
 from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 
 
-def _check(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, tp_size, sequence_parallel):
+def _check(hidden, weight, target, tp_size, sequence_parallel):
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() not in (2, 3):
         raise TypeError(f"hidden must be a floating-point [s, b, h] or [n, h] tensor, got "
                         f"{getattr(hidden, 'dtype', type(hidden))} {tuple(getattr(hidden, 'shape', ()))}")
@@ -64,8 +63,6 @@ def _check(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, 
         raise ValueError(f"target {tuple(target.shape)} must be hidden's shape without h, {expected}{sp}")
     if target.device != hidden.device:
         raise ValueError(f"target ({target.device}) and hidden ({hidden.device}) are on different devices")
-    check_coefficients(z_loss_coeff, label_smoothing)
-    check_ignore_index(ignore_index)
 
 
 GRADS = ("recompute", "forward")
@@ -142,7 +139,7 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
                                tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False,
                                token_weights=None, *, grad_scale=None, logit_scale=1.0, logit_softcap=0.0,
                                grads="recompute", backend=None, linear_backend=None, chunk_cols=None, row_block=None,
-                               block_fraction=None, return_lse=False):
+                               block_fraction=None, return_lse=False, loss=None, remedy=None):
     """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
 
     Args:
@@ -188,6 +185,12 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
             Fewer blocks, fewer read-modify-writes of the fp32 ``dweight``: docs/weight_gradient.md.
         return_lse: also return the detached per-token log-sum-exp, as
             :func:`vocab_parallel_cross_entropy_zloss`.
+        loss: the whole loss as one ``LossSpec`` instead of the loose ``ignore_index``,
+            ``z_loss_coeff``, ``label_smoothing``, ``logit_scale`` and ``logit_softcap``, as
+            :func:`vocab_parallel_cross_entropy_zloss`.
+        remedy: with ``grads="forward"``, the fix that errors raised after the forward (in backward,
+            or on the device, where no caller can re-word them) name; None: ``"grads='recompute'"``.
+            The adaptor passes its flag's.
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``CE + c*lse**2`` per token and the detached
@@ -196,24 +199,23 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         else the full gradient on every rank.
     """
     tp_group = resolve_tp_group(tp_group)
-    _check(hidden, weight, target, z_loss_coeff, label_smoothing, ignore_index, group_rank_and_size(tp_group)[1],
-           sequence_parallel)
+    _check(hidden, weight, target, group_rank_and_size(tp_group)[1], sequence_parallel)
+    loss = loss_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
     _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction)
-    common = dict(z_loss_coeff=float(z_loss_coeff), label_smoothing=float(label_smoothing), ignore_index=int(ignore_index),
-                  tp_group=tp_group, sequence_parallel=bool(sequence_parallel),
+    common = dict(loss=loss, tp_group=tp_group, sequence_parallel=bool(sequence_parallel),
                   gradient_accumulation_fusion=bool(gradient_accumulation_fusion),
-                  backend=kernels.backend_for(hidden.device, backend),
-                  transform=transform_of(logit_scale, logit_softcap))
+                  backend=kernels.backend_for(hidden.device, backend))
     if grads == "forward" and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         grads = "recompute"  # no backward will come (torch.no_grad(), no input needing it): the loss alone
     if grads == "recompute":
         options = RecomputeOptions(**common, linear=kernels.linear_backend_for(hidden.device, linear_backend, backend),
                                    chunk_cols=chunk_cols)
-        loss, z_loss, lse = LinearCrossEntropyZLoss.apply(hidden, weight, target, options)
+        total, z_loss, lse = LinearCrossEntropyZLoss.apply(hidden, weight, target, options)
     else:
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.detach().reshape(()).float()
-        options = ForwardGradsOptions(**common, row_block=row_block, block_fraction=block_fraction)
-        loss, z_loss, lse = LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(),
-                                                                      grad_scale, options)
-    return (loss, z_loss, lse) if return_lse else (loss, z_loss)
+        options = ForwardGradsOptions(**common, row_block=row_block, block_fraction=block_fraction,
+                                      **({} if remedy is None else {"remedy": str(remedy)}))
+        total, z_loss, lse = LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(),
+                                                                       grad_scale, options)
+    return (total, z_loss, lse) if return_lse else (total, z_loss)

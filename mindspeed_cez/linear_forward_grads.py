@@ -12,12 +12,11 @@ from typing import Optional
 
 import torch
 
-from mindspeed_cez.cross_entropy_zloss import _check_target_range
 from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.linear_layer import LinearLossOptions, main_grad_placeholder
-from mindspeed_cez.tensor_parallel import (gather_sequence, group_rank_and_size, merged_loss, reduce_dhidden,
-                                           start_reduce_dhidden)
+from mindspeed_cez.tensor_parallel import (check_target_range, gather_sequence, merged_loss, reduce_dhidden,
+                                           start_reduce_dhidden, vocab_shard)
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,9 +25,10 @@ class ForwardGradsOptions(LinearLossOptions):
 
     row_block: Optional[int] = None
     block_fraction: Optional[float] = None
+    remedy: str = "grads='recompute'"  # the fix that errors raised after the forward name
 
 
-RECOMPUTE_FIX = "grads='recompute'"
+RECOMPUTE_FIX = ForwardGradsOptions.remedy
 
 
 class ForwardGradientError(RuntimeError):
@@ -121,16 +121,16 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, token_weights, grad_scale, options):
-        ignore_index, backend, transform = options.ignore_index, options.backend, options.transform
-        z_loss_coeff, label_smoothing = options.z_loss_coeff, options.label_smoothing
+        backend, loss = options.backend, options.loss
+        ignore_index = loss.ignore_index
         tp_group, sequence_parallel = options.tp_group, options.sequence_parallel
-        rank, tp_size = group_rank_and_size(tp_group)
+        shard = vocab_shard(tp_group, weight.shape[0])
+        tp_size = shard.world_size
         full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
         rows = full.reshape(-1, full.shape[-1])
         flat_target = target.reshape(-1)
         weights = torch.where(flat_target == ignore_index, 0.0, token_weights.reshape(-1).float())
         n, v_local = rows.shape[0], weight.shape[0]
-        global_vocab, vocab_start = v_local * tp_size, rank * v_local
         upstream_known = grad_scale is not None  # the upstream gradient is grad_scale * weights
         upstream = weights * grad_scale if upstream_known else torch.ones(n, dtype=torch.float32, device=rows.device)
         into_main_grad = upstream_known and options.gradient_accumulation_fusion and hasattr(weight, "main_grad")
@@ -147,13 +147,11 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             x, t = rows[r:r + step], flat_target[r:r + step]
             logits = block[:x.shape[0]]
             torch.matmul(x, weight.t(), out=logits)
-            stats = backend.shard_partials(logits, t, vocab_start, global_vocab, ignore_index, label_smoothing,
-                                           transform=transform)
-            merged_loss(backend, stats, t, ignore_index, z_loss_coeff, tp_group, tp_size, "weight", out[:, r:r + step])
+            stats = backend.shard_partials(logits, t, loss, shard)
+            merged_loss(backend, stats, t, loss, tp_group, tp_size, "weight", out[:, r:r + step])
             if r == 0:  # after the first collective (see the op's forward), before anything is written
-                _check_target_range(flat_target, global_vocab, ignore_index, backend)
-            backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], ignore_index, vocab_start,
-                               z_loss_coeff, label_smoothing, global_vocab, transform=transform)
+                check_target_range(flat_target, loss, shard, backend)
+            backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], loss, shard)
             if upstream_known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
                 torch.matmul(logits, weight, out=drows[r:r + step])
                 if r + step >= n:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
@@ -182,7 +180,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             raise RuntimeError(
                 "linear_cross_entropy_zloss(grads='forward') made its gradients during the forward for one backward: "
                 "a second backward through the same graph (retain_graph=True) is not served; run the forward again, "
-                "or use " + RECOMPUTE_FIX)
+                "or use " + ctx.options.remedy)
         ctx.backward_done = True
         if ctx.owed is not None:
             ctx.owed.paid = True
@@ -190,7 +188,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
                 raise ForwardGradientError(
                     "linear_cross_entropy_zloss(grads='forward'): the loss got no gradient, but its forward added the "
                     "weight gradient into main_grad for grad_scale * token_weights: backpropagate the loss, or run "
-                    "with " + RECOMPUTE_FIX + ".")
+                    "with " + ctx.options.remedy + ".")
         no_grads = (None,) * 4  # target, token_weights, grad_scale, options
         if grad_loss is None:
             return None, None, *no_grads
@@ -201,13 +199,13 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             expected = upstream
             message = ("linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights "
                        "as the forward assumed; the loss was weighted otherwise. For custom loss weighting run with "
-                       + RECOMPUTE_FIX)
+                       + ctx.options.remedy)
         else:
             k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
             expected = k * weights
             message = ("linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w (one "
                        "scalar k) as the forward assumed; the loss was weighted otherwise. For custom loss weighting "
-                       "run with " + RECOMPUTE_FIX)
+                       "run with " + ctx.options.remedy)
         matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
         # (CUDA takes assert messages under 255 characters: tests/test_linear_cross_entropy.py checks)
         torch._assert_async(matches.all(), message)

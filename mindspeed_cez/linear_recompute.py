@@ -14,19 +14,13 @@ from typing import Optional
 import torch
 
 from mindspeed_cez import kernels
-from mindspeed_cez.cross_entropy_zloss import _check_target_range
 from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.kernels.rows import as_rows
 from mindspeed_cez.linear_layer import LinearLossOptions, main_grad_placeholder
-from mindspeed_cez.tensor_parallel import gather_sequence, group_rank_and_size, merged_loss, start_reduce_dhidden
-
-
-def _check_targets(target, global_vocab, ignore_index):
-    """CPU: a Python exception; CUDA: an asynchronous device-side assert (the linear kernels do not
-    assert themselves); elsewhere an out-of-range target gives a NaN loss."""
-    _check_target_range(target, global_vocab, ignore_index, kernels.torch_reference)
+from mindspeed_cez.tensor_parallel import (check_target_range, gather_sequence, merged_loss, start_reduce_dhidden,
+                                           vocab_shard)
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,31 +37,30 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, options):
-        rank, tp_size = group_rank_and_size(options.tp_group)
-        full = gather_sequence(hidden, options.tp_group, tp_size, options.sequence_parallel)
+        shard = vocab_shard(options.tp_group, weight.shape[0])
+        full = gather_sequence(hidden, options.tp_group, shard.world_size, options.sequence_parallel)
         rows = as_rows(full)
         flat_target = target.reshape(-1)
-        v_local = weight.shape[0]
-        global_vocab, vocab_start = v_local * tp_size, rank * v_local
-        stats = options.linear.linear_partials(rows, weight, flat_target, vocab_start, global_vocab, options.ignore_index,
-                                         options.label_smoothing, ce_backend=options.backend, chunk_cols=options.chunk_cols,
-                                         transform=options.transform)
-        out = merged_loss(options.backend, stats, flat_target, options.ignore_index, options.z_loss_coeff, options.tp_group,
-                          tp_size, shard_name="weight")
-        _check_targets(flat_target, global_vocab, options.ignore_index)  # after the collective: see the op's forward
-        loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
+        stats = options.linear.linear_partials(rows, weight, flat_target, options.loss, shard,
+                                               ce_backend=options.backend, chunk_cols=options.chunk_cols)
+        out = merged_loss(options.backend, stats, flat_target, options.loss, options.tp_group, shard.world_size,
+                          shard_name="weight")
+        # after the collective; the linear kernels do not assert on targets: the torch check does on CUDA
+        check_target_range(flat_target, options.loss, shard, kernels.torch_reference)
+        total, z_loss, lse = out.view(3, *target.shape).unbind(0)
 
         ctx.save_for_backward(hidden, weight, flat_target, lse)
-        ctx.options, ctx.tp_size, ctx.vocab_start, ctx.global_vocab = options, tp_size, vocab_start, global_vocab
+        ctx.options, ctx.shard = options, shard
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
-        return loss, z_loss, lse
+        return total, z_loss, lse
 
     @staticmethod
     @first_order_only("linear_cross_entropy_zloss")
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
         hidden, weight, flat_target, lse = ctx.saved_tensors
-        options, tp_size = ctx.options, ctx.tp_size
+        options, shard = ctx.options, ctx.shard
+        tp_size = shard.world_size
         full = gather_sequence(hidden, options.tp_group, tp_size, options.sequence_parallel)
         rows = as_rows(full)
         lse = lse.reshape(-1)
@@ -81,9 +74,8 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         accumulate = Accumulator(rows.device)
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
-            dlogits = options.linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss, options.ignore_index,
-                                           ctx.vocab_start + c, options.z_loss_coeff, options.label_smoothing, ctx.global_vocab,
-                                           ce_backend=options.backend, transform=options.transform)
+            dlogits = options.linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss,
+                                                 options.loss, shard.chunk(c, w.shape[0]), ce_backend=options.backend)
             accumulate(drows, dlogits, w)  # fp32 sum over vocab chunks
             if c + step >= v_local:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
                 reduction = start_reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, tp_size,

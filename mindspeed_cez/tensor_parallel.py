@@ -5,6 +5,8 @@ Megatron-Core's unfused and fused vocab-parallel cross entropy share one set of 
 (``VocabParallelCrossEntropy``); so do ``vocab_parallel_cross_entropy_zloss`` and both paths of
 ``linear_cross_entropy_zloss``:
 
+* :func:`vocab_shard`: one call's vocab layout (this rank's slice of the global vocab), and
+  :func:`check_target_range`: the targets within that vocab or ignored;
 * :func:`merged_loss`: a rank's partials (its slice's lse and target term per row and its width,
   ``kernels/partials.py``) -> the loss over the global vocab: one all-gather of every rank's
   partials, then one kernel combines them (lse: the log-sum-exp of the ranks'; target: their sum)
@@ -20,6 +22,8 @@ import sys
 import torch.distributed as dist
 
 from mindspeed_cez.kernels import partials as layout
+from mindspeed_cez.kernels import torch_reference
+from mindspeed_cez.kernels.loss_spec import VocabShard
 
 # Ranks' tensors concatenated along dim 0 (torch 2.13 renames all_gather_into_tensor, now deprecated).
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -45,6 +49,27 @@ def group_rank_and_size(tp_group):
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
+def vocab_shard(tp_group, v_local):
+    """The ops' one vocab prologue: rank ``r`` of ``tp_group`` holds ids ``[r*v_local, (r+1)*v_local)``."""
+    rank, world_size = group_rank_and_size(tp_group)
+    return VocabShard(rank * v_local, v_local, v_local * world_size, rank, world_size)
+
+
+def check_target_range(target, loss, shard, backend):
+    """The ops' one range check of ``target`` (after the collective: where ranks disagree on the vocab,
+    :func:`merged_loss` refused on all of them). CPU: a Python exception. Elsewhere ``backend``'s
+    ``check_targets``: on CUDA an asynchronous device-side assert (no host sync), or nothing where
+    the backend's forward kernel asserts itself; on Ascend an out-of-range target is a NaN loss."""
+    if target.device.type != "cpu":
+        backend.check_targets(target, loss, shard)
+        return
+    valid = torch_reference.valid_targets(target, shard.global_vocab, loss.ignore_index)
+    if target.numel() and not bool(valid.all()):
+        bad = target[~valid][0].item()
+        raise ValueError(f"target holds {bad}, outside [0, {shard.global_vocab}) (the global vocab) and not "
+                         f"ignore_index={loss.ignore_index}")
+
+
 def check_equal_widths(gathered, shard_name):
     """On the CPU (host memory: no sync): every rank's slice has the same width, else the same
     ``ValueError`` on every rank, naming ``shard_name``, the tensor whose last dim is the slice."""
@@ -55,19 +80,19 @@ def check_equal_widths(gathered, shard_name):
             f"{max(widths)}), by rank {widths}; pad the vocab so it divides evenly by the tensor-parallel size")
 
 
-def merged_loss(backend, partials, target, ignore_index, z_loss_coeff, tp_group, tp_size, shard_name="logits",
-                out=None):
-    """fp32 ``[3, n]`` (loss, z-loss, lse), into ``out`` when given, from this rank's partials
-    (``shard_partials``'s layout), all-gathered over ``tp_group`` first when it has more than one
-    rank: the op's one collective. ``shard_name``: what an error about unequal widths names."""
+def merged_loss(backend, partials, target, loss, tp_group, tp_size, shard_name="logits", out=None):
+    """fp32 ``[3, n]`` (loss, z-loss, lse) of the loss ``loss`` (a ``LossSpec``), into ``out`` when
+    given, from this rank's partials (``shard_partials``'s layout), all-gathered over ``tp_group``
+    first when it has more than one rank: the op's one collective. ``shard_name``: what an error
+    about unequal widths names."""
     if tp_size == 1:
-        return backend.loss_from_partials(partials[None], target, ignore_index, z_loss_coeff, out)
+        return backend.loss_from_partials(partials[None], target, loss, out)
     gathered = partials.new_empty(tp_size * partials.numel())  # flat: gloo takes no stacked output
     all_gather(gathered, partials, group=tp_group)
     gathered = gathered.view(tp_size, partials.numel())
     if gathered.device.type == "cpu":
         check_equal_widths(gathered, shard_name)
-    return backend.loss_from_partials(gathered, target, ignore_index, z_loss_coeff, out)
+    return backend.loss_from_partials(gathered, target, loss, out)
 
 
 def gather_sequence(hidden, tp_group, tp_size, sequence_parallel):

@@ -32,8 +32,7 @@ __all__ = ["apply", "activate", "remove", "active_settings", "Settings", "patch_
 
 
 def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
-          output_layer_grads="forward", logit_transform=None, backend=None, linear_backend=None,
-          output_layer_block_fraction=None):
+          grads="forward", logit_transform=None, backend=None, linear_backend=None, block_fraction=None):
     """Use the fused op for Megatron's LM loss: per token, the gradient of ``CE + z_loss_coeff * lse**2``
     and the value of the CE (Megatron's convention for auxiliary losses: ``lm loss`` stays CE).
 
@@ -46,12 +45,12 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
             iteration's tokens as ``lm_lse_max``.
         fused_output_layer: compute GPT's output layer and the LM loss together with
             :func:`mindspeed_cez.linear_cross_entropy_zloss` (no logits tensor), see :mod:`.output_layer`.
-        output_layer_grads: the op's ``grads``: ``"forward"`` (default; gradients during the forward,
+        grads: the fused output layer's ``grads``: ``"forward"`` (default; gradients during the forward,
             with the loss mask as the op's ``token_weights``, where there is one) or ``"recompute"``.
         logit_transform: the ``LogitTransform`` MindSpeed-LLM's model applies to the logits, computed in
             the kernels instead (:mod:`.logit_transform`); None: read from Megatron's parsed arguments
             (its ``--output-multiplier-scale`` / ``--output-logit-softcapping``); False: none.
-        output_layer_block_fraction: ``"forward"``'s memory/time dial, the op's ``block_fraction``
+        block_fraction: ``"forward"``'s memory/time dial, the op's ``block_fraction``
             (None: 0.5, a block's logits half the logits; 0.125 the lean setting).
         backend, linear_backend: the ops' ``backend`` / ``linear_backend`` (None: automatic per device).
 
@@ -66,11 +65,10 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
         logit_transform = None if args is None else mindspeed_llm.logit_transform(args)
     elif logit_transform is False:
         logit_transform = None
-    settings = Settings(z_loss_coeff=float(z_loss_coeff), label_smoothing=label_smoothing,
+    settings = Settings(z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
                         log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer),
-                        output_layer_grads=output_layer_grads, logit_transform=logit_transform,
-                        backend=backend, linear_backend=linear_backend,
-                        output_layer_block_fraction=output_layer_block_fraction)
+                        grads=grads, logit_transform=logit_transform, backend=backend, linear_backend=linear_backend,
+                        block_fraction=block_fraction)
     _check_megatron_args(settings)
     return activate(settings)
 

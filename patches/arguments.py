@@ -17,7 +17,7 @@ Flags (one argument group, shown in ``--help``):
     Compute GPT's output layer and the LM loss as one op (``linear_cross_entropy_zloss``): no
     logits tensor on the training path; turns the fused loss on like ``--lm-fused-ce``.
     ``forward``: gradients made in the forward with the loss mask as token weights.
-``--lm-fused-output-layer-block F``  (default 0.5)
+``--lm-fused-output-layer-block-fraction F``  (default 0.5)
     ``forward``'s memory/time dial: each block of token rows takes the share F of the tokens, so
     the loss works in F x the logits' memory; fewer blocks, less time (0.125: the lean setting).
 
@@ -34,8 +34,7 @@ import argparse
 import os
 import sys
 
-from mindspeed_cez.cross_entropy_zloss import check_z_loss_coeff
-from mindspeed_cez.linear_cross_entropy import GRADS, check_block_fraction, check_grads
+from mindspeed_cez.linear_cross_entropy import GRADS
 from mindspeed_cez.patches import mindspeed_llm
 from mindspeed_cez.patches.settings import Settings, backends_from_environment
 
@@ -45,7 +44,7 @@ FLAG_NO_FUSED = "--no-lm-fused-ce"
 FLAG_LOG_LSE = "--lm-z-loss-log-lse"
 FLAG_OUTPUT_LAYER = "--lm-fused-output-layer"
 OUTPUT_LAYER_GRADS = GRADS
-FLAG_OUTPUT_LAYER_BLOCK = "--lm-fused-output-layer-block"
+FLAG_BLOCK_FRACTION = "--lm-fused-output-layer-block-fraction"
 GROUP_TITLE = "mindspeed_cez: fused LM cross entropy + z-loss"
 
 __all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate_lm_z_loss_args", "validate_flags",
@@ -101,12 +100,13 @@ def add_lm_z_loss_args(parser):
         help="Compute the GPT output layer and the LM loss (CE + z-loss) as one fused op, without the "
              "logits tensor (labels given: training and validation; logits are still made without labels). "
              "'forward' (default): the gradients are made during the forward, blocks of half the tokens "
-             "(--lm-fused-output-layer-block), for the upstream gradient Megatron's schedule gives the loss "
+             "(--lm-fused-output-layer-block-fraction), for the upstream gradient Megatron's schedule gives the loss "
              "mask (3 GEMMs; the weight's gradient added into its main_grad); 'recompute': backward recomputes "
              "the logits in vocab chunks (4 GEMMs; any upstream gradient).",
     )
     group.add_argument(
-        FLAG_OUTPUT_LAYER_BLOCK, type=_number_or_text, default=None, dest="lm_fused_output_layer_block", metavar="F",
+        FLAG_BLOCK_FRACTION, type=_number_or_text, default=None, dest="lm_fused_output_layer_block_fraction",
+        metavar="F",
         help="With --lm-fused-output-layer forward: the share of the tokens each block of the fused output "
              "layer takes, 0 < F <= 1; the loss then works in F x the logits' memory, and each block "
              "rewrites the fp32 main_grad once (fewer blocks, less time). Default 0.5; 0.125: lean "
@@ -129,11 +129,36 @@ def validate_lm_z_loss_args(args, defaults=None):
     Usable as a validation hook (``validate(args)`` or ``validate(args, defaults)``); objects
     without the flags (e.g. a TransformerConfig handed to MindSpeed's feature hooks) pass through.
     """
-    if not has_lm_z_loss_args(args):
-        return args
-    c = args.lm_z_loss_coeff
-    check_z_loss_coeff(c, FLAG_COEFF)
+    if has_lm_z_loss_args(args):
+        _validated_settings(args)
+    return args
+
+
+# The Settings fields the flags set, by the flag's name (what a bad value's error names).
+FLAG_NAMES = {"z_loss_coeff": FLAG_COEFF, "label_smoothing": "--label-smoothing", "grads": FLAG_OUTPUT_LAYER,
+              "block_fraction": FLAG_BLOCK_FRACTION,
+              "logit_transform": "--output-multiplier-scale / --output-logit-softcapping"}
+
+
+def _validated_settings(args):
+    """The flags checked, each value once (:class:`Settings` with the flags' names): the Settings when
+    the fused kernel is on, else None."""
     fused = getattr(args, "lm_fused_ce", None)
+    on = fused_ce_enabled(args, checked=False)
+    mode = getattr(args, "lm_fused_output_layer", None)
+    settings = Settings(
+        z_loss_coeff=args.lm_z_loss_coeff,
+        label_smoothing=getattr(args, "label_smoothing", None) if on else None,
+        log_z_loss=True,
+        log_lse=bool(getattr(args, "lm_z_loss_log_lse", False)),
+        fused_output_layer=bool(mode),
+        grads=mode if mode in OUTPUT_LAYER_GRADS or mode not in (None, False, True) else "forward",
+        block_fraction=getattr(args, "lm_fused_output_layer_block_fraction", None),
+        logit_transform=mindspeed_llm.logit_transform(args) if on else None,
+        **(backends_from_environment() if on else {}),
+        names=FLAG_NAMES,
+    )
+    c = settings.z_loss_coeff
     if fused not in (None, True, False):
         raise ValueError(f"{FLAG_FUSED}/{FLAG_NO_FUSED}: expected a flag, got {fused!r}")
     if fused is False and c > 0:
@@ -142,15 +167,9 @@ def validate_lm_z_loss_args(args, defaults=None):
         )
     if fused is False and getattr(args, "lm_z_loss_log_lse", False):
         raise ValueError(f"{FLAG_LOG_LSE} needs the fused kernel, but {FLAG_NO_FUSED} turns it off")
-    mode = getattr(args, "lm_fused_output_layer", None)
-    if mode not in (None, False, True):  # off, or on with the default
-        check_grads(mode, FLAG_OUTPUT_LAYER)
-    block = getattr(args, "lm_fused_output_layer_block", None)
-    if block is not None:
-        check_block_fraction(block, FLAG_OUTPUT_LAYER_BLOCK)
-        if mode != "forward" and mode is not True:
-            raise ValueError(f"{FLAG_OUTPUT_LAYER_BLOCK} sets the blocks of {FLAG_OUTPUT_LAYER} forward; it has "
-                             f"none with {FLAG_OUTPUT_LAYER} {mode or '(off)'}: drop it or use forward")
+    if settings.block_fraction is not None and mode != "forward" and mode is not True:
+        raise ValueError(f"{FLAG_BLOCK_FRACTION} sets the blocks of {FLAG_OUTPUT_LAYER} forward; it has "
+                         f"none with {FLAG_OUTPUT_LAYER} {mode or '(off)'}: drop it or use forward")
     if mode:
         if fused is False:
             raise ValueError(f"{FLAG_OUTPUT_LAYER} is a fused kernel, but {FLAG_NO_FUSED} turns it off")
@@ -158,11 +177,10 @@ def validate_lm_z_loss_args(args, defaults=None):
                            ("use_mup", "--use-mup")):
             if getattr(args, dest, False):
                 raise ValueError(f"{FLAG_OUTPUT_LAYER} does not serve {flag}; drop one of them")
-    if fused_ce_enabled(args):
-        mindspeed_llm.check_args(args, _flag_turning_fused_on(args),
-                                 FLAG_OUTPUT_LAYER if getattr(args, "lm_fused_output_layer", None) else None)
-        backends_from_environment()  # the launch script's kernel overrides, checked with the flags
-    return args
+    if not on:
+        return None
+    mindspeed_llm.check_args(args, _flag_turning_fused_on(args), FLAG_OUTPUT_LAYER if mode else None)
+    return settings
 
 
 def validate_flags(args, defaults=None):
@@ -186,12 +204,15 @@ def _flag_turning_fused_on(args):
     return FLAG_OUTPUT_LAYER if getattr(args, "lm_fused_output_layer", False) else FLAG_LOG_LSE
 
 
-def fused_ce_enabled(args):
-    """Whether the flags turn the fused kernel on."""
+def fused_ce_enabled(args, checked=True):
+    """Whether the flags turn the fused kernel on (``checked=False``: before the coefficient is checked,
+    a value that is no number counts as on, so that its check runs)."""
     fused = getattr(args, "lm_fused_ce", None)
     if fused is False:
         return False
-    return (bool(fused) or args.lm_z_loss_coeff > 0 or bool(getattr(args, "lm_z_loss_log_lse", False))
+    c = args.lm_z_loss_coeff
+    positive = c > 0 if checked or isinstance(c, (int, float)) else True
+    return (bool(fused) or positive or bool(getattr(args, "lm_z_loss_log_lse", False))
             or bool(getattr(args, "lm_fused_output_layer", False)))
 
 
@@ -199,21 +220,7 @@ def settings_from_args(args):
     """``mindspeed_cez.patches.Settings`` for validated ``args``, or None when the kernel is off. The
     kernels' backends come from the environment (``MINDSPEED_CEZ_BACKEND``,
     ``MINDSPEED_CEZ_LINEAR_BACKEND``), unset: automatic."""
-    validate_lm_z_loss_args(args)
-    if not fused_ce_enabled(args):
-        return None
-    return Settings(
-        z_loss_coeff=float(args.lm_z_loss_coeff),
-        label_smoothing=getattr(args, "label_smoothing", None),
-        log_z_loss=True,
-        log_lse=bool(getattr(args, "lm_z_loss_log_lse", False)),
-        fused_output_layer=bool(getattr(args, "lm_fused_output_layer", None)),
-        output_layer_grads=(getattr(args, "lm_fused_output_layer", None) if
-                            getattr(args, "lm_fused_output_layer", None) in OUTPUT_LAYER_GRADS else "forward"),
-        output_layer_block_fraction=getattr(args, "lm_fused_output_layer_block", None),
-        logit_transform=mindspeed_llm.logit_transform(args),
-        **backends_from_environment(),
-    )
+    return _validated_settings(args)
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):

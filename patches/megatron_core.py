@@ -39,6 +39,7 @@ from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 from mindspeed_cez.patches import output_layer as _output_layer
 from mindspeed_cez.kernels.logit_transform import IDENTITY
+from mindspeed_cez.kernels.loss_spec import loss_spec
 from mindspeed_cez.patches.logit_transform import LogitTransformError, TransformedLogits
 from mindspeed_cez.patches.pass_through import while_active
 from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
@@ -67,14 +68,18 @@ def _module_tp_group(module):
     return resolve_tp_group(group)
 
 
-def in_megatron_convention(loss_fn, v_local, tp_group, label_smoothing_megatron, z_loss_coeff):
-    """``loss_fn(label_smoothing)`` -- an op returning ``(loss, z_loss, lse)``, ``loss = CE + c*lse**2``
-    -- in Megatron's conventions: its label smoothing over the global vocab (``v_local`` per rank of
-    ``tp_group``), and for auxiliary losses: ``loss`` minus its detached ``z_loss``, so the value is
-    the CE (what Megatron logs as ``lm loss``) and the gradient still that of ``CE + c*lse**2`` (what
-    it trains on), as Megatron's router losses enter the gradient but not the logged loss."""
+def in_megatron_convention(loss_fn, v_local, tp_group, label_smoothing_megatron, z_loss_coeff, transform=IDENTITY):
+    """``loss_fn(loss)`` -- an op returning ``(loss, z_loss, lse)``, ``loss = CE + c*lse**2`` for the
+    ``LossSpec`` ``loss`` it is handed -- in Megatron's conventions: its label smoothing over the global
+    vocab (``v_local`` per rank of ``tp_group``), and for auxiliary losses: ``loss`` minus its detached
+    ``z_loss``, so the value is the CE (what Megatron logs as ``lm loss``) and the gradient still that of
+    ``CE + c*lse**2`` (what it trains on), as Megatron's router losses enter the gradient but not the
+    logged loss. The spec is one object per set of values (the adaptor's settings checked them)."""
     global_vocab = v_local * _tp_world_size(tp_group)
-    loss, z_loss, lse = loss_fn(megatron_to_torch_smoothing(label_smoothing_megatron, global_vocab))
+    spec = loss_spec(z_loss_coeff=z_loss_coeff,
+                     label_smoothing=megatron_to_torch_smoothing(label_smoothing_megatron, global_vocab),
+                     logit_scale=transform.scale, logit_softcap=transform.cap)
+    loss, z_loss, lse = loss_fn(spec)
     return (loss - z_loss if z_loss_coeff > 0 else loss), z_loss, lse
 
 
@@ -84,12 +89,12 @@ def loss_in_megatron_convention(logits, target, tp_group, label_smoothing_megatr
     shaped like ``target``."""
     tp_group = resolve_tp_group(tp_group)
 
-    def loss_fn(label_smoothing):
-        return vocab_parallel_cross_entropy_zloss(
-            logits, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing, tp_group=tp_group,
-            backend=backend, logit_scale=transform.scale, logit_softcap=transform.cap, return_lse=True)
+    def loss_fn(loss):
+        return vocab_parallel_cross_entropy_zloss(logits, target, tp_group=tp_group, backend=backend, return_lse=True,
+                                                  loss=loss)
 
-    return in_megatron_convention(loss_fn, logits.shape[-1], tp_group, label_smoothing_megatron, z_loss_coeff)
+    return in_megatron_convention(loss_fn, logits.shape[-1], tp_group, label_smoothing_megatron, z_loss_coeff,
+                                  transform)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,16 +221,17 @@ def compute_language_model_loss_wrapper(fn):
             loss, z_loss, lse = loss_in_megatron_convention(logits, target, tp_group, smoothing, coeff, settings.backend,
                                                             transform)
         else:
-            if settings.output_layer_grads == "forward" and loss_mask is not None and torch.is_grad_enabled():
+            if settings.grads == "forward" and loss_mask is not None and torch.is_grad_enabled():
                 path = "forward"  # gradients made in forward, for the upstream gradient of Megatron's schedule
             else:
                 path = "recompute"
 
-            def loss_fn(label_smoothing):
-                return _output_layer.linear_loss(logits, target, tp_group, label_smoothing, coeff, settings, transform,
-                                                 path, loss_mask, self.config)
+            def loss_fn(loss):
+                return _output_layer.linear_loss(logits, target, tp_group, loss, settings, path, loss_mask,
+                                                 self.config)
 
-            loss, z_loss, lse = in_megatron_convention(loss_fn, logits.weight.shape[0], tp_group, smoothing, coeff)
+            loss, z_loss, lse = in_megatron_convention(loss_fn, logits.weight.shape[0], tp_group, smoothing, coeff,
+                                                       transform)
         if is_main:
             _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, context is not None)
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged

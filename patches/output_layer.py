@@ -167,11 +167,10 @@ def megatron_grad_scale(config, loss_mask):
     return loss_scale / (loss_mask.float().sum().clamp(min=1) * num_microbatches)
 
 
-def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, settings, transform, grads, loss_mask,
-                config):
+def linear_loss(deferred, target, tp_group, loss, settings, grads, loss_mask, config):
     """``(loss, z_loss, lse)`` of the deferred output layer, ``[s, b]``, as the op returns them
-    (``loss = CE + c*lse**2``), with the backends of ``settings``. ``grads`` is the op's path;
-    ``"forward"`` makes the gradients for the upstream gradient Megatron's schedule sends: the
+    (``loss = CE + c*lse**2``) for the ``LossSpec`` ``loss``, with the backends of ``settings``.
+    ``grads`` is the op's path; ``"forward"`` makes the gradients for the upstream gradient Megatron's schedule sends: the
     ``loss_mask`` ``[b, s]`` as token weights, scaled by :func:`megatron_grad_scale` of ``config``
     (with it the weight gradient goes into ``main_grad`` during the forward)."""
     layer, weight = deferred.layer, deferred.weight
@@ -182,14 +181,14 @@ def linear_loss(deferred, target, tp_group, label_smoothing, z_loss_coeff, setti
         hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad"))
     try:
         return linear_cross_entropy_zloss(
-            deferred.hidden, weight, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
-            tp_group=tp_group, sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
+            deferred.hidden, weight, target, loss=loss, tp_group=tp_group,
+            sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
             gradient_accumulation_fusion=into_main_grad,
             token_weights=loss_mask.transpose(0, 1).to(torch.float32) if forward else None,  # [b s] => [s b]
             grad_scale=megatron_grad_scale(config, loss_mask) if forward else None,
             grads=grads, backend=settings.backend, linear_backend=settings.linear_backend,
-            logit_scale=transform.scale, logit_softcap=transform.cap,
-            block_fraction=settings.output_layer_block_fraction if forward else None, return_lse=True)
+            block_fraction=settings.block_fraction if forward else None, remedy=f"{FLAG} recompute",
+            return_lse=True)
     except ForwardGradientError as error:  # a dropped forward's gradient, found at this one
         raise _naming_the_flag(error) from error
 

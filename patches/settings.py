@@ -9,12 +9,12 @@ kernels (``MINDSPEED_CEZ_BACKEND``, ``MINDSPEED_CEZ_LINEAR_BACKEND``), for the f
 """
 
 import os
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import InitVar, dataclass
+from typing import Mapping, Optional
 
 from mindspeed_cez import cann, kernels
-from mindspeed_cez.cross_entropy_zloss import check_label_smoothing, check_z_loss_coeff
-from mindspeed_cez.kernels.logit_transform import LogitTransform
+from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
+from mindspeed_cez.kernels.loss_spec import LossSpec
 from mindspeed_cez.linear_cross_entropy import check_block_fraction, check_grads
 from mindspeed_cez.patches import metrics
 from mindspeed_cez.patches.metrics import LM_LSE, LM_LSE_MAX, LM_Z_LOSS
@@ -37,12 +37,12 @@ class Settings:
         tokens as ``lm_lse_max`` (the op's own lse: no extra pass).
     fused_output_layer: GPT's output layer and LM loss as one op, without the logits tensor
         (``--lm-fused-output-layer``, :mod:`mindspeed_cez.patches.output_layer`).
-    output_layer_grads: ``"forward"`` (default: gradients made in the forward with the loss mask as
-        token weights and Megatron's upstream gradient, where both are known; else as ``"recompute"``)
-        or ``"recompute"`` (logits recomputed in backward): the op's ``grads``.
-    output_layer_block_fraction: ``"forward"``'s memory/time dial, the op's ``block_fraction``: the
-        share of the tokens (and of the logits' memory) one block takes; None: the op's default (0.5),
-        0.125 the lean setting (``--lm-fused-output-layer-block``).
+    grads: the fused output layer's path, the op's ``grads``: ``"forward"`` (default: gradients made
+        in the forward with the loss mask as token weights and Megatron's upstream gradient, where
+        both are known; else as ``"recompute"``) or ``"recompute"`` (logits recomputed in backward).
+    block_fraction: ``"forward"``'s memory/time dial, the op's ``block_fraction``: the share of the
+        tokens (and of the logits' memory) one block takes; None: the op's default (0.5), 0.125 the
+        lean setting (``--lm-fused-output-layer-block-fraction``).
     logit_transform: the :class:`~mindspeed_cez.kernels.logit_transform.LogitTransform` the model
         applies to the main head's logits with torch ops before the loss (MindSpeed-LLM's
         ``--output-multiplier-scale`` / ``--output-logit-softcapping``), or None (no transform).
@@ -51,6 +51,9 @@ class Settings:
     backend: the ops' cross-entropy backend, ``"triton"`` / ``"torch"``, None: automatic per device;
         ``"cann"``: torch_npu's fused op (TP = 1, no fused output layer, no logit transform).
     linear_backend: the fused output layer's, ``"gemm"`` / ``"triton"``, None: automatic.
+    names: the caller's name per field for errors (the flags' names, :func:`.arguments.settings_from_args`);
+        by default the fields' own. Each field is checked here, once (the loss's in a
+        :class:`~mindspeed_cez.kernels.loss_spec.LossSpec`).
     """
 
     z_loss_coeff: float = 0.0
@@ -58,20 +61,25 @@ class Settings:
     log_z_loss: bool = True
     log_lse: bool = False
     fused_output_layer: bool = False
-    output_layer_grads: str = "forward"
-    output_layer_block_fraction: Optional[float] = None
+    grads: str = "forward"
+    block_fraction: Optional[float] = None
     logit_transform: Optional[LogitTransform] = None
     backend: Optional[str] = None
     linear_backend: Optional[str] = None
+    names: InitVar[Optional[Mapping[str, str]]] = None
 
-    def __post_init__(self):
-        check_z_loss_coeff(self.z_loss_coeff)
-        if self.label_smoothing is not None:
-            check_label_smoothing(self.label_smoothing)
-        check_grads(self.output_layer_grads, "output_layer_grads")
-        check_block_fraction(self.output_layer_block_fraction, "output_layer_block_fraction")
+    def __post_init__(self, names):
+        name = (lambda field: names.get(field, field)) if names else (lambda field: field)
         if self.logit_transform is not None and not isinstance(self.logit_transform, LogitTransform):
-            raise TypeError(f"logit_transform must be None or a LogitTransform, got {self.logit_transform!r}")
+            raise TypeError(f"{name('logit_transform')} must be None or a LogitTransform, got {self.logit_transform!r}")
+        loss = LossSpec(z_loss_coeff=self.z_loss_coeff,
+                        label_smoothing=0.0 if self.label_smoothing is None else self.label_smoothing,
+                        logit_transform=self.logit_transform or IDENTITY, names=names)
+        object.__setattr__(self, "z_loss_coeff", loss.z_loss_coeff)
+        if self.label_smoothing is not None:
+            object.__setattr__(self, "label_smoothing", loss.label_smoothing)
+        check_grads(self.grads, name("grads"))
+        check_block_fraction(self.block_fraction, name("block_fraction"))
         if self.backend not in (None, *BACKENDS):
             raise ValueError(f"backend must be None or one of {BACKENDS}, got {self.backend!r}")
         if self.backend == cann.NAME and self.fused_output_layer:

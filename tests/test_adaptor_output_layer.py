@@ -84,7 +84,7 @@ def _worker(rank, world_size, tp, share_embeddings):
         logits_unfused = model(batches[0][0], position_ids, mask)
     unfused = _run(model, batches)
 
-    patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True, output_layer_grads="recompute")
+    patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True, grads="recompute")
     outputs = []
     fused = _run(model, batches, track_output=outputs)
     assert outputs == [DeferredLogits] * len(batches), outputs  # no logits on the training path
@@ -141,7 +141,7 @@ def _check_megatron_grad_scale(model, batches, tp, tied):
             model.config.calculate_per_token_loss = per_token
             patches.apply(z_loss_coeff=COEFF, log_lse=True)
             unfused = _run(model, batches, loss_scale=loss_scale)
-            patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True, output_layer_grads="forward")
+            patches.apply(z_loss_coeff=COEFF, log_lse=True, fused_output_layer=True, grads="forward")
             with recorded_grad_scales() as scales:
                 fused = _run(model, batches, loss_scale=loss_scale)
             runs[per_token] = unfused, fused, [float(s) for s in scales]

@@ -9,6 +9,8 @@ import pytest
 
 from mindspeed_cez.patches import arguments
 
+BLOCK = "--lm-fused-output-layer-block-fraction"
+
 
 def _parse(argv):
     parser = arguments.add_lm_z_loss_args(argparse.ArgumentParser(allow_abbrev=False))
@@ -23,17 +25,17 @@ def _parse(argv):
         (["--lm-z-loss-coeff", "inf"], "--lm-z-loss-coeff"),
         (["--lm-z-loss-coeff", "1e-4", "--no-lm-fused-ce"], "--no-lm-fused-ce"),
         (["--lm-fused-output-layer", "--no-lm-fused-ce"], "--lm-fused-output-layer .*--no-lm-fused-ce"),
-        (["--lm-fused-output-layer", "--lm-fused-output-layer-block", "0"], "-block takes .* in \\(0, 1\\]"),
-        (["--lm-fused-output-layer", "--lm-fused-output-layer-block", "1.5"], "-block takes .*got 1.5"),
-        (["--lm-fused-output-layer", "recompute", "--lm-fused-output-layer-block", "0.25"],
-         "-block sets the blocks of --lm-fused-output-layer forward; it has none with --lm-fused-output-layer "
+        (["--lm-fused-output-layer", BLOCK, "0"], "-block-fraction takes .* in \\(0, 1\\]"),
+        (["--lm-fused-output-layer", BLOCK, "1.5"], "-block-fraction takes .*got 1.5"),
+        (["--lm-fused-output-layer", "recompute", BLOCK, "0.25"],
+         "-block-fraction sets the blocks of --lm-fused-output-layer forward; it has none with --lm-fused-output-layer "
          "recompute"),
-        (["--lm-fused-output-layer-block", "0.25"], "none with --lm-fused-output-layer \\(off\\)"),
+        ([BLOCK, "0.25"], "none with --lm-fused-output-layer \\(off\\)"),
         # text that is no number or path: the parser keeps it, validation names the flag in one line
         (["--lm-z-loss-coeff", "abc"], "--lm-z-loss-coeff must be a finite number >= 0, got 'abc'"),
         (["--lm-fused-output-layer", "sideways"], "--lm-fused-output-layer must be one of \\('recompute', 'forward'\\), "
                                                   "got 'sideways'"),
-        (["--lm-fused-output-layer", "--lm-fused-output-layer-block", "half"], "-block takes .*got 'half'"),
+        (["--lm-fused-output-layer", BLOCK, "half"], "-block-fraction takes .*got 'half'"),
     ],
 )
 def test_invalid_values_fail_validation_naming_the_flag(argv, message):
@@ -83,11 +85,11 @@ def test_settings_from_flags():
     assert math.isclose(s.z_loss_coeff, 3e-4) and s.metric_names() == ["lm_z_loss", "lm_lse", "lm_lse_max"]
     s = arguments.settings_from_args(_parse(["--lm-fused-output-layer"]))
     assert s is not None and s.fused_output_layer and s.z_loss_coeff == 0.0
-    assert s.output_layer_grads == "forward" and s.output_layer_block_fraction is None
-    s = arguments.settings_from_args(_parse(["--lm-fused-output-layer", "--lm-fused-output-layer-block", "0.125"]))
-    assert s.output_layer_grads == "forward" and s.output_layer_block_fraction == 0.125
+    assert s.grads == "forward" and s.block_fraction is None
+    s = arguments.settings_from_args(_parse(["--lm-fused-output-layer", BLOCK, "0.125"]))
+    assert s.grads == "forward" and s.block_fraction == 0.125
     s = arguments.settings_from_args(_parse(["--lm-fused-output-layer", "recompute", "--lm-z-loss-coeff", "1e-4"]))
-    assert s.fused_output_layer and s.output_layer_grads == "recompute" and s.metric_names() == ["lm_z_loss"]
+    assert s.fused_output_layer and s.grads == "recompute" and s.metric_names() == ["lm_z_loss"]
     s = arguments.settings_from_args(_parse(["--lm-z-loss-coeff", "1e-4"]))
     assert not s.fused_output_layer
     for dest, flag in (("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute"), ("use_mup", "--use-mup")):

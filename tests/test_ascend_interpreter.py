@@ -25,6 +25,7 @@ from support import cross_entropy_zloss_float64, loss_and_grad_float64, relative
 
 from mindspeed_cez import kernels  # noqa: E402
 from mindspeed_cez.kernels import triton_cross_entropy as tce  # noqa: E402
+from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard  # noqa: E402
 from mindspeed_cez.kernels import triton_linear_cross_entropy as tlce  # noqa: E402
 from mindspeed_cez.kernels import triton_matmul_accumulate as tma  # noqa: E402
 from mindspeed_cez.kernels.variants import linear_variants, variants  # noqa: E402
@@ -66,9 +67,9 @@ def record_launches():
         launcher.__call__ = original
 
 
-def _transform(scale, cap):
-    """The backends' transform keyword."""
-    return {"transform": kernels.LogitTransform(scale, cap)}
+def _spec(smoothing, scale=1.0, cap=0.0):
+    """The backends' description of the loss."""
+    return LossSpec(IGNORE, C, smoothing, kernels.LogitTransform(scale, cap))
 
 
 def _inputs(dtype, seed, n_rows=N_ROWS, n_cols=N_COLS):
@@ -95,25 +96,24 @@ def _check(name, got_loss, got_grad, logits, target, upstream, tol, **kw):
 @pytest.mark.parametrize("dtype, smoothing, scale, cap", STREAMING)
 def test_streaming_kernels_one_rank_and_two_shards(dtype, smoothing, scale, cap):
     logits, target, upstream = _inputs(DTYPES[dtype], seed=zlib.crc32(repr((dtype, smoothing, scale, cap)).encode()))
-    transform = _transform(scale, cap)
+    spec = _spec(smoothing, scale, cap)
     kw = dict(label_smoothing=smoothing, logit_scale=scale, logit_softcap=cap)
     with kernels.launch_as("npu"):
         # one rank: the finishing forward, then the gradient
-        out = tce.fused_loss(logits, target, IGNORE, C, smoothing, **transform)
+        out = tce.fused_loss(logits, target, spec)
         grad = torch.empty_like(logits)
-        tce.write_grad(logits, grad, target, out[2].clone(), upstream, IGNORE, 0, C, smoothing, N_COLS, **transform)
+        tce.write_grad(logits, grad, target, out[2].clone(), upstream, spec, VocabShard.whole(N_COLS))
         _check("one rank", out, grad, logits, target, upstream, TOL[dtype], **kw)
 
         # two vocab shards: partials, the all-gather done by hand (a stack), then the loss
         half = N_COLS // 2
         shards = (logits[:, :half].contiguous(), logits[:, half:].contiguous())
-        parts = [tce.shard_partials(s, target, r * half, N_COLS, IGNORE, smoothing, **transform)
+        parts = [tce.shard_partials(s, target, spec, VocabShard(r * half, half, N_COLS, r, 2))
                  for r, s in enumerate(shards)]
-        merged = tce.loss_from_partials(torch.stack(parts), target, IGNORE, C)
+        merged = tce.loss_from_partials(torch.stack(parts), target, spec)
         grads = [torch.empty_like(s) for s in shards]
         for r, (s, g) in enumerate(zip(shards, grads)):
-            tce.write_grad(s, g, target, merged[2].clone(), upstream, IGNORE, r * half, C, smoothing, N_COLS,
-                           **transform)
+            tce.write_grad(s, g, target, merged[2].clone(), upstream, spec, VocabShard(r * half, half, N_COLS, r, 2))
         _check("two shards", merged, torch.cat(grads, 1), logits, target, upstream, TOL[dtype], **kw)
 
 
@@ -126,13 +126,12 @@ def test_fused_output_projection_kernels(dtype, smoothing, scale, cap):
     target = torch.randint(0, n_cols, (hidden.shape[0],), generator=gen)
     target[::7] = IGNORE
     upstream = torch.rand(hidden.shape[0], generator=gen) + 0.5
-    transform = _transform(scale, cap)
+    spec, shard = _spec(smoothing, scale, cap), VocabShard.whole(n_cols)
     with kernels.launch_as("npu"):
-        partials = tlce.linear_partials(hidden, weight, target, 0, n_cols, IGNORE, smoothing, **transform)
-        out = tce.loss_from_partials(partials[None], target, IGNORE, C)
+        partials = tlce.linear_partials(hidden, weight, target, spec, shard)
+        out = tce.loss_from_partials(partials[None], target, spec)
         grad = torch.empty(hidden.shape[0], n_cols, dtype=hidden.dtype)
-        tlce.linear_grad(hidden, weight, grad, target, out[2].clone(), upstream, IGNORE, 0, C, smoothing, n_cols,
-                         **transform)
+        tlce.linear_grad(hidden, weight, grad, target, out[2].clone(), upstream, spec, shard)
     logits = hidden.double() @ weight.double().t()  # the exact products of the 16-bit operands
     _check("fused output projection", out, grad, logits, target, upstream, TOL[dtype],
            label_smoothing=smoothing, logit_scale=scale, logit_softcap=cap)
@@ -155,8 +154,8 @@ def test_fp32_accumulation_kernel(dtype, k):
 def test_launch_as_is_scoped_and_refused_on_accelerator_tensors():
     logits, target, _ = _inputs(torch.float32, seed=3, n_rows=4)
     with kernels.launch_as("npu"):
-        tce.fused_loss(logits, target, IGNORE, C, 0.0)
-    tce.fused_loss(logits, target, IGNORE, C, 0.0)  # after the block: the CPU setting again
+        tce.fused_loss(logits, target, _spec(0.0))
+    tce.fused_loss(logits, target, _spec(0.0))  # after the block: the CPU setting again
     npu, cpu = LAUNCHED[-2][1], LAUNCHED[-1][1]
     assert npu["SLOTS"] == 1 and npu["SLOT_WIDTH"] == 4096, "NPU: one slot per 4096-column tile"
     assert cpu["SLOT_WIDTH"] == 8, "CPU (the interpreter's own setting): 8-wide slots"

@@ -167,10 +167,13 @@ def test_unequal_shard_widths_are_a_device_assert(backend):
         import sys
         import torch
         from mindspeed_cez import kernels
+        from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
         backend = kernels.get_backend(sys.argv[1])
         target = torch.randint(0, 20, (64,), device="cuda")
-        parts = [backend.shard_partials(torch.randn(64, w, device="cuda"), target, 0, 20, -100) for w in (10, 12)]
-        backend.loss_from_partials(torch.stack(parts), target, -100, 1e-3)
+        spec = LossSpec(-100, 1e-3)
+        parts = [backend.shard_partials(torch.randn(64, w, device="cuda"), target, spec, VocabShard(0, w, 20))
+                 for w in (10, 12)]
+        backend.loss_from_partials(torch.stack(parts), target, spec)
         torch.cuda.synchronize()
         print("no error")
         """

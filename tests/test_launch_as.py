@@ -10,21 +10,24 @@ import torch
 from mindspeed_cez import kernels
 from mindspeed_cez.kernels import torch_reference
 from mindspeed_cez.kernels.device_cores import launch_type
+from mindspeed_cez.kernels.loss_spec import LossSpec
 
 tce = pytest.importorskip("mindspeed_cez.kernels.triton_cross_entropy")
 
 
 def test_each_setting_matches_the_reference_and_the_block_is_scoped():
     logits, target = torch.randn(6, 3000), torch.randint(0, 3000, (6,))
-    want = torch_reference.fused_loss(logits, target, -100, 1e-3, 0.1)
+    spec = LossSpec(-100, 1e-3, 0.1)
+    want = torch_reference.fused_loss(logits, target, spec)
     for kind in ("npu", "cpu"):
         with kernels.launch_as(kind):
             assert launch_type(logits.device) == kind
-            got = tce.fused_loss(logits, target, -100, 1e-3, 0.1)
+            got = tce.fused_loss(logits, target, spec)
         assert (got - want).abs().max() < 1e-5, kind
     assert launch_type(logits.device) == "cpu"
     plans = {key[-1]: tce._plan(logits.device, 6, 3000, "fwd", key[-1]) for key in [("npu",), ("cpu",)]}
-    assert plans["npu"][2][:2] == (1, 4096) and plans["cpu"][2][1] == 8  # one 4096 slot / 8-wide slots
+    npu, cpu = plans["npu"][2], plans["cpu"][2]
+    assert (npu["SLOTS"], npu["SLOT_WIDTH"], cpu["SLOT_WIDTH"]) == (1, 4096, 8)  # one 4096 slot / 8-wide slots
 
 
 def test_bad_type_and_accelerator_tensors_are_refused():

@@ -80,8 +80,10 @@ def test_loss_and_grad(launch_settings, n, vocab, dtype, z_loss_coeff, label_smo
 def test_partials_of_shards_combine_to_the_full_vocab(launch_settings, world_size):
     """The multi-rank path's two kernels (partials, loss), the all-gather done by hand (a stack)."""
     from mindspeed_cez.kernels import triton_cross_entropy as tce
+    from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
 
     n, v_local, coeff, alpha = 45, 1500, 1e-3, 0.1
+    spec = LossSpec(-100, coeff, alpha)
     vocab = v_local * world_size
     gen = torch.Generator().manual_seed(world_size)
     full = random_logits((n, vocab), torch.bfloat16, DEVICE, gen)
@@ -90,10 +92,11 @@ def test_partials_of_shards_combine_to_the_full_vocab(launch_settings, world_siz
     target[::5] = -100
     target = target.to(DEVICE)
     parts = [
-        tce.shard_partials(full[:, r * v_local : (r + 1) * v_local], target, r * v_local, vocab, -100, alpha)
+        tce.shard_partials(full[:, r * v_local : (r + 1) * v_local], target, spec,
+                           VocabShard(r * v_local, v_local, vocab, r, world_size))
         for r in range(world_size)
     ]
-    out = tce.loss_from_partials(torch.stack(parts), target, -100, coeff)
+    out = tce.loss_from_partials(torch.stack(parts), target, spec)
     exp_loss, exp_z, exp_lse = cross_entropy_zloss_float64(full, target, z_loss_coeff=coeff, label_smoothing=alpha)
     assert relative_error(out[0], exp_loss) < LOSS_TOLERANCE
     assert relative_error(out[1], exp_z) < LOSS_TOLERANCE

@@ -14,6 +14,7 @@ from support import run_on_ranks
 from support import cross_entropy_zloss_float64, relative_error
 from mindspeed_cez import kernels, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.kernels import chunked_linear
+from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
 
 SEQ, BATCH, HIDDEN, V_PER_RANK = 13, 3, 24, 53  # 39 tokens; chunks of 16 rows do not divide them
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -395,8 +396,9 @@ def test_linear_kernels_match_float64(label_smoothing):
     target[:3] = torch.tensor([-100, start, start + cols - 1])
     assert tlce.groups(cols, "cpu") > 1
     logits = x.double() @ w.double().t()
-    exp = kernels.torch_reference.shard_partials(logits, target, start, vocab, -100, label_smoothing)
-    got = tlce.linear_partials(x, w, target, start, vocab, -100, label_smoothing)
+    spec, shard = LossSpec(-100, 1e-2, label_smoothing), VocabShard(start, cols, vocab)
+    exp = kernels.torch_reference.shard_partials(logits, target, spec, shard)
+    got = tlce.linear_partials(x, w, target, spec, shard)
     assert torch.allclose(got, exp, rtol=1e-5, atol=1e-5), (got - exp).abs().max()
     lse, g = torch.rand(n, generator=gen, dtype=torch.float64) + logits.amax(1), torch.randn(n, generator=gen)
     a, z, local = label_smoothing, 1e-2, target - start
@@ -405,7 +407,7 @@ def test_linear_kernels_match_float64(label_smoothing):
     owned = (local >= 0) & (local < cols)
     exp_grad[owned, local[owned]] -= gd[owned, 0] * (1 - a)
     grad = torch.full((n, cols + 5), 7.0)[:, :cols]  # a row stride wider than the columns
-    tlce.linear_grad(x, w, grad, target, lse.float(), g, -100, start, 1e-2, label_smoothing, vocab)
+    tlce.linear_grad(x, w, grad, target, lse.float(), g, spec, shard)
     assert relative_error(grad, exp_grad) < 1e-5 and not grad[0].any()  # ignored row: 0
 
 
@@ -521,3 +523,8 @@ def test_the_mismatch_message_names_the_cause_and_the_fix(monkeypatch):
     with pytest.raises(RuntimeError, match="must be k \\* w .*grads='recompute'"):
         (loss * torch.rand(mask.shape)).sum().backward()
     assert len(messages) == 2 and all(len(m) < 255 for m in messages), [len(m) for m in messages]
+    remedy = "--lm-fused-output-layer recompute"  # what the adaptor passes: the flag, where the op has none
+    loss, _ = linear_cross_entropy_zloss(h, w, target, token_weights=mask, grads="forward", remedy=remedy)
+    with pytest.raises(RuntimeError, match="must be k \\* w .*run with --lm-fused-output-layer recompute$"):
+        (loss * torch.rand(mask.shape)).sum().backward()
+    assert len(messages) == 3 and len(messages[-1]) < 255, len(messages[-1])

@@ -53,7 +53,7 @@ def test_an_unfinished_cap_is_refused_at_the_loss():
 
 def test_the_value_checks_itself_and_names_the_kernel_variant():
     assert IDENTITY.is_identity and LogitTransform(2).kind == SCALE and LogitTransform(1, 30).kind == SOFTCAP
-    assert LogitTransform(2, 3).kernel_args() == (2.0, 3.0, SOFTCAP)
+    assert (LogitTransform(2, 3).scale, LogitTransform(2, 3).cap, LogitTransform(2, 3).kind) == (2.0, 3.0, SOFTCAP)
     for bad, name in (((0,), "logit_scale"), ((float("inf"),), "logit_scale"), ((1, -1), "logit_softcap"),
                       ((True,), "logit_scale"), ((1, float("nan")), "logit_softcap")):
         with pytest.raises(ValueError, match=name):

@@ -66,13 +66,14 @@ def test_kernels_turn_an_out_of_range_target_into_nan(backend):
     """Accelerators have no Python range check on the hot path: the partials poison the loss."""
     from backends import triton_runs_on_cpu
     from mindspeed_cez import kernels
+    from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
     from mindspeed_cez.kernels.partials import TARGET_TERM, row
 
     if backend == "triton" and not triton_runs_on_cpu():
         pytest.skip("the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
     logits = torch.randn(4, 30)
     target = torch.tensor([3, 30, -5, -100])
-    partials = kernels.get_backend(backend).shard_partials(logits, target, 0, 30, -100, False)
+    partials = kernels.get_backend(backend).shard_partials(logits, target, LossSpec(), VocabShard.whole(30))
     terms = row(partials, TARGET_TERM, 4)
     assert torch.isnan(terms[1]) and torch.isnan(terms[2])
     assert torch.isfinite(terms[[0, 3]]).all() and terms[0] == logits[0, 3]
