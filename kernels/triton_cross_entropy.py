@@ -43,9 +43,9 @@ import triton.language as tl
 from . import partials, torch_reference
 from .device_cores import launch_type
 from .logit_transform import IDENTITY
-from .triton_loss_steps import (SOFTCAP, grad_coefficients, grad_tile, load_grad_row_inputs, load_partials, load_width,
-                                lse_of, lse_of_slots, softmax_lse, softmax_tile, store_loss, store_partials, store_width,
-                                target_term, transform_logits, transform_logits_with_slope)
+from .triton_loss_steps import (SOFTCAP, grad_coefficients, grad_tile, load_grad_row_inputs, load_partials,
+                                load_width, lse_of, softmax_lse, softmax_slots, softmax_tile, store_loss, store_partials,
+                                store_width, target_term, transform_logits, transform_logits_with_slope)
 from .triton_launcher import Launcher
 from .triton_cross_entropy_plan import (ASSERT_OPTIONS, LAUNCH_CONFIG,  # noqa: F401 (LAUNCH_CONFIG.. re-exported)
                                        _loss_constants, _plan, launch_plans_changed, launch_settings)
@@ -135,13 +135,14 @@ def _forward_kernel(
                 slot_logits += tl.sum(tl.where(offs < n_cols - col, xf, 0.0), axis=1)
             x = x_next
 
+        row_max, sum_exp = softmax_slots(slot_max, slot_sum)
         # z(0) = 0: a target on another rank still adds nothing
         term = target_term(transform_logits(picked, logit_scale, logit_softcap, TRANSFORM), tl.sum(slot_logits, axis=0),
                            target, ignore_index, global_vocab, target_weight, smoothing_per_col, WITH_LOGIT_SUM,
                            CHECK_TARGETS)
-        lse = lse_of_slots(slot_max, slot_sum)  # -inf for a slice that is -inf across the row
+        lse = lse_of(row_max, sum_exp)  # -inf for a slice that is -inf across the row
         if FINISH:
-            store_loss(out_ptr, n_rows, row, lse, term, z_loss_coeff, target == ignore_index, None)
+            store_loss(out_ptr, n_rows, row, lse, term, z_loss_coeff, target, ignore_index, None)
         else:
             store_partials(out_ptr, n_rows, row, lse, term, None)
         target = next_target
@@ -172,9 +173,9 @@ def _loss_from_partials_kernel(partials_ptr, rank_stride, n_ranks, target_ptr, o
     if CHECK_WIDTHS:  # partials.UNEQUAL_WIDTHS
         tl.device_assert(unequal == 0, "vocab shards of unequal width across tensor-parallel ranks: "
                                        "pad the vocab to a multiple of the TP size")
-    ignored = tl.load(target_ptr + rows, mask=mask, other=ignore_index) == ignore_index
+    target = tl.load(target_ptr + rows, mask=mask, other=ignore_index)
     store_loss(out_ptr, out_stride, rows, lse_of(lse_max, sum_exp), tl.where(unequal == 0, term, float("nan")),
-               z_loss_coeff, ignored, mask)
+               z_loss_coeff, target, ignore_index, mask)
 
 
 @triton.jit
@@ -224,7 +225,7 @@ def _grad_kernel(
                 n_cols, end, offs, 0.0, EVICT,
             )
             z, slope = transform_logits_with_slope(x.to(tl.float32), logit_scale, logit_softcap, TRANSFORM)
-            dx = grad_tile(z, slope, offs == local - col, scale, lse2, smooth, onehot, TRANSFORM)
+            dx = grad_tile(z, slope, offs, local - col, scale, lse2, smooth, onehot, TRANSFORM)
             tl.store(grad_row + col + offs, dx.to(grad_ptr.dtype.element_ty), mask=offs < n_cols - col,
                      eviction_policy=EVICT)
             x = x_next

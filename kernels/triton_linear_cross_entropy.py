@@ -132,8 +132,8 @@ def _partials_kernel(
                 logit_sum += tl.sum(tl.where(col_ok, logits, 0.0), axis=1)
         term = target_term(picked, logit_sum, target, ignore_index, global_vocab, target_weight, smoothing_per_col,
                            WITH_LOGIT_SUM, False)
-        store_partials(out_ptr + group.to(tl.int64) * (PARTIAL_ROWS * n_rows), n_rows, rows, lse_of(row_max, sum_exp),
-                       term, row_ok)
+        out = out_ptr + group.to(tl.int64) * (PARTIAL_ROWS * n_rows) + rows
+        store_partials(out, n_rows, 0, lse_of(row_max, sum_exp), term, row_ok)
 
 
 @triton.jit
@@ -179,7 +179,7 @@ def _grad_kernel(
                               BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         z, slope = transform_logits_with_slope(logits, logit_scale, logit_softcap, TRANSFORM)
         scale, lse2, smooth, onehot = grad_coefficients(g, lse, z_loss_coeff, target_weight, smoothing_per_col)
-        dx = grad_tile(z, slope, cols[None, :] == (target - vocab_start)[:, None], scale[:, None], lse2[:, None],
+        dx = grad_tile(z, slope, cols[None, :], (target - vocab_start)[:, None], scale[:, None], lse2[:, None],
                        smooth[:, None], onehot[:, None], TRANSFORM)
         tl.store(grad_ptr + rows[:, None] * grad_row_stride + cols[None, :], dx.to(grad_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (cols[None, :] < n_cols))

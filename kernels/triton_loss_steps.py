@@ -101,11 +101,11 @@ def lse_of(run_max, run_sum):
 
 
 @triton.jit
-def lse_of_slots(slot_max, slot_sum):
-    """A row's log-sum-exp from the running (max, sum) of its slots, ``[SLOTS]`` each (axis 0)."""
+def softmax_slots(slot_max, slot_sum):
+    """A row's (max, sum) from the running (max, sum) of its slots, ``[SLOTS]`` each (axis 0)."""
     row_max = tl.max(slot_max, axis=0)
     ref = tl.where(row_max == -float("inf"), 0.0, row_max)
-    return row_max + tl.log(tl.sum(slot_sum * tl.exp2((slot_max - ref) * LOG2E), axis=0))
+    return row_max, tl.sum(slot_sum * tl.exp2((slot_max - ref) * LOG2E), axis=0)
 
 
 # --------------------------------------------------------------------------- the partials
@@ -157,10 +157,11 @@ def store_width(out_ptr, n_rows, width_hi, width_lo):
 # --------------------------------------------------------------------------- the finish
 
 @triton.jit
-def store_loss(out_ptr, out_stride, rows, lse, term, z_loss_coeff, ignored, mask):
+def store_loss(out_ptr, out_stride, rows, lse, term, z_loss_coeff, target, ignore_index, mask):
     """The (loss, z-loss, lse) rows, ``out_stride`` apart: ``lse - term + c*lse**2`` and
-    ``c*lse**2``, both 0 where ``ignored``."""
+    ``c*lse**2``, both 0 where ``target == ignore_index``."""
     z_loss = z_loss_coeff * lse * lse
+    ignored = target == ignore_index
     tl.store(out_ptr + rows, tl.where(ignored, 0.0, lse - term + z_loss), mask=mask)
     tl.store(out_ptr + out_stride + rows, tl.where(ignored, 0.0, z_loss), mask=mask)
     tl.store(out_ptr + 2 * out_stride + rows, lse, mask=mask)
@@ -185,10 +186,10 @@ def grad_coefficients(g, lse, z_loss_coeff, target_weight, smoothing_per_col):
 
 
 @triton.jit
-def grad_tile(z, slope, is_target, scale, lse2, smooth, onehot, TRANSFORM: tl.constexpr):
-    """dx of a tile of z: ``softmax * scale - smooth``, ``- onehot`` at the target, times the slope."""
+def grad_tile(z, slope, cols, target_col, scale, lse2, smooth, onehot, TRANSFORM: tl.constexpr):
+    """dx of a tile of z: ``softmax * scale - smooth``, ``- onehot`` where ``cols == target_col``, times the slope."""
     dx = tl.exp2(z * LOG2E - lse2) * scale - smooth
-    dx = tl.where(is_target, dx - onehot, dx)
+    dx = tl.where(cols == target_col, dx - onehot, dx)
     if TRANSFORM != NO_TRANSFORM:
         dx *= slope
     return dx

@@ -24,8 +24,8 @@ _INTS = ("n_rows", "n_cols", "rows_per_program", "vocab_start", "global_vocab", 
 _LOSS = ("z_loss_coeff", "target_weight", "smoothing_per_col", "logit_scale", "logit_softcap")
 WRITTEN = {
     "triton_cross_entropy._forward_kernel": {
-        "logits_ptr": "*D", "row_stride": "i32", "target_ptr": "*i64", "out_ptr": "*fp32", **dict.fromkeys(_INTS, "i32"),
-        **dict.fromkeys(_LOSS, "fp32"), "width_hi": "fp32", "width_lo": "fp32"},
+        "logits_ptr": "*D", "row_stride": "i32", "target_ptr": "*i64", "out_ptr": "*fp32",
+        **dict.fromkeys(_INTS, "i32"), **dict.fromkeys(_LOSS, "fp32"), "width_hi": "fp32", "width_lo": "fp32"},
     "triton_cross_entropy._grad_kernel": {
         "logits_ptr": "*D", "logits_row_stride": "i32", "grad_ptr": "*D", "grad_row_stride": "i32",
         "target_ptr": "*i64", "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32", "grad_loss_stride": "i32", "n_rows": "i32",
