@@ -15,6 +15,10 @@ a kernel built from them compiles to what it would with the steps written out).
   transform's slope.
 
 Module-level values a kernel reads are ``tl.constexpr`` (Triton's compiler refuses other globals).
+A helper's arguments are computed before its body, which moves them in the compiled order (and
+can change the schedule ptxas picks): a helper takes the raw values a kernel used late (e.g.
+:func:`grad_tile` compares the columns itself, :func:`store_loss` the target). ``mask=None``
+stores without a mask.
 """
 
 import triton
