@@ -44,8 +44,8 @@ from . import partials, torch_reference
 from .device_cores import launch_type
 from .logit_transform import IDENTITY
 from .triton_loss_steps import (SOFTCAP, grad_coefficients, grad_tile, load_grad_row_inputs, load_partials,
-                                load_width, lse_of, softmax_lse, softmax_slots, softmax_tile, store_loss, store_partials,
-                                store_width, target_term, transform_logits, transform_logits_with_slope)
+                                load_width, lse_of, softmax_lse, softmax_slots, softmax_tile, store_loss,
+                                store_partials, store_width, target_term, transform_logits, transform_logits_with_slope)
 from .triton_launcher import Launcher
 from .triton_cross_entropy_plan import (ASSERT_OPTIONS, LAUNCH_CONFIG,  # noqa: F401 (LAUNCH_CONFIG.. re-exported)
                                        _loss_constants, _plan, launch_plans_changed, launch_settings)
