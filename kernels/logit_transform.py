@@ -10,8 +10,8 @@ MindSpeed-LLM's flags; the Triton kernels get its two fp32 numbers and the ``TRA
 :attr:`kind` from ``LossSpec.kernel_args``, the torch reference calls :meth:`apply` / :meth:`slope`.
 
 A new transform touches this module (fields, :attr:`kind`, :meth:`apply`, :meth:`slope`), the
-kernels that switch on ``TRANSFORM`` (``triton_cross_entropy._transform`` /
-``_transform_with_slope``, used by ``triton_linear_cross_entropy`` too), ``variants.py``'s compiled
+kernels that switch on ``TRANSFORM`` (``triton_loss_steps.transform_logits`` /
+``transform_logits_with_slope``, used by both Triton kernel files), ``variants.py``'s compiled
 list, and the tests (``tests/test_op.py``'s transforms, ``tests/test_logit_transform.py``).
 """
 

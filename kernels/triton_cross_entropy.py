@@ -24,10 +24,13 @@ the logits' own buffer as ``grad``; each row's lse, upstream gradient and target
 one row ahead.
 
 A logit scale or soft cap is a ``TRANSFORM`` constexpr (``LogitTransform.kind``,
-:mod:`.logit_transform`; ``NO_TRANSFORM`` compiles to the kernels without one): forward transforms each fp32 tile in registers before the online softmax, the
-smoothing sum and the target logit (the soft cap's padding columns put back to -inf); backward
-recomputes z from x per element and multiplies by its slope. tanh is ``_tanh_and_slope``, from
-exp2 (``tl.math.tanh`` does not lower on triton-ascend).
+:mod:`.logit_transform`; ``NO_TRANSFORM`` compiles to the kernels without one): forward transforms
+each fp32 tile in registers before the online softmax, the smoothing sum and the target logit (the
+soft cap's padding columns put back to -inf); backward recomputes z from x per element and
+multiplies by its slope. The transform, the online softmax, the partials' and the loss's stores and
+the gradient tile are :mod:`.triton_loss_steps`' helpers, shared with
+:mod:`.triton_linear_cross_entropy` (tanh from exp2 there: ``tl.math.tanh`` does not lower on
+triton-ascend).
 
 Launches go through ``triton_launcher.Launcher`` (the compiled kernel reused without Triton's per-call
 specialization) with each shape's grid and settings computed once (:mod:`.triton_cross_entropy_plan`).
@@ -37,64 +40,18 @@ import torch
 import triton
 import triton.language as tl
 
-from . import logit_transform, partials, torch_reference
+from . import partials, torch_reference
 from .device_cores import launch_type
 from .loss_spec import VocabShard
+from .triton_loss_steps import (SOFTCAP, grad_coefficients, grad_tile, load_grad_row_inputs, load_partials,
+                                load_width, lse_of, softmax_lse, softmax_slots, softmax_tile, store_loss,
+                                store_partials, store_width, target_term, transform_logits, transform_logits_with_slope)
 from .triton_launcher import Launcher
 from .triton_cross_entropy_plan import (ASSERT_OPTIONS, LAUNCH_CONFIG,  # noqa: F401 (LAUNCH_CONFIG.. re-exported)
                                        _plan, launch_plans_changed, launch_settings)
 
 # Rows per program of the small [N] kernel (loss from partials).
 VECTOR_BLOCK = 1024
-
-LOG2E = tl.constexpr(1.4426950408889634)
-
-# The partials layout (:mod:`.partials`) and the TRANSFORM constexpr (:mod:`.logit_transform`),
-# as constexprs the kernels can use.
-LOCAL_LSE = tl.constexpr(partials.LOCAL_LSE)
-TARGET_TERM = tl.constexpr(partials.TARGET_TERM)
-WIDTH = tl.constexpr(partials.WIDTH)
-NO_TRANSFORM = tl.constexpr(logit_transform.NO_TRANSFORM)
-SCALE = tl.constexpr(logit_transform.SCALE)
-SOFTCAP = tl.constexpr(logit_transform.SOFTCAP)
-
-
-@triton.jit
-def _tanh_and_slope(u):
-    """(tanh(u), 1 - tanh(u)**2) from e = exp(-2|u|) in (0, 1]: tanh = sign(u) * (1 - e) / (1 + e)
-    and 1 - tanh**2 = 4e / (1 + e)**2. exp2 never overflows, so large |u| give exactly +-1 and 0
-    (NaN stays NaN); the slope has no cancellation where tanh nears +-1. Written with exp2 because
-    ``tl.math.tanh`` does not lower on triton-ascend."""
-    e = tl.exp2(tl.abs(u) * (-2.0 * LOG2E))
-    r = 1.0 / (1.0 + e)
-    t = (1.0 - e) * r
-    return tl.where(u < 0, -t, t), 4.0 * e * r * r
-
-
-@triton.jit
-def _transform(x, logit_scale, logit_softcap, TRANSFORM: tl.constexpr):
-    """fp32 z of fp32 logits x: ``scale * x`` (SCALE), ``cap * tanh(scale * x / cap)`` (SOFTCAP), x."""
-    z = x
-    if TRANSFORM == SCALE:
-        z = x * logit_scale
-    if TRANSFORM == SOFTCAP:
-        z = logit_softcap * _tanh_and_slope(x * (logit_scale / logit_softcap))[0]
-    return z
-
-
-@triton.jit
-def _transform_with_slope(x, logit_scale, logit_softcap, TRANSFORM: tl.constexpr):
-    """(z, dz/dx): the slope is ``scale``, or ``scale * (1 - tanh**2)`` with a cap; 1 for no transform."""
-    z = x
-    slope = 1.0
-    if TRANSFORM == SCALE:
-        z = x * logit_scale
-        slope = logit_scale
-    if TRANSFORM == SOFTCAP:
-        t, sech2 = _tanh_and_slope(x * (logit_scale / logit_softcap))
-        z = logit_softcap * t
-        slope = logit_scale * sech2
-    return z, slope
 
 
 @triton.jit
@@ -149,9 +106,7 @@ def _forward_kernel(
     end = tl.minimum(first + rows_per_program, n_rows)
     tiles = tl.cdiv(n_cols, BLOCK_V)
     if not FINISH:
-        if tl.program_id(0) == 0:
-            tl.store(out_ptr + WIDTH * n_rows, width_hi)
-            tl.store(out_ptr + WIDTH * n_rows + 1, width_lo)
+        store_width(out_ptr, n_rows, width_hi, width_lo)
 
     x = _load_tile(logits_ptr, row_stride, first, 0, n_cols, end, offs, -float("inf"), EVICT)
     target = _load_target(target_ptr, first, end, ignore_index)
@@ -172,39 +127,24 @@ def _forward_kernel(
                 logits_ptr, row_stride, tl.where(row_ends, row + 1, row), tl.where(row_ends, 0, col + BLOCK_V),
                 n_cols, end, offs, -float("inf"), EVICT,
             )
-            xf = _transform(x.to(tl.float32), logit_scale, logit_softcap, TRANSFORM)
+            xf = transform_logits(x.to(tl.float32), logit_scale, logit_softcap, TRANSFORM)
             if TRANSFORM == SOFTCAP:  # the padding's -inf became -cap: keep it out of the softmax
                 xf = tl.where(offs < n_cols - col, xf, -float("inf"))
-            new_max = tl.maximum(slot_max, tl.max(xf, axis=1))
-            ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E  # all -inf so far: no rescale
-            tile_sum = tl.sum(tl.exp2(xf * LOG2E - ref[:, None]), axis=1)
-            slot_sum = slot_sum * tl.exp2(slot_max * LOG2E - ref) + tile_sum
-            slot_max = new_max
+            slot_max, slot_sum = softmax_tile(slot_max, slot_sum, xf)
             if WITH_LOGIT_SUM:
                 slot_logits += tl.sum(tl.where(offs < n_cols - col, xf, 0.0), axis=1)
             x = x_next
 
-        row_max = tl.max(slot_max, axis=0)
-        ref = tl.where(row_max == -float("inf"), 0.0, row_max)
-        sum_exp = tl.sum(slot_sum * tl.exp2((slot_max - ref) * LOG2E), axis=0)
+        row_max, sum_exp = softmax_slots(slot_max, slot_sum)
         # z(0) = 0: a target on another rank still adds nothing
-        target_term = target_weight * _transform(picked, logit_scale, logit_softcap, TRANSFORM)
-        if WITH_LOGIT_SUM:
-            target_term += smoothing_per_col * tl.sum(slot_logits, axis=0)
-        invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
-        if CHECK_TARGETS:
-            tl.device_assert(~invalid, "target outside [0, vocab) and not ignore_index")
-        target_term = tl.where(invalid, float("nan"), target_term)
-        lse = row_max + tl.log(sum_exp)  # -inf for a slice that is -inf across the row
+        term = target_term(transform_logits(picked, logit_scale, logit_softcap, TRANSFORM), tl.sum(slot_logits, axis=0),
+                           target, ignore_index, global_vocab, target_weight, smoothing_per_col, WITH_LOGIT_SUM,
+                           CHECK_TARGETS)
+        lse = lse_of(row_max, sum_exp)  # -inf for a slice that is -inf across the row
         if FINISH:
-            z_loss = z_loss_coeff * lse * lse
-            ignored = target == ignore_index
-            tl.store(out_ptr + row, tl.where(ignored, 0.0, lse - target_term + z_loss))
-            tl.store(out_ptr + n_rows + row, tl.where(ignored, 0.0, z_loss))
-            tl.store(out_ptr + 2 * n_rows + row, lse)
+            store_loss(out_ptr, n_rows, row, lse, term, z_loss_coeff, target, ignore_index, None)
         else:
-            tl.store(out_ptr + LOCAL_LSE * n_rows + row, lse)
-            tl.store(out_ptr + TARGET_TERM * n_rows + row, target_term)
+            store_partials(out_ptr, n_rows, row, lse, term, None)
         target = next_target
         picked = next_picked
         next_target = after_target
@@ -218,42 +158,24 @@ def _loss_from_partials_kernel(partials_ptr, rank_stride, n_ranks, target_ptr, o
     to the first rank's: a NaN loss, and with CHECK_WIDTHS a device-side assert (a debug compile)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = rows < n_rows
-    width_hi = tl.load(partials_ptr + WIDTH * n_rows)
-    width_lo = tl.load(partials_ptr + WIDTH * n_rows + 1)
+    width_hi, width_lo = load_width(partials_ptr, n_rows)
     lse_max = tl.full([BLOCK], -float("inf"), tl.float32)
     sum_exp = tl.zeros([BLOCK], tl.float32)  # sum of exp(rank lse - lse_max)
-    target_term = tl.zeros([BLOCK], tl.float32)
+    term = tl.zeros([BLOCK], tl.float32)
     unequal = tl.zeros([BLOCK], tl.float32)
     for rank in range(0, n_ranks):
         part = partials_ptr + rank * rank_stride
-        local = tl.load(part + LOCAL_LSE * n_rows + rows, mask=mask, other=0.0)  # rows past the end: finite
-        new_max = tl.maximum(lse_max, local)
-        ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E  # -inf so far: no rescale
-        sum_exp = sum_exp * tl.exp2(lse_max * LOG2E - ref) + tl.exp2(local * LOG2E - ref)
-        lse_max = new_max
-        target_term += tl.load(part + TARGET_TERM * n_rows + rows, mask=mask, other=0.0)
-        words = part + WIDTH * n_rows
-        unequal += tl.abs(tl.load(words) - width_hi) + tl.abs(tl.load(words + 1) - width_lo)
+        local, rank_term = load_partials(part, n_rows, rows, mask)
+        lse_max, sum_exp = softmax_lse(lse_max, sum_exp, local)
+        term += rank_term
+        rank_hi, rank_lo = load_width(part, n_rows)
+        unequal += tl.abs(rank_hi - width_hi) + tl.abs(rank_lo - width_lo)
     if CHECK_WIDTHS:  # partials.UNEQUAL_WIDTHS
         tl.device_assert(unequal == 0, "vocab shards of unequal width across tensor-parallel ranks: "
                                        "pad the vocab to a multiple of the TP size")
-    lse = tl.where(lse_max == -float("inf"), 0.0, lse_max) + tl.log(sum_exp)
-    z_loss = z_loss_coeff * lse * lse
-    loss = tl.where(unequal == 0, lse - target_term + z_loss, float("nan"))
-    ignored = tl.load(target_ptr + rows, mask=mask, other=ignore_index) == ignore_index
-    tl.store(out_ptr + rows, tl.where(ignored, 0.0, loss), mask=mask)
-    tl.store(out_ptr + out_stride + rows, tl.where(ignored, 0.0, z_loss), mask=mask)
-    tl.store(out_ptr + 2 * out_stride + rows, lse, mask=mask)
-
-
-@triton.jit
-def _load_grad_row_inputs(target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, row, end, ignore_index):
-    """(target, lse, upstream gradient) of a row; the gradient is 0 for ignored rows and past ``end``."""
-    live = row < end
-    target = _load_target(target_ptr, row, end, ignore_index)
-    lse = tl.load(lse_ptr + row, mask=live, other=0.0)
-    g = tl.load(grad_loss_ptr + row * grad_loss_stride, mask=live, other=0.0).to(tl.float32)
-    return target, lse, tl.where(target == ignore_index, 0.0, g)
+    target = tl.load(target_ptr + rows, mask=mask, other=ignore_index)
+    store_loss(out_ptr, out_stride, rows, lse_of(lse_max, sum_exp), tl.where(unequal == 0, term, float("nan")),
+               z_loss_coeff, target, ignore_index, mask)
 
 
 @triton.jit
@@ -286,17 +208,13 @@ def _grad_kernel(
     tiles = tl.cdiv(n_cols, BLOCK_V)
 
     x = _load_tile(logits_ptr, logits_row_stride, first, 0, n_cols, end, offs, 0.0, EVICT)
-    target, lse, g = _load_grad_row_inputs(target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, first, end, ignore_index)
+    target, lse, g = load_grad_row_inputs(target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, first, first < end,
+                                          ignore_index)
     for row in range(first, end):
-        next_target, next_lse, next_g = _load_grad_row_inputs(
-            target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, row + 1, end, ignore_index
+        next_target, next_lse, next_g = load_grad_row_inputs(
+            target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, row + 1, row + 1 < end, ignore_index
         )
-        # dz = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V), softmax = exp2(z*log2e - lse*log2e);
-        # dx = dz * dz/dx (z = x without a transform)
-        scale = g * (1.0 + 2.0 * z_loss_coeff * lse)
-        lse2 = lse * LOG2E
-        smooth = g * smoothing_per_col
-        onehot = g * target_weight
+        scale, lse2, smooth, onehot = grad_coefficients(g, lse, z_loss_coeff, target_weight, smoothing_per_col)
         local = target - vocab_start
         grad_row = grad_ptr + row * grad_row_stride
         for tile in range(0, tiles):
@@ -306,11 +224,8 @@ def _grad_kernel(
                 logits_ptr, logits_row_stride, tl.where(row_ends, row + 1, row), tl.where(row_ends, 0, col + BLOCK_V),
                 n_cols, end, offs, 0.0, EVICT,
             )
-            z, slope = _transform_with_slope(x.to(tl.float32), logit_scale, logit_softcap, TRANSFORM)
-            dx = tl.exp2(z * LOG2E - lse2) * scale - smooth
-            dx = tl.where(offs == local - col, dx - onehot, dx)
-            if TRANSFORM != NO_TRANSFORM:
-                dx *= slope
+            z, slope = transform_logits_with_slope(x.to(tl.float32), logit_scale, logit_softcap, TRANSFORM)
+            dx = grad_tile(z, slope, offs, local - col, scale, lse2, smooth, onehot, TRANSFORM)
             tl.store(grad_row + col + offs, dx.to(grad_ptr.dtype.element_ty), mask=offs < n_cols - col,
                      eviction_policy=EVICT)
             x = x_next

@@ -5,7 +5,8 @@ Ascend). Neither kernel writes logits: each computes ``[BLOCK_M, BLOCK_N]`` tile
 ``hidden @ weight.T`` in registers (fp32 accumulation over ``h`` in ``BLOCK_K`` steps) and
 turns them into what the op needs; with a logit scale or soft cap (``TRANSFORM``, as in
 ``triton_cross_entropy``) each tile is transformed in registers first, and the gradient tile is
-multiplied by the transform's slope.
+multiplied by the transform's slope. The transform, the online softmax, the partials' stores and
+the gradient of a tile are :mod:`.triton_loss_steps`' helpers, as in ``triton_cross_entropy``.
 
 ``partials``: the forward. A task is a block of ``BLOCK_M`` token rows and a group of
 ``GROUP_N`` consecutive vocab tiles; it keeps the online softmax (row max, sum-exp) and the
@@ -34,11 +35,10 @@ import triton.language as tl
 from .device_cores import launch_type, num_programs
 from .rows import as_rows
 from . import partials, torch_reference
-from .triton_cross_entropy import (LOCAL_LSE, LOG2E, NO_TRANSFORM, TARGET_TERM, WIDTH, _transform,
-                                   _transform_with_slope)
 from .triton_launcher import Launcher
-
-GROUP_ROWS = tl.constexpr(partials.PARTIAL_ROWS)  # rows of one group's [2, n] (lse, target term)
+from .triton_loss_steps import (PARTIAL_ROWS, grad_coefficients, grad_tile, load_grad_row_inputs, load_partials, lse_of,
+                                softmax_lse, softmax_tile, store_partials, store_width, target_term, transform_logits,
+                                transform_logits_with_slope)
 
 # Tiles per device type: BLOCK_M token rows x BLOCK_N vocab columns, BLOCK_K of h per dot (16-bit
 # inputs; fp32 takes a quarter so the pipeline's buffers fit in shared memory), a forward task of
@@ -123,33 +123,23 @@ def _partials_kernel(
             cols = first_col + j * BLOCK_N + tl.arange(0, BLOCK_N)
             logits = _logits_tile(x_ptr, x_row_stride, w_ptr, w_row_stride, rows, cols, n_rows, n_cols, h,
                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-            logits = _transform(logits, logit_scale, logit_softcap, TRANSFORM)  # columns past the end: masked below
+            logits = transform_logits(logits, logit_scale, logit_softcap, TRANSFORM)  # columns past the end: masked
             col_ok = cols[None, :] < n_cols
-            new_max = tl.maximum(row_max, tl.max(tl.where(col_ok, logits, -float("inf")), axis=1))
-            ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E  # a group past the end
-            tile_sum = tl.sum(tl.where(col_ok, tl.exp2(logits * LOG2E - ref[:, None]), 0.0), axis=1)
-            sum_exp = sum_exp * tl.exp2(row_max * LOG2E - ref) + tile_sum
-            row_max = new_max
+            row_max, sum_exp = softmax_tile(row_max, sum_exp, tl.where(col_ok, logits, -float("inf")))
             picked += tl.sum(tl.where(cols[None, :] == local[:, None], logits, 0.0), axis=1)
             if WITH_LOGIT_SUM:
                 logit_sum += tl.sum(tl.where(col_ok, logits, 0.0), axis=1)
-        term = target_weight * picked
-        if WITH_LOGIT_SUM:
-            term += smoothing_per_col * logit_sum
-        invalid = (target != ignore_index) & ((target < 0) | (target >= global_vocab))
-        term = tl.where(invalid, float("nan"), term)
-        out = out_ptr + group.to(tl.int64) * (GROUP_ROWS * n_rows) + rows
-        tl.store(out + LOCAL_LSE * n_rows, row_max + tl.log(sum_exp), mask=row_ok)
-        tl.store(out + TARGET_TERM * n_rows, term, mask=row_ok)
+        term = target_term(picked, logit_sum, target, ignore_index, global_vocab, target_weight, smoothing_per_col,
+                           WITH_LOGIT_SUM, False)
+        out = out_ptr + group.to(tl.int64) * (PARTIAL_ROWS * n_rows) + rows
+        store_partials(out, n_rows, 0, lse_of(row_max, sum_exp), term, row_ok)
 
 
 @triton.jit
 def _merge_kernel(groups_ptr, out_ptr, n_rows, n_groups, width_hi, width_lo, BLOCK: tl.constexpr):
     """``[groups, 2, n]`` -> the slice's partials: the log-sum-exp of the groups' lse, their target
     terms summed, the slice's width words (program 0)."""
-    if tl.program_id(0) == 0:
-        tl.store(out_ptr + WIDTH * n_rows, width_hi)
-        tl.store(out_ptr + WIDTH * n_rows + 1, width_lo)
+    store_width(out_ptr, n_rows, width_hi, width_lo)
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = rows < n_rows
     lse_max = tl.full([BLOCK], -float("inf"), tl.float32)
@@ -157,16 +147,11 @@ def _merge_kernel(groups_ptr, out_ptr, n_rows, n_groups, width_hi, width_lo, BLO
     term = tl.zeros([BLOCK], tl.float32)
     part = groups_ptr + rows  # int64 rows: the pointer walks the groups in 64 bits
     for _ in range(0, n_groups):
-        g_lse = tl.load(part + LOCAL_LSE * n_rows, mask=mask, other=0.0)  # rows past the end: finite
-        new_max = tl.maximum(lse_max, g_lse)
-        ref = tl.where(new_max == -float("inf"), 0.0, new_max) * LOG2E
-        sum_exp = sum_exp * tl.exp2(lse_max * LOG2E - ref) + tl.exp2(g_lse * LOG2E - ref)
-        lse_max = new_max
-        term += tl.load(part + TARGET_TERM * n_rows, mask=mask, other=0.0)
-        part += GROUP_ROWS * n_rows
-    lse = tl.where(lse_max == -float("inf"), 0.0, lse_max) + tl.log(sum_exp)
-    tl.store(out_ptr + LOCAL_LSE * n_rows + rows, lse, mask=mask)
-    tl.store(out_ptr + TARGET_TERM * n_rows + rows, term, mask=mask)
+        g_lse, g_term = load_partials(part, n_rows, 0, mask)
+        lse_max, sum_exp = softmax_lse(lse_max, sum_exp, g_lse)
+        term += g_term
+        part += PARTIAL_ROWS * n_rows
+    store_partials(out_ptr, n_rows, rows, lse_of(lse_max, sum_exp), term, mask)
 
 
 @triton.jit
@@ -187,18 +172,14 @@ def _grad_kernel(
         rows = m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < n_rows
-        target = tl.load(target_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-        g = tl.load(grad_loss_ptr + rows * grad_loss_stride, mask=row_ok, other=0.0).to(tl.float32)
-        g = tl.where(target == ignore_index, 0.0, g)
+        target, lse, g = load_grad_row_inputs(target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride, rows, row_ok,
+                                              ignore_index)
         logits = _logits_tile(x_ptr, x_row_stride, w_ptr, w_row_stride, rows, cols, n_rows, n_cols, h,
                               BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-        z, slope = _transform_with_slope(logits, logit_scale, logit_softcap, TRANSFORM)
-        scale = g * (1.0 + 2.0 * z_loss_coeff * lse)
-        dx = tl.exp2(z * LOG2E - (lse * LOG2E)[:, None]) * scale[:, None] - (g * smoothing_per_col)[:, None]
-        dx = tl.where(cols[None, :] == (target - vocab_start)[:, None], dx - (g * target_weight)[:, None], dx)
-        if TRANSFORM != NO_TRANSFORM:
-            dx *= slope
+        z, slope = transform_logits_with_slope(logits, logit_scale, logit_softcap, TRANSFORM)
+        scale, lse2, smooth, onehot = grad_coefficients(g, lse, z_loss_coeff, target_weight, smoothing_per_col)
+        dx = grad_tile(z, slope, cols[None, :], (target - vocab_start)[:, None], scale[:, None], lse2[:, None],
+                       smooth[:, None], onehot[:, None], TRANSFORM)
         tl.store(grad_ptr + rows[:, None] * grad_row_stride + cols[None, :], dx.to(grad_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (cols[None, :] < n_cols))
 

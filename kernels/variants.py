@@ -4,11 +4,19 @@ A variant is what one launch compiles: the kernel, its argument types and its co
 constants under one ``LAUNCH_CONFIG`` setting, logits dtype and vocab width. Used by
 ``tests/kernel_resources.py`` (sm_90, through Triton's CUDA backend) and
 ``tests/ascend_lowering.py`` (Ascend, through triton-ascend's front end and adapter).
+
+A variant's argument types come from the kernel's own parameter list (what
+``triton_launcher.Launcher.params`` holds): its constexprs are the parameters annotated
+``tl.constexpr`` (plus any runtime parameter a variant pins to a value), every other parameter
+gets its type from its name (:func:`param_type`), so a new kernel parameter is typed here or
+refused by name.
 """
 
+import inspect
 from dataclasses import dataclass, field
 
 import triton
+import triton.language as tl
 
 from . import logit_transform
 from . import triton_cross_entropy as tce
@@ -17,6 +25,42 @@ from . import triton_matmul_accumulate as tma
 
 # The logit transforms compiled besides none, by name: the kernels' TRANSFORM constexpr.
 TRANSFORMS = {logit_transform.KIND_NAMES[k]: k for k in (logit_transform.SCALE, logit_transform.SOFTCAP)}
+
+# The type rule of the kernels' runtime parameters, by name. Pointers: to the inputs' dtype (logits,
+# hidden, weight, their gradient), or to a fixed one; the loss's constants and the partials' width
+# words: fp32; strides, counts and indices: i32 (the launcher passes int64 ones where they need it).
+INPUT_POINTERS = ("logits_ptr", "grad_ptr", "x_ptr", "w_ptr", "a_ptr", "b_ptr")
+FIXED_POINTERS = {"target_ptr": "*i64", "out_ptr": "*fp32", "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32",
+                  "partials_ptr": "*fp32", "groups_ptr": "*fp32", "c_ptr": "*fp32"}
+FP32 = ("z_loss_coeff", "target_weight", "smoothing_per_col", "logit_scale", "logit_softcap", "width_hi", "width_lo")
+I32 = ("n_rows", "n_cols", "rows_per_program", "vocab_start", "global_vocab", "ignore_index", "h", "n_ranks",
+       "n_groups", "m", "n", "k")
+
+
+def param_type(name, dtype):
+    """The Triton type of runtime parameter ``name`` for ``dtype`` inputs (``"bf16"``, ``"fp16"``, ``"fp32"``)."""
+    if name in INPUT_POINTERS:
+        return f"*{dtype}"
+    if name in FIXED_POINTERS:
+        return FIXED_POINTERS[name]
+    if name in FP32:
+        return "fp32"
+    if name in I32 or "stride" in name:
+        return "i32"
+    raise KeyError(f"kernel parameter {name!r} has no Triton type: name it in kernels/variants.py's type rule")
+
+
+def is_constexpr(parameter):
+    """A parameter annotated ``tl.constexpr`` (an object, or a string under postponed annotations)."""
+    return parameter.annotation is tl.constexpr or "constexpr" in str(parameter.annotation)
+
+
+def signature(fn, dtype, pinned=()):
+    """``{name: Triton type}`` of the runtime parameters of the ``@triton.jit`` function ``fn`` in
+    its order, those named in ``pinned`` (compiled as constants) left out."""
+    params = inspect.signature(fn.fn).parameters.values()
+    return {p.name: param_type(p.name, dtype) for p in params if not (is_constexpr(p) or p.name in pinned)}
+
 
 # Arguments that Triton's launcher finds divisible by 16 in real use (it specializes on that at
 # run time): every pointer, the row strides, and the vocab width (a multiple of 128 in Megatron).
@@ -28,11 +72,16 @@ DIVISIBLE = ("row_stride", "logits_row_stride", "grad_row_stride", "n_cols", "x_
 class Variant:
     name: str
     fn: object  # the @triton.jit function
-    signature: dict  # argument name -> Triton type, constexprs left out
-    constexprs: dict  # constexpr name -> value
+    dtype: str  # of the inputs (logits, hidden, weight): "bf16", "fp16", "fp32"
+    constexprs: dict  # constexpr name -> value (a runtime parameter named here is compiled as a constant)
     num_warps: int
     cuda_only: bool = False  # launched on CUDA only (the others also on Ascend)
     options: dict = field(default_factory=dict)  # compile options beyond num_warps
+
+    @property
+    def signature(self):
+        """Argument name -> Triton type, constexprs left out (:func:`signature`)."""
+        return signature(self.fn, self.dtype, self.constexprs)
 
     def divisible_args(self):
         return [k for k, v in self.signature.items() if v.startswith("*") or k in DIVISIBLE]
@@ -46,16 +95,6 @@ def variants(settings, dtype="bf16", n_cols=151936):
     """The variants one ``LAUNCH_CONFIG`` entry compiles for ``dtype`` logits ``n_cols`` wide."""
     fwd_block = min(settings["fwd_block_v"], triton.next_power_of_2(n_cols))
     slot = min(settings["slot_width"] or fwd_block, fwd_block)
-    ints = ["n_rows", "n_cols", "rows_per_program", "vocab_start", "global_vocab", "ignore_index"]
-    fwd_sig = {"logits_ptr": f"*{dtype}", "row_stride": "i32", "target_ptr": "*i64", "out_ptr": "*fp32",
-               **{k: "i32" for k in ints}, "z_loss_coeff": "fp32", "target_weight": "fp32",
-               "smoothing_per_col": "fp32", "logit_scale": "fp32", "logit_softcap": "fp32", "width_hi": "fp32",
-               "width_lo": "fp32"}
-    bwd_sig = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i32", "grad_ptr": f"*{dtype}",
-               "grad_row_stride": "i32", "target_ptr": "*i64", "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32",
-               "grad_loss_stride": "i32", "n_rows": "i32", "n_cols": "i32", "rows_per_program": "i32",
-               "vocab_start": "i32", "ignore_index": "i32", "z_loss_coeff": "fp32", "target_weight": "fp32",
-               "smoothing_per_col": "fp32", "logit_scale": "fp32", "logit_softcap": "fp32"}
     out = []
     # CUDA launches the forward with its target assert (CHECK_TARGETS, a debug compile), other
     # devices without; the smoothing sum does not interact with it, so it is compiled once. The
@@ -66,22 +105,19 @@ def variants(settings, dtype="bf16", n_cols=151936):
     for finish, logit_sum, check, transform in forwards:
         out.append(Variant(
             f"forward finish={finish} logit_sum={logit_sum}" + (" check_targets" if check else "") + _named(transform),
-            tce._forward_kernel, fwd_sig,
+            tce._forward_kernel, dtype,
             {"SLOTS": fwd_block // slot, "SLOT_WIDTH": slot, "FINISH": finish, "WITH_LOGIT_SUM": logit_sum,
              "CHECK_TARGETS": check, "EVICT": "evict_first", "TRANSFORM": TRANSFORMS.get(transform, 0)},
             settings["fwd_warps"], cuda_only=check, options=dict(tce.ASSERT_OPTIONS if check else ())))
     bwd_block = min(settings["bwd_block_v"], triton.next_power_of_2(n_cols))
     for transform in (None, *TRANSFORMS):
-        out.append(Variant("grad" + _named(transform), tce._grad_kernel, bwd_sig,
+        out.append(Variant("grad" + _named(transform), tce._grad_kernel, dtype,
                            {"BLOCK_V": bwd_block, "EVICT": "evict_first", "TRANSFORM": TRANSFORMS.get(transform, 0)},
                            settings["bwd_warps"]))
     # CUDA asserts that the ranks' widths agree (CHECK_WIDTHS, a debug compile), other devices not.
     for check in (False, True):
         out.append(Variant("loss from partials" + (" check_widths" if check else ""), tce._loss_from_partials_kernel,
-                           {"partials_ptr": "*fp32", "rank_stride": "i32", "n_ranks": "i32", "target_ptr": "*i64",
-                            "out_ptr": "*fp32", "out_stride": "i32", "n_rows": "i32", "ignore_index": "i32",
-                            "z_loss_coeff": "fp32"},
-                           {"BLOCK": tce.VECTOR_BLOCK, "CHECK_WIDTHS": check}, 4, cuda_only=check,
+                           dtype, {"BLOCK": tce.VECTOR_BLOCK, "CHECK_WIDTHS": check}, 4, cuda_only=check,
                            options=dict(tce.ASSERT_OPTIONS if check else ())))
     return out
 
@@ -94,27 +130,15 @@ def linear_variants(device_type, dtype="bf16"):
     tiles = {"BLOCK_M": c["block_m"], "BLOCK_N": c["block_n"],
              "BLOCK_K": max(16, c["block_k"] // 4) if dtype == "fp32" else c["block_k"]}
     options = {"num_stages": c["stages"]} if device_type == "cuda" else {}
-    ints = {k: "i32" for k in ("n_rows", "n_cols", "h", "vocab_start")}
-    operands = {"x_ptr": f"*{dtype}", "x_row_stride": "i32", "w_ptr": f"*{dtype}", "w_row_stride": "i32"}
-    partials_sig = {**operands, "target_ptr": "*i64", "out_ptr": "*fp32", **ints, "global_vocab": "i32",
-                    "ignore_index": "i32", "target_weight": "fp32", "smoothing_per_col": "fp32", "logit_scale": "fp32",
-                    "logit_softcap": "fp32"}
-    grad_sig = {**operands, "grad_ptr": f"*{dtype}", "grad_row_stride": "i32", "target_ptr": "*i64",
-                "lse_ptr": "*fp32", "grad_loss_ptr": "*fp32", "grad_loss_stride": "i32", **ints,
-                "ignore_index": "i32", "z_loss_coeff": "fp32", "target_weight": "fp32", "smoothing_per_col": "fp32",
-                "logit_scale": "fp32", "logit_softcap": "fp32"}
     partials = [(False, None), (True, None), (True, "scale"), (True, "softcap")]
-    out = [Variant(f"linear partials logit_sum={s}" + _named(t), tlce._partials_kernel, partials_sig,
+    out = [Variant(f"linear partials logit_sum={s}" + _named(t), tlce._partials_kernel, dtype,
                    {**tiles, "GROUP_N": c["group_n"], "SWIZZLE_M": c["swizzle_m"], "WITH_LOGIT_SUM": s,
                     "PRECISION": precision, "TRANSFORM": TRANSFORMS.get(t, 0)}, c["warps"], options=options)
            for s, t in partials]
-    out += [Variant("linear grad" + _named(t), tlce._grad_kernel, grad_sig,
+    out += [Variant("linear grad" + _named(t), tlce._grad_kernel, dtype,
                     {**tiles, "SWIZZLE_M": c["swizzle_m"], "PRECISION": precision, "TRANSFORM": TRANSFORMS.get(t, 0)},
                     c["warps"], options=options) for t in (None, *TRANSFORMS)]
-    out.append(Variant("linear merge", tlce._merge_kernel,
-                       {"groups_ptr": "*fp32", "out_ptr": "*fp32", "n_rows": "i32", "n_groups": "i32",
-                        "width_hi": "fp32", "width_lo": "fp32"},
-                       {"BLOCK": tlce.MERGE_BLOCK}, 4))
+    out.append(Variant("linear merge", tlce._merge_kernel, dtype, {"BLOCK": tlce.MERGE_BLOCK}, 4))
     out += accumulate_variants(device_type, dtype)
     return out
 
@@ -126,12 +150,8 @@ def accumulate_variants(device_type, dtype="bf16"):
     if dtype == "fp32":
         return []
     c = tma.launch_settings(device_type)
-    sig = {"a_ptr": f"*{dtype}", "a_stride_m": "constexpr", "a_stride_k": "i32", "b_ptr": f"*{dtype}",
-           "b_stride_k": "i32", "b_stride_n": "constexpr", "c_ptr": "*fp32", "c_stride_m": "i32",
-           "m": "i32", "n": "i32", "k": "i32"}
     options = {"num_stages": c["stages"]} if device_type == "cuda" else {}
-    return [Variant(f"fp32 accumulation even_k={even_k}", tma._accumulate_kernel,
-                    {k: v for k, v in sig.items() if v != "constexpr"},
+    return [Variant(f"fp32 accumulation even_k={even_k}", tma._accumulate_kernel, dtype,
                     {"a_stride_m": 1, "b_stride_n": 1, "BLOCK_M": c["block_m"], "BLOCK_N": c["block_n"],
                      "BLOCK_K": c["block_k"], "GROUP_M": c["group_m"], "EVEN_K": even_k, "WIDEN": False,
                      "PRELOAD_C": c["preload_c"]}, c["warps"], options=options)
