@@ -109,6 +109,7 @@ class Launcher:
         self.kernel = kernel
         self.direct = direct
         self.params = tuple(inspect.signature(kernel.fn).parameters)  # the kernel's, in order
+        self._param_set = frozenset(self.params)
         constexprs = set(getattr(kernel, "constexprs", ()))  # none under the interpreter
         self.runtime = [i not in constexprs for i in range(len(getattr(kernel, "arg_names", ())))]
         self.compiled = {}
@@ -118,11 +119,12 @@ class Launcher:
         """The kernel's arguments in parameter order, by name: every parameter from ``named``, or else
         from ``shared`` (a mapping several kernels draw on, e.g. a loss's kernel arguments; names the
         kernel lacks are left out). A parameter in neither, or a name in ``named`` the kernel lacks, raises."""
-        if not named.keys() <= set(self.params):
-            raise TypeError(f"{self.kernel.fn.__name__} has no parameter {sorted(named.keys() - set(self.params))}")
-        shared = shared or {}
+        if not named.keys() <= self._param_set:
+            raise TypeError(f"{self.kernel.fn.__name__} has no parameter {sorted(named.keys() - self._param_set)}")
+        if shared:
+            named = {**shared, **named}
         try:
-            return tuple(named[p] if p in named else shared[p] for p in self.params)
+            return tuple([named[p] for p in self.params])  # a list first: faster than a generator
         except KeyError as missing:
             raise TypeError(f"{self.kernel.fn.__name__}: no value for parameter {missing}") from None
 
