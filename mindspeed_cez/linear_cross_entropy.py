@@ -28,6 +28,8 @@ as ``ColumnParallelLinear`` overlaps it.
 """
 
 import math
+from dataclasses import InitVar, dataclass
+from typing import Mapping, Optional
 
 import torch
 
@@ -110,8 +112,41 @@ def check_grads(value, name="grads"):
         raise ValueError(f"{name} must be one of {GRADS}, got {value!r}")
 
 
+@dataclass(frozen=True)
+class GradientPath:
+    """The fused layer's gradient path, checked once where its values enter (the op's ``grads`` and
+    ``block_fraction``, the adaptor's settings, the flags); ``names``: the caller's name per field for errors."""
+
+    grads: str = "recompute"
+    block_fraction: Optional[float] = None  # grads="forward"'s memory/time dial (None: BLOCK_FRACTION)
+    names: InitVar[Optional[Mapping[str, str]]] = None
+
+    def __post_init__(self, names):
+        name = (lambda field: names.get(field, field)) if names else (lambda field: field)
+        check_grads(self.grads, name("grads"))
+        check_block_fraction(self.block_fraction, name("block_fraction"))
+        if self.block_fraction is not None:
+            object.__setattr__(self, "block_fraction", float(self.block_fraction))
+
+
+RECOMPUTE = GradientPath("recompute")
+
+
+def _path_of(path, grads, block_fraction):
+    """The op's :class:`GradientPath`: ``path`` as given (checked where its values entered), or one of
+    ``grads`` / ``block_fraction`` (checked here, once)."""
+    if path is None:
+        return GradientPath(grads, block_fraction)
+    if not isinstance(path, GradientPath):
+        raise TypeError(f"path must be a mindspeed_cez.linear_cross_entropy.GradientPath or None, got "
+                        f"{type(path).__name__}")
+    if grads != "recompute" or block_fraction is not None:
+        raise ValueError("path= describes the gradient path: pass it without grads or block_fraction, or pass those "
+                         "without path=")
+    return path
+
+
 def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction=None):
-    check_grads(grads)
     if grads == "recompute" and (token_weights is not None or grad_scale is not None):
         name = "token_weights" if token_weights is not None else "grad_scale"
         raise ValueError(f"{name}: token_weights (and grad_scale) are the weights of the gradients made during the "
@@ -127,7 +162,6 @@ def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_bl
         if token_weights.device != target.device:
             raise ValueError(f"token_weights ({token_weights.device}) and target ({target.device}) are on "
                              "different devices")
-    check_block_fraction(block_fraction)
     if block_fraction is not None and row_block is not None:
         raise ValueError("row_block and block_fraction both set the rows per block: pass one of them")
     for name, value in (("chunk_cols", chunk_cols), ("row_block", row_block)):
@@ -139,7 +173,7 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
                                tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False,
                                token_weights=None, *, grad_scale=None, logit_scale=1.0, logit_softcap=0.0,
                                grads="recompute", backend=None, linear_backend=None, chunk_cols=None, row_block=None,
-                               block_fraction=None, return_lse=False, loss=None, remedy=None):
+                               block_fraction=None, return_lse=False, loss=None, remedy=None, path=None):
     """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
 
     Args:
@@ -188,6 +222,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         loss: the whole loss as one ``LossSpec`` instead of the loose ``ignore_index``,
             ``z_loss_coeff``, ``label_smoothing``, ``logit_scale`` and ``logit_softcap``, as
             :func:`vocab_parallel_cross_entropy_zloss`.
+        path: ``grads`` and ``block_fraction`` as one :class:`GradientPath` (made and checked where
+            their values entered: the adaptor's settings) instead of the loose arguments.
         remedy: with ``grads="forward"``, the fix that errors raised after the forward (in backward,
             or on the device, where no caller can re-word them) name; None: ``"grads='recompute'"``.
             The adaptor passes its flag's.
@@ -201,6 +237,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
     tp_group = resolve_tp_group(tp_group)
     _check(hidden, weight, target, group_rank_and_size(tp_group)[1], sequence_parallel)
     loss = loss_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
+    path = _path_of(path, grads, block_fraction)
+    grads, block_fraction = path.grads, path.block_fraction
     _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction)
     common = dict(loss=loss, tp_group=tp_group, sequence_parallel=bool(sequence_parallel),
                   gradient_accumulation_fusion=bool(gradient_accumulation_fusion),

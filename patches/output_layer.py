@@ -18,7 +18,8 @@ import functools
 
 import torch
 
-from mindspeed_cez.linear_cross_entropy import ForwardGradientError, check_forward_gradients, linear_cross_entropy_zloss
+from mindspeed_cez.linear_cross_entropy import (RECOMPUTE, ForwardGradientError, check_forward_gradients,
+                                               linear_cross_entropy_zloss)
 from mindspeed_cez.patches import loss_context
 from mindspeed_cez.patches.pass_through import while_active
 from mindspeed_cez.patches.logit_transform import TransformedLogits
@@ -186,8 +187,8 @@ def linear_loss(deferred, target, tp_group, loss, settings, grads, loss_mask, co
             gradient_accumulation_fusion=into_main_grad,
             token_weights=loss_mask.transpose(0, 1).to(torch.float32) if forward else None,  # [b s] => [s b]
             grad_scale=megatron_grad_scale(config, loss_mask) if forward else None,
-            grads=grads, backend=settings.backend, linear_backend=settings.linear_backend,
-            block_fraction=settings.block_fraction if forward else None, remedy=f"{FLAG} recompute",
+            path=settings.gradient_path if forward else RECOMPUTE, backend=settings.backend,
+            linear_backend=settings.linear_backend, remedy=f"{FLAG} recompute",
             return_lse=True)
     except ForwardGradientError as error:  # a dropped forward's gradient, found at this one
         raise _naming_the_flag(error) from error

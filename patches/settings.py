@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 from mindspeed_cez import cann, kernels
 from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
 from mindspeed_cez.kernels.loss_spec import LossSpec
-from mindspeed_cez.linear_cross_entropy import check_block_fraction, check_grads
+from mindspeed_cez.linear_cross_entropy import GradientPath
 from mindspeed_cez.patches import metrics
 from mindspeed_cez.patches.metrics import LM_LSE, LM_LSE_MAX, LM_Z_LOSS
 
@@ -78,8 +78,9 @@ class Settings:
         object.__setattr__(self, "z_loss_coeff", loss.z_loss_coeff)
         if self.label_smoothing is not None:
             object.__setattr__(self, "label_smoothing", loss.label_smoothing)
-        check_grads(self.grads, name("grads"))
-        check_block_fraction(self.block_fraction, name("block_fraction"))
+        path = GradientPath(self.grads, self.block_fraction, names=names)
+        object.__setattr__(self, "block_fraction", path.block_fraction)
+        object.__setattr__(self, "gradient_path", path)  # not a field: what the fused layer's op takes
         if self.backend not in (None, *BACKENDS):
             raise ValueError(f"backend must be None or one of {BACKENDS}, got {self.backend!r}")
         if self.backend == cann.NAME and self.fused_output_layer:

@@ -54,6 +54,33 @@ def test_settings_and_flags_name_their_own_fields():
             arguments.validate_lm_z_loss_args(parser.parse_args(argv))
 
 
+def test_gradient_path_is_checked_once_where_it_enters():
+    """The fused layer's grads / block_fraction: one GradientPath, made by the op from its loose
+    arguments or by the adaptor's settings (naming the flag); the op takes the latter as is."""
+    from mindspeed_cez.linear_cross_entropy import GradientPath
+
+    with pytest.raises(ValueError, match="^--my-block takes"):
+        GradientPath("forward", 1.5, names={"block_fraction": "--my-block"})
+    with pytest.raises(ValueError, match="^block_fraction takes"):  # the op's loose argument
+        linear_cross_entropy_zloss(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 4, -100]),
+                                   grads="forward", token_weights=torch.ones(3), block_fraction=0)
+    settings = Settings(fused_output_layer=True, grads="forward", block_fraction=1)
+    assert settings.gradient_path == GradientPath("forward", 1.0)
+    assert type(settings.block_fraction) is float and type(settings.gradient_path.block_fraction) is float
+    hidden, weight = torch.randn(6, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    target = torch.tensor([0, 4, -100, 2, 1, 3])
+    by_path = linear_cross_entropy_zloss(hidden, weight, target, token_weights=torch.ones(6),
+                                         path=settings.gradient_path)[0]
+    loose = linear_cross_entropy_zloss(hidden, weight, target, token_weights=torch.ones(6), grads="forward",
+                                       block_fraction=1.0)[0]
+    torch.testing.assert_close(by_path, loose, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="path= describes the gradient path"):
+        linear_cross_entropy_zloss(hidden, weight, target, token_weights=torch.ones(6), grads="forward",
+                                   path=settings.gradient_path)
+    with pytest.raises(TypeError, match="path must be"):
+        linear_cross_entropy_zloss(hidden, weight, target, path="forward")
+
+
 def test_values_are_cast_once_and_one_spec_serves_equal_values():
     spec = LossSpec(torch.tensor(7).item(), 1, 0)  # ints in: an int, floats out
     assert (type(spec.ignore_index), type(spec.z_loss_coeff), type(spec.label_smoothing)) == (int, float, float)
