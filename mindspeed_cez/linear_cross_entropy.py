@@ -133,8 +133,9 @@ RECOMPUTE = GradientPath("recompute")
 
 
 def _path_of(path, grads, block_fraction):
-    """The op's :class:`GradientPath`: ``path`` as given (checked where its values entered), or one of
-    ``grads`` / ``block_fraction`` (checked here, once)."""
+    """The op's :class:`GradientPath`: ``path`` as given (checked where its values entered), or the
+    thin shim of ``grads`` / ``block_fraction``: the path they describe (checked here, once). Passing
+    both is an error."""
     if path is None:
         return GradientPath(grads, block_fraction)
     if not isinstance(path, GradientPath):
@@ -246,8 +247,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
     if grads == "forward" and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         grads = "recompute"  # no backward will come (torch.no_grad(), no input needing it): the loss alone
     if grads == "recompute":
-        options = RecomputeOptions(**common, linear=kernels.linear_backend_for(hidden.device, linear_backend, backend),
-                                   chunk_cols=chunk_cols)
+        options = RecomputeOptions(**common, linear=kernels.linear_backend_for(hidden.device, linear_backend, backend,
+                                                                               chunk_cols), chunk_cols=chunk_cols)
         total, z_loss, lse = LinearCrossEntropyZLoss.apply(hidden, weight, target, options)
     else:
         if isinstance(grad_scale, torch.Tensor):
