@@ -24,9 +24,9 @@ class CrossEntropyBackend(Protocol):
                        shard: VocabShard) -> torch.Tensor:
         """This vocab slice's partials: per row its lse and target term (NaN for an out-of-range target), its width."""
 
-    def loss_from_partials(self, partials: torch.Tensor, target: torch.Tensor, loss: LossSpec,
+    def loss_from_partials(self, gathered: torch.Tensor, target: torch.Tensor, loss: LossSpec,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``[ranks, numel]`` partials -> ``[3, n]`` loss, z-loss, lse (into ``out``); unequal widths: NaN
+        """``gathered``: every rank's partials ``[ranks, numel]`` -> ``[3, n]`` loss, z-loss, lse (into ``out``); unequal widths: NaN
         (on CUDA also a device-side assert)."""
 
     def write_grad(self, logits: torch.Tensor, grad: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
