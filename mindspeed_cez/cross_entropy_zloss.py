@@ -165,9 +165,11 @@ def vocab_parallel_cross_entropy_zloss(
             scale / soft cap (:mod:`mindspeed_cez.cann`; its gradient is not written in place).
         return_lse: also return the per-token log-sum-exp the op computed anyway (detached, fp32,
             of the transformed logits): the adaptor logs its mean as ``lm_lse`` without another pass.
-        loss: instead of ``ignore_index``, ``z_loss_coeff``, ``label_smoothing``, ``logit_scale`` and
-            ``logit_softcap``, the whole loss as one :class:`~mindspeed_cez.kernels.loss_spec.LossSpec`
-            (made and checked where its values entered, e.g. from the adaptor's flags).
+        loss: the whole loss as one :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` (made and
+            checked where its values entered, e.g. a config). ``ignore_index``, ``z_loss_coeff``,
+            ``label_smoothing``, ``logit_scale`` and ``logit_softcap`` are a shim for it: without
+            ``loss`` the op builds the spec they describe (one object per set of values); with it
+            they must stay at their defaults.
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``loss = CE + c*lse**2`` per token and the
