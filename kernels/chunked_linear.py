@@ -1,15 +1,15 @@
 """The fused output projection's two steps as GEMMs on chunks of the vocab.
 
 ``torch.matmul`` (cuBLAS on CUDA) makes one chunk's logits ``[n, chunk_cols]`` at a time; a
-cross-entropy backend (``ce_backend``: Triton kernels, or the torch reference; by default the
-device's, ``backend_for``) reduces them to partials, merged across chunks online (forward), or turns them into their
-gradient in place (backward). Same functions as ``triton_linear_cross_entropy``; memory beyond
-the inputs: one chunk of logits.
+cross-entropy backend (Triton kernels, or the torch reference) reduces them to partials, merged
+across chunks (forward), or turns them into their gradient in place (backward). The same interface
+as ``triton_linear_cross_entropy`` (:class:`.backends.LinearBackend`); memory beyond the inputs: one
+chunk of logits.
 """
 
 import torch
 
-from . import backend_for, torch_reference
+from . import torch_reference
 from .partials import LOCAL_LSE, TARGET_TERM, row, rows_of
 
 CHUNK_LOGITS = 1 << 26  # logits per vocab chunk at most (128 MiB in bf16)
@@ -40,20 +40,36 @@ def merge_chunks(parts, n_cols):
     return stats
 
 
-def linear_partials(rows, weight, target, loss, shard, *, ce_backend=None, chunk_cols=None):
-    """fp32 partials (``shard_partials``'s layout) of ``rows @ weight.T`` (the vocab slice ``shard``),
-    ``chunk_cols`` vocab rows at a time (None: :func:`default_chunk_cols`), reduced by the CE
-    backend. Memory beyond one chunk of logits: 8 bytes per token and chunk."""
-    backend = ce_backend or backend_for(rows.device)
-    n_rows, n_cols = rows.shape[0], weight.shape[0]
-    step = chunk_width(chunk_cols, n_rows, n_cols)
-    parts = [backend.shard_partials(rows @ weight[c:c + step].t(), target, loss, shard.chunk(c, min(step, n_cols - c)))
-             for c in range(0, n_cols, step)]
-    return merge_chunks(torch.stack(parts), n_cols)
+class ChunkedLinear:
+    """The ``"gemm"`` linear backend (:class:`.backends.LinearBackend`): ``torch.matmul`` on
+    ``chunk_cols`` vocab rows of ``weight`` at a time (None: :func:`default_chunk_cols`), each chunk's
+    logits reduced by the cross-entropy backend ``ce_backend``."""
 
+    __slots__ = ("ce_backend", "chunk_cols")
 
-def linear_grad(rows, weight, grad, target, lse, grad_loss, loss, shard, *, ce_backend=None):
-    """Writes the gradient of ``rows @ weight.T``'s loss (the vocab slice ``shard``) into ``grad``
-    ``[n, weight rows]``."""
-    torch.matmul(rows, weight.t(), out=grad)
-    return (ce_backend or backend_for(rows.device)).write_grad(grad, grad, target, lse, grad_loss, loss, shard)
+    def __init__(self, ce_backend, chunk_cols=None):
+        self.ce_backend, self.chunk_cols = ce_backend, chunk_cols
+
+    def __repr__(self):
+        return f"ChunkedLinear({getattr(self.ce_backend, '__name__', self.ce_backend)}, chunk_cols={self.chunk_cols})"
+
+    def linear_partials(self, rows, weight, target, loss, shard):
+        """fp32 partials (``shard_partials``'s layout) of ``rows @ weight.T`` (the vocab slice ``shard``).
+        Memory beyond one chunk of logits: 8 bytes per token and chunk."""
+        n_rows, n_cols = rows.shape[0], weight.shape[0]
+        step = chunk_width(self.chunk_cols, n_rows, n_cols)
+        parts = [self.ce_backend.shard_partials(rows @ weight[c:c + step].t(), target, loss,
+                                                shard.chunk(c, min(step, n_cols - c)))
+                 for c in range(0, n_cols, step)]
+        return merge_chunks(torch.stack(parts), n_cols)
+
+    def linear_grad(self, rows, weight, grad, target, lse, grad_loss, loss, shard):
+        """Writes the gradient of ``rows @ weight.T``'s loss (the vocab slice ``shard``) into ``grad``
+        ``[n, weight rows]``."""
+        torch.matmul(rows, weight.t(), out=grad)
+        return self.ce_backend.write_grad(grad, grad, target, lse, grad_loss, loss, shard)
+
+    @staticmethod
+    def check_targets(target, loss, shard):
+        """The chunks' partials check no target: CUDA's device-side assert is the torch reference's."""
+        torch_reference.check_targets(target, loss, shard)

@@ -1,12 +1,12 @@
 """The element-wise transform of the logits that the loss is computed on: one value, flag to kernel.
 
 ``LogitTransform(scale, cap)``: the loss is of ``z = cap * tanh(scale * x / cap)``, or of
-``z = scale * x`` when ``cap`` is 0 (MindSpeed-LLM's ``--output-multiplier-scale`` then
-``--output-logit-softcapping``). ``IDENTITY`` (``scale=1, cap=0``) is the loss of ``x`` itself.
+``z = scale * x`` when ``cap`` is 0 (a multiplier on the output logits, then a soft cap, as
+MindSpeed-LLM's GPT model applies them). ``IDENTITY`` (``scale=1, cap=0``) is the loss of ``x`` itself.
 
 Where it goes: the ops build one from their ``logit_scale`` / ``logit_softcap`` arguments (checked
-here, once) into the loss's :class:`.loss_spec.LossSpec`; the adaptor's settings carry one from
-MindSpeed-LLM's flags; the Triton kernels get its two fp32 numbers and the ``TRANSFORM`` constexpr
+here, once) into the loss's :class:`.loss_spec.LossSpec`; the adaptor's settings carry one; the
+Triton kernels get its two fp32 numbers and the ``TRANSFORM`` constexpr
 :attr:`kind` from ``LossSpec.kernel_args``, the torch reference calls :meth:`apply` / :meth:`slope`.
 
 A new transform touches this module (fields, :attr:`kind`, :meth:`apply`, :meth:`slope`), the

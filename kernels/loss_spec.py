@@ -12,6 +12,7 @@ which the error then names. Every backend takes the spec whole; the Triton kerne
 (``mindspeed_cez.tensor_parallel.vocab_shard``); :meth:`VocabShard.chunk` is a chunk of it.
 """
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -31,7 +32,7 @@ def _number(value):
 @dataclass(frozen=True)
 class LossSpec:
     """The loss's settings, checked and cast once. ``names``: the caller's name per field for errors
-    (e.g. ``{"z_loss_coeff": "--lm-z-loss-coeff"}``); by default the ops' argument names."""
+    (e.g. ``{"z_loss_coeff": "my_config.zloss"}``); by default the ops' argument names."""
 
     ignore_index: int = -100
     z_loss_coeff: float = 0.0
@@ -59,9 +60,27 @@ class LossSpec:
         object.__setattr__(self, "z_loss_coeff", float(self.z_loss_coeff))
         object.__setattr__(self, "label_smoothing", float(self.label_smoothing))
         object.__setattr__(self, "_kernel_args", {})  # per global vocab; not a field (no part of ==)
+        object.__setattr__(self, "_replaced", {})  # per set of changes (replace)
 
     def __getstate__(self):  # copies and pickles start without the made mappings
-        return {**self.__dict__, "_kernel_args": {}}
+        return {**self.__dict__, "_kernel_args": {}, "_replaced": {}}
+
+    def replace(self, **changes):
+        """This spec with the fields in ``changes`` (checked as the constructor checks them): itself where
+        nothing changes, else one object per set of changes, kept by this spec, so a caller that derives
+        the loss of each call from one spec (a label smoothing per vocab size, no z-loss for a head)
+        makes no object per call."""
+        if all(getattr(self, field) == value and type(getattr(self, field)) is type(value)
+               for field, value in changes.items()):
+            return self
+        key = tuple(sorted(changes.items()))
+        try:
+            made = self._replaced.get(key)
+        except TypeError:  # an unhashable value: the constructor says what is wrong
+            return dataclasses.replace(self, **changes)
+        if made is None:
+            made = self._replaced[key] = dataclasses.replace(self, **changes)
+        return made
 
     def kernel_args(self, global_vocab):
         """The Triton kernels' loss arguments by parameter name (read-only, made once per global

@@ -68,25 +68,25 @@ def shard_partials(logits, target, loss, shard):
     return partials
 
 
-def loss_from_partials(partials, target, loss, out=None):
-    """fp32 ``[3, n]`` rows (loss, z-loss, lse), into ``out`` when given, from ``[ranks, numel]``
+def loss_from_partials(gathered, target, loss, out=None):
+    """fp32 ``[3, n]`` rows (loss, z-loss, lse), into ``out`` when given, from ``gathered`` ``[ranks, numel]``
     partials (every rank's, all-gathered; ``[1, numel]`` for one): lse the log-sum-exp of the
     ranks' lse, the target terms summed. Slices of unequal width give NaN (on CUDA also a
     device-side assert)."""
-    ranks, n_rows = partials.shape[0], rows_of(partials.shape[1])
-    lse = logsumexp(row(partials, LOCAL_LSE, n_rows), dim=0)
-    term = row(partials, TARGET_TERM, n_rows).sum(dim=0)
+    ranks, n_rows = gathered.shape[0], rows_of(gathered.shape[1])
+    lse = logsumexp(row(gathered, LOCAL_LSE, n_rows), dim=0)
+    term = row(gathered, TARGET_TERM, n_rows).sum(dim=0)
     z_loss = loss.z_loss_coeff * lse * lse
     total = lse - term + z_loss
     if ranks > 1:
-        words = partials[:, WIDTH * n_rows:]
+        words = gathered[:, WIDTH * n_rows:]
         unequal = (words != words[:1]).any()
-        if partials.device.type == "cuda":
+        if gathered.device.type == "cuda":
             torch._assert_async(~unequal, UNEQUAL_WIDTHS)
         total = torch.where(unequal, torch.full_like(total, float("nan")), total)
     ignored = target == loss.ignore_index
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-    out = torch.empty(3, n_rows, dtype=torch.float32, device=partials.device) if out is None else out
+    out = torch.empty(3, n_rows, dtype=torch.float32, device=gathered.device) if out is None else out
     out[0] = torch.where(ignored, zero, total)
     out[1] = torch.where(ignored, zero, z_loss)
     out[2] = lse

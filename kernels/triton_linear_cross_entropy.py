@@ -225,10 +225,9 @@ def groups(n_cols, device_type):
     return triton.cdiv(n_cols, c["block_n"] * c["group_n"])
 
 
-def linear_partials(rows, weight, target, loss, shard, *, ce_backend=None, chunk_cols=None):
+def linear_partials(rows, weight, target, loss, shard):
     """fp32 partials (the layout of :mod:`.partials`) of ``rows @ weight.T``, the vocab slice
-    ``shard``, no logits (so neither a cross-entropy backend nor a chunk width: ``ce_backend`` and
-    ``chunk_cols`` are unused)."""
+    ``shard``, no logits."""
     rows, weight = as_rows(rows), as_rows(weight)
     n_rows, h = rows.shape
     n_cols = weight.shape[0]
@@ -252,9 +251,9 @@ def linear_partials(rows, weight, target, loss, shard, *, ce_backend=None, chunk
     return out
 
 
-def linear_grad(rows, weight, grad, target, lse, grad_loss, loss, shard, *, ce_backend=None):
+def linear_grad(rows, weight, grad, target, lse, grad_loss, loss, shard):
     """Writes the gradient of ``rows @ weight.T``'s loss (the vocab slice ``shard``) into ``grad``
-    ``[n, weight rows]`` (in the kernel: ``ce_backend`` is unused)."""
+    ``[n, weight rows]``."""
     rows, weight = as_rows(rows), as_rows(weight)
     n_rows, h = rows.shape
     n_cols = weight.shape[0]
@@ -268,3 +267,7 @@ def linear_grad(rows, weight, grad, target, lse, grad_loss, loss, shard, *, ce_b
         vocab_start=shard.vocab_start)
     _launch_grad(grid, args, options)
     return grad
+
+
+# The kernels above check no target: CUDA's device-side assert comes from the torch reference's check.
+check_targets = torch_reference.check_targets

@@ -18,17 +18,16 @@ forward is one kernel); the collectives are the steps of :mod:`mindspeed_cez.ten
 """
 
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from mindspeed_cez import cann, kernels
 from mindspeed_cez.first_order import first_order_input, first_order_only
-from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard, loss_spec
-from mindspeed_cez.kernels.rows import as_rows
-from mindspeed_cez.tensor_parallel import (check_target_range, group_rank_and_size, merged_loss, resolve_tp_group,
-                                           vocab_shard)
+from mindspeed_cez.kernels.backends import CrossEntropyBackend
+from mindspeed_cez.kernels.loss_spec import LossSpec, loss_spec
+from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
+from mindspeed_cez.vocab_parallel import VocabParallel
 
 def check_target(target):
     """The one type check of ``target`` (both ops)."""
@@ -55,7 +54,8 @@ LOOSE_DEFAULTS = (-100, 0.0, 0.0, 1.0, 0.0)  # ignore_index, z_loss_coeff, label
 
 def loss_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap):
     """The ops' :class:`LossSpec`: ``loss`` as given (made and checked where its values entered), or
-    one of the loose arguments (checked here, once; one object per set of values)."""
+    the thin shim of the loose arguments: the spec they describe (checked here, once; one object per
+    set of values). Passing both is an error."""
     loose = (ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
     if loss is None:
         return loss_spec(*loose)
@@ -74,7 +74,7 @@ class CrossEntropyOptions:
 
     loss: LossSpec
     tp_group: Any  # a resolved process group (None: a single rank)
-    backend: ModuleType  # kernels.backend_for's module
+    backend: CrossEntropyBackend  # kernels.backend_for's
 
 
 class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
@@ -85,15 +85,14 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, options):
         backend, loss = options.backend, options.loss
-        shard = vocab_shard(options.tp_group, logits.shape[-1])
-        rows = as_rows(logits)
+        vp = VocabParallel(options.tp_group, logits.shape[-1], loss, backend)
+        rows = vp.rows(logits)
         flat_target = target.reshape(-1)
-        if shard.world_size == 1:
+        if vp.tp_size == 1:
             out = backend.fused_loss(rows, flat_target, loss)
         else:
-            partials = backend.shard_partials(rows, flat_target, loss, shard)
-            out = merged_loss(backend, partials, flat_target, loss, options.tp_group, shard.world_size)
-        check_target_range(flat_target, loss, shard, backend)  # after the collective
+            out = vp.merged_loss(backend.shard_partials(rows, flat_target, loss, vp.shard), flat_target)
+        vp.check_targets(flat_target)  # after the collective
         total, z_loss, lse = out.view(3, *target.shape).unbind(0)  # one view op for the three
 
         # The gradient goes into the logits' own buffer when they are an intermediate of the
@@ -104,7 +103,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         ctx.grad_written = False
         ctx.options = options
         ctx.logits_shape = logits.shape
-        ctx.shard = shard
+        ctx.shard = vp.shard
         ctx.save_for_backward(rows, flat_target, lse)
         ctx.set_materialize_grads(False)  # no zero tensors for the gradients of z_loss and lse
         ctx.mark_non_differentiable(z_loss, lse)
@@ -166,9 +165,11 @@ def vocab_parallel_cross_entropy_zloss(
             scale / soft cap (:mod:`mindspeed_cez.cann`; its gradient is not written in place).
         return_lse: also return the per-token log-sum-exp the op computed anyway (detached, fp32,
             of the transformed logits): the adaptor logs its mean as ``lm_lse`` without another pass.
-        loss: instead of ``ignore_index``, ``z_loss_coeff``, ``label_smoothing``, ``logit_scale`` and
-            ``logit_softcap``, the whole loss as one :class:`~mindspeed_cez.kernels.loss_spec.LossSpec`
-            (made and checked where its values entered, e.g. from the adaptor's flags).
+        loss: the whole loss as one :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` (made and
+            checked where its values entered, e.g. a config). ``ignore_index``, ``z_loss_coeff``,
+            ``label_smoothing``, ``logit_scale`` and ``logit_softcap`` are a shim for it: without
+            ``loss`` the op builds the spec they describe (one object per set of values); with it
+            they must stay at their defaults.
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``loss = CE + c*lse**2`` per token and the
@@ -184,7 +185,7 @@ def vocab_parallel_cross_entropy_zloss(
     tp_group = resolve_tp_group(tp_group)
     if backend == cann.NAME:  # the vendor op (torch_npu), TP = 1: its own autograd
         cann.check_applies(group_rank_and_size(tp_group)[1], loss.logit_transform)
-        check_target_range(target.reshape(-1), loss, VocabShard.whole(logits.shape[-1]), kernels.torch_reference)
+        VocabParallel(None, logits.shape[-1], loss, kernels.torch_reference).check_targets(target.reshape(-1))
         total, z_loss, lse = cann.cross_entropy_zloss(
             first_order_input(logits, "vocab_parallel_cross_entropy_zloss"), target, loss)
     else:

@@ -72,6 +72,7 @@ def _chosen(device_type):
     return "gemm_add"
 
 
+# Global: the ops make an Accumulator per call, with no handle through which a test or benchmark could force one.
 _FORCED = None
 
 

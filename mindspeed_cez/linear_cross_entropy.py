@@ -133,8 +133,9 @@ RECOMPUTE = GradientPath("recompute")
 
 
 def _path_of(path, grads, block_fraction):
-    """The op's :class:`GradientPath`: ``path`` as given (checked where its values entered), or one of
-    ``grads`` / ``block_fraction`` (checked here, once)."""
+    """The op's :class:`GradientPath`: ``path`` as given (checked where its values entered), or the
+    thin shim of ``grads`` / ``block_fraction``: the path they describe (checked here, once). Passing
+    both is an error."""
     if path is None:
         return GradientPath(grads, block_fraction)
     if not isinstance(path, GradientPath):
@@ -219,11 +220,14 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
             Fewer blocks, fewer read-modify-writes of the fp32 ``dweight``: docs/weight_gradient.md.
         return_lse: also return the detached per-token log-sum-exp, as
             :func:`vocab_parallel_cross_entropy_zloss`.
-        loss: the whole loss as one ``LossSpec`` instead of the loose ``ignore_index``,
-            ``z_loss_coeff``, ``label_smoothing``, ``logit_scale`` and ``logit_softcap``, as
+        loss: the whole loss as one ``LossSpec``; the loose ``ignore_index``, ``z_loss_coeff``,
+            ``label_smoothing``, ``logit_scale`` and ``logit_softcap`` are a shim for it, as in
             :func:`vocab_parallel_cross_entropy_zloss`.
-        path: ``grads`` and ``block_fraction`` as one :class:`GradientPath` (made and checked where
-            their values entered: the adaptor's settings) instead of the loose arguments.
+        path: the gradient path as one :class:`GradientPath` (made and checked where its values
+            entered, e.g. a config); ``grads`` and ``block_fraction`` are a shim for it (without
+            ``path`` the op builds the one they describe; with it they must stay at their defaults).
+            Where no backward will come (``torch.no_grad()``, no input needing a gradient) the op
+            takes the recompute path's forward whatever the path says: the loss alone.
         remedy: with ``grads="forward"``, the fix that errors raised after the forward (in backward,
             or on the device, where no caller can re-word them) name; None: ``"grads='recompute'"``.
             The adaptor passes its flag's.
@@ -246,8 +250,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
     if grads == "forward" and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         grads = "recompute"  # no backward will come (torch.no_grad(), no input needing it): the loss alone
     if grads == "recompute":
-        options = RecomputeOptions(**common, linear=kernels.linear_backend_for(hidden.device, linear_backend, backend),
-                                   chunk_cols=chunk_cols)
+        options = RecomputeOptions(**common, linear=kernels.linear_backend_for(hidden.device, linear_backend, backend,
+                                                                               chunk_cols), chunk_cols=chunk_cols)
         total, z_loss, lse = LinearCrossEntropyZLoss.apply(hidden, weight, target, options)
     else:
         if isinstance(grad_scale, torch.Tensor):

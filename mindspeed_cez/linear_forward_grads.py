@@ -15,8 +15,8 @@ import torch
 from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.linear_layer import LinearLossOptions, main_grad_placeholder
-from mindspeed_cez.tensor_parallel import (check_target_range, gather_sequence, merged_loss, reduce_dhidden,
-                                           start_reduce_dhidden, vocab_shard)
+from mindspeed_cez.tensor_parallel import reduce_dhidden, start_reduce_dhidden
+from mindspeed_cez.vocab_parallel import VocabParallel
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,15 +43,25 @@ class _OwedBackward:
 
     def __init__(self, what):
         self.what, self.paid = what, False
-        _OWED.add(self)
+        _LEDGER.owed.add(self)
 
     def __del__(self):
         if not self.paid:
-            _DROPPED.append(self.what)
+            _LEDGER.dropped.append(self.what)
 
 
-_OWED = weakref.WeakSet()  # forwards whose graph is alive and backward not yet run
-_DROPPED = []  # forwards whose graph was freed without a backward
+class _Ledger:
+    """The forwards that owe a backward: ``owed``, those whose graph is alive and backward not yet run;
+    ``dropped``, those whose graph was freed without one."""
+
+    __slots__ = ("owed", "dropped")
+
+    def __init__(self):
+        self.owed, self.dropped = weakref.WeakSet(), []
+
+
+# Global: Megatron's gradient sync (finish_grad_sync) asks without a handle to the forwards that owe.
+_LEDGER = _Ledger()
 
 
 def check_forward_gradients(backward_pending_ok=False):
@@ -61,8 +71,9 @@ def check_forward_gradients(backward_pending_ok=False):
     Called by the op's forwards (pending backwards are fine there: pipelined micro-batches) and by
     the adaptor before Megatron's gradient sync (``finish_grad_sync``), so such a gradient never
     reaches the optimizer. No device work."""
-    dropped, pending = list(_DROPPED), [] if backward_pending_ok else [t.what for t in _OWED if not t.paid]
-    _DROPPED.clear()
+    dropped = list(_LEDGER.dropped)
+    pending = [] if backward_pending_ok else [t.what for t in _LEDGER.owed if not t.paid]
+    _LEDGER.dropped.clear()
     if dropped:
         raise ForwardGradientError(
             f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {dropped[0]} into main_grad "
@@ -71,7 +82,7 @@ def check_forward_gradients(backward_pending_ok=False):
             "training mode) must run under torch.no_grad(); or run with " + RECOMPUTE_FIX + ", which adds nothing "
             "in forward.")
     if pending:
-        for token in list(_OWED):
+        for token in list(_LEDGER.owed):
             token.paid = True  # reported once
         raise ForwardGradientError(
             f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {pending[0]} into main_grad "
@@ -124,10 +135,10 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         backend, loss = options.backend, options.loss
         ignore_index = loss.ignore_index
         tp_group, sequence_parallel = options.tp_group, options.sequence_parallel
-        shard = vocab_shard(tp_group, weight.shape[0])
-        tp_size = shard.world_size
-        full = gather_sequence(hidden, tp_group, tp_size, sequence_parallel)
-        rows = full.reshape(-1, full.shape[-1])
+        vp = VocabParallel(tp_group, weight.shape[0], loss, backend, shard_name="weight")
+        shard, tp_size = vp.shard, vp.tp_size
+        full = vp.gather_sequence(hidden, sequence_parallel)
+        rows = vp.rows(full)
         flat_target = target.reshape(-1)
         weights = torch.where(flat_target == ignore_index, 0.0, token_weights.reshape(-1).float())
         n, v_local = rows.shape[0], weight.shape[0]
@@ -148,9 +159,9 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             logits = block[:x.shape[0]]
             torch.matmul(x, weight.t(), out=logits)
             stats = backend.shard_partials(logits, t, loss, shard)
-            merged_loss(backend, stats, t, loss, tp_group, tp_size, "weight", out[:, r:r + step])
+            vp.merged_loss(stats, t, out[:, r:r + step])
             if r == 0:  # after the first collective (see the op's forward), before anything is written
-                check_target_range(flat_target, loss, shard, backend)
+                vp.check_targets(flat_target)
             backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], loss, shard)
             if upstream_known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
                 torch.matmul(logits, weight, out=drows[r:r + step])

@@ -8,26 +8,24 @@ four GEMMs in all.
 """
 
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Optional
 
 import torch
 
-from mindspeed_cez import kernels
 from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
-from mindspeed_cez.kernels.rows import as_rows
+from mindspeed_cez.kernels.backends import LinearBackend
 from mindspeed_cez.linear_layer import LinearLossOptions, main_grad_placeholder
-from mindspeed_cez.tensor_parallel import (check_target_range, gather_sequence, merged_loss, start_reduce_dhidden,
-                                           vocab_shard)
+from mindspeed_cez.tensor_parallel import start_reduce_dhidden
+from mindspeed_cez.vocab_parallel import VocabParallel
 
 
 @dataclass(frozen=True, eq=False)
 class RecomputeOptions(LinearLossOptions):
-    """:class:`LinearCrossEntropyZLoss`'s options: the projection's backend and its vocab chunk."""
+    """:class:`LinearCrossEntropyZLoss`'s options: the projection's backend and backward's vocab chunk."""
 
-    linear: Optional[ModuleType] = None  # kernels.linear_backend_for's module
+    linear: Optional[LinearBackend] = None  # kernels.linear_backend_for's
     chunk_cols: Optional[int] = None
 
 
@@ -37,20 +35,17 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, options):
-        shard = vocab_shard(options.tp_group, weight.shape[0])
-        full = gather_sequence(hidden, options.tp_group, shard.world_size, options.sequence_parallel)
-        rows = as_rows(full)
+        vp = VocabParallel(options.tp_group, weight.shape[0], options.loss, options.backend, checker=options.linear,
+                           shard_name="weight")
+        rows = vp.rows(vp.gather_sequence(hidden, options.sequence_parallel))
         flat_target = target.reshape(-1)
-        stats = options.linear.linear_partials(rows, weight, flat_target, options.loss, shard,
-                                               ce_backend=options.backend, chunk_cols=options.chunk_cols)
-        out = merged_loss(options.backend, stats, flat_target, options.loss, options.tp_group, shard.world_size,
-                          shard_name="weight")
-        # after the collective; the linear kernels do not assert on targets: the torch check does on CUDA
-        check_target_range(flat_target, options.loss, shard, kernels.torch_reference)
+        out = vp.merged_loss(options.linear.linear_partials(rows, weight, flat_target, options.loss, vp.shard),
+                             flat_target)
+        vp.check_targets(flat_target)  # after the collective
         total, z_loss, lse = out.view(3, *target.shape).unbind(0)
 
         ctx.save_for_backward(hidden, weight, flat_target, lse)
-        ctx.options, ctx.shard = options, shard
+        ctx.options, ctx.vp = options, vp
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
         return total, z_loss, lse
@@ -59,10 +54,9 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
     @first_order_only("linear_cross_entropy_zloss")
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
         hidden, weight, flat_target, lse = ctx.saved_tensors
-        options, shard = ctx.options, ctx.shard
-        tp_size = shard.world_size
-        full = gather_sequence(hidden, options.tp_group, tp_size, options.sequence_parallel)
-        rows = as_rows(full)
+        options, vp = ctx.options, ctx.vp
+        full = vp.gather_sequence(hidden, options.sequence_parallel)
+        rows = vp.rows(full)
         lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
         into_main_grad = options.gradient_accumulation_fusion and hasattr(weight, "main_grad")
@@ -75,10 +69,10 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
             dlogits = options.linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss,
-                                                 options.loss, shard.chunk(c, w.shape[0]), ce_backend=options.backend)
+                                                 options.loss, vp.shard.chunk(c, w.shape[0]))
             accumulate(drows, dlogits, w)  # fp32 sum over vocab chunks
             if c + step >= v_local:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
-                reduction = start_reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, tp_size,
+                reduction = start_reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, vp.tp_size,
                                                  options.sequence_parallel)
             if into_main_grad:
                 accumulate(weight.main_grad[c:c + step], dlogits.t(), rows)

@@ -341,6 +341,9 @@ def main(argv=None, group=None):
               f"{sum(r['status'] == 'FAIL' for r in results)} failed, "
               f"{sum(r['status'] == 'skipped' for r in results)} skipped  (* = picked automatically here; errors: "
               "relative L2 against float64; ms: forward + backward, median)")
+        if device.type == "cpu" and any("ms" in r for r in results):
+            print("ms on the CPU: indicative only (the Triton rows run in its interpreter, and other work on the machine "
+                  "moves every row by large factors); compare times on an accelerator")
         if args.json:
             report = json.dumps({"ok": ok, "environment": info, "results": results, "absent_backends": absent},
                                 indent=1, default=str)

@@ -4,6 +4,7 @@
 import os
 
 from mindspeed_cez import cann, kernels
+from mindspeed_cez.kernels.chunked_linear import ChunkedLinear
 
 REAL_VOCAB = 151936
 
@@ -45,7 +46,7 @@ def linear_variants(device, world_size):
     """[(linear_backend, grads, cross-entropy backend, picked automatically)] for
     ``linear_cross_entropy_zloss`` here: the GEMM projection with each cross-entropy backend that
     takes vocab partials (not ``cann``), the Triton projection, and ``grads="forward"``."""
-    auto = "triton" if kernels.linear_backend_for(device).__name__.endswith("triton_linear_cross_entropy") else "gemm"
+    auto = "gemm" if isinstance(kernels.linear_backend_for(device), ChunkedLinear) else "triton"
     auto_ce = [name for name, picked in ce_backends(device, world_size) if picked][0]
     out = [("gemm", "recompute", ce, auto == "gemm" and ce == auto_ce)
            for ce, _ in ce_backends(device, world_size) if ce != cann.NAME]

@@ -1,17 +1,13 @@
-"""The tensor-parallel steps the ops share, each written once.
+"""The tensor-parallel steps the ops share, each written once: collectives and host checks only
+(no backend is called here; :class:`mindspeed_cez.vocab_parallel.VocabParallel` puts them together
+with a backend for one op call).
 
-Every rank holds a slice of the vocab (and, with sequence parallelism, a chunk of the sequence).
-Megatron-Core's unfused and fused vocab-parallel cross entropy share one set of step functions
-(``VocabParallelCrossEntropy``); so do ``vocab_parallel_cross_entropy_zloss`` and both paths of
-``linear_cross_entropy_zloss``:
+Every rank holds a slice of the vocab (and, with sequence parallelism, a chunk of the sequence):
 
 * :func:`vocab_shard`: one call's vocab layout (this rank's slice of the global vocab), and
-  :func:`check_target_range`: the targets within that vocab or ignored;
-* :func:`merged_loss`: a rank's partials (its slice's lse and target term per row and its width,
-  ``kernels/partials.py``) -> the loss over the global vocab: one all-gather of every rank's
-  partials, then one kernel combines them (lse: the log-sum-exp of the ranks'; target: their sum)
-  and checks that the widths agree (on the CPU here, with a ``ValueError``; on CUDA a device-side
-  assert, no host sync);
+  :func:`check_targets_on_host`: the targets within that vocab or ignored (a CPU tensor's check);
+* :func:`gather_partials`: every rank's partials (``kernels/partials.py``) in one all-gather, their
+  widths compared on the CPU (a ``ValueError``; on CUDA the backend's merge asserts on the device);
 * :func:`gather_sequence` / :func:`reduce_dhidden` (:func:`start_reduce_dhidden`: asynchronous):
   ``ColumnParallelLinear``'s input all-gather along the sequence and its ``dhidden`` reduction
   (reduce-scatter with sequence parallelism, else all-reduce).
@@ -22,7 +18,6 @@ import sys
 import torch.distributed as dist
 
 from mindspeed_cez.kernels import partials as layout
-from mindspeed_cez.kernels import torch_reference
 from mindspeed_cez.kernels.loss_spec import VocabShard
 
 # Ranks' tensors concatenated along dim 0 (torch 2.13 renames all_gather_into_tensor, now deprecated).
@@ -55,19 +50,13 @@ def vocab_shard(tp_group, v_local):
     return VocabShard(rank * v_local, v_local, v_local * world_size, rank, world_size)
 
 
-def check_target_range(target, loss, shard, backend):
-    """The ops' one range check of ``target`` (after the collective: where ranks disagree on the vocab,
-    :func:`merged_loss` refused on all of them). CPU: a Python exception. Elsewhere ``backend``'s
-    ``check_targets``: on CUDA an asynchronous device-side assert (no host sync), or nothing where
-    the backend's forward kernel asserts itself; on Ascend an out-of-range target is a NaN loss."""
-    if target.device.type != "cpu":
-        backend.check_targets(target, loss, shard)
-        return
-    valid = torch_reference.valid_targets(target, shard.global_vocab, loss.ignore_index)
+def check_targets_on_host(target, shard, ignore_index):
+    """A CPU ``target``'s range: every id in ``[0, shard.global_vocab)`` or ``ignore_index``, else a ``ValueError``."""
+    valid = (target == ignore_index) | ((target >= 0) & (target < shard.global_vocab))
     if target.numel() and not bool(valid.all()):
         bad = target[~valid][0].item()
         raise ValueError(f"target holds {bad}, outside [0, {shard.global_vocab}) (the global vocab) and not "
-                         f"ignore_index={loss.ignore_index}")
+                         f"ignore_index={ignore_index}")
 
 
 def check_equal_widths(gathered, shard_name):
@@ -80,19 +69,18 @@ def check_equal_widths(gathered, shard_name):
             f"{max(widths)}), by rank {widths}; pad the vocab so it divides evenly by the tensor-parallel size")
 
 
-def merged_loss(backend, partials, target, loss, tp_group, tp_size, shard_name="logits", out=None):
-    """fp32 ``[3, n]`` (loss, z-loss, lse) of the loss ``loss`` (a ``LossSpec``), into ``out`` when
-    given, from this rank's partials (``shard_partials``'s layout), all-gathered over ``tp_group``
-    first when it has more than one rank: the op's one collective. ``shard_name``: what an error
-    about unequal widths names."""
+def gather_partials(partials, tp_group, tp_size, shard_name="logits"):
+    """``[ranks, numel]``: every rank's partials (``shard_partials``'s layout), all-gathered over
+    ``tp_group`` when it has more than one rank (the ops' one collective of the loss); on the CPU
+    their widths compared (:func:`check_equal_widths`, naming ``shard_name``)."""
     if tp_size == 1:
-        return backend.loss_from_partials(partials[None], target, loss, out)
+        return partials[None]
     gathered = partials.new_empty(tp_size * partials.numel())  # flat: gloo takes no stacked output
     all_gather(gathered, partials, group=tp_group)
     gathered = gathered.view(tp_size, partials.numel())
     if gathered.device.type == "cpu":
         check_equal_widths(gathered, shard_name)
-    return backend.loss_from_partials(gathered, target, loss, out)
+    return gathered
 
 
 def gather_sequence(hidden, tp_group, tp_size, sequence_parallel):

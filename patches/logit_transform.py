@@ -5,8 +5,9 @@ loss: ``logits * s`` (``--output-multiplier-scale``), then ``logits / C``, ``tor
 (``--output-logit-softcapping``). Each op makes a logits-sized tensor, and tanh's output is kept
 for backward. With the fused loss on, the main head's output layer call returns
 :class:`TransformedLogits` instead of a tensor: those ops are recorded, not computed, and the
-patched loss hands them to the op as ``logit_scale`` / ``logit_softcap``
-(``z = C * tanh(s * x / C)``, the same numbers). Anything else done to the object fails loudly.
+patched loss (:func:`unwrap`) checks them against the flags, whose transform the loss's
+``LossSpec`` carries into the kernels (``z = C * tanh(s * x / C)``, the same numbers). Anything
+else done to the object fails loudly.
 """
 
 import math
@@ -14,7 +15,7 @@ import numbers
 
 import torch
 
-from mindspeed_cez.kernels.logit_transform import LogitTransform
+from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
 
 FLAGS = "--output-multiplier-scale / --output-logit-softcapping"
 
@@ -82,3 +83,19 @@ class TransformedLogits:
         if self._divisor is not None or self._tanh:
             self._refuse("an unfinished soft cap")
         return LogitTransform(self.scale, self.cap)
+
+
+def unwrap(logits, is_main, expected):
+    """``(logits, transform)`` of what a language-model loss got: the tensor (or deferred output layer
+    call) inside :class:`TransformedLogits` and the transform the model applied to it, checked against
+    ``expected`` (the flags'); anything else as it is, with the identity."""
+    if not isinstance(logits, TransformedLogits):
+        return logits, IDENTITY
+    if not is_main:
+        raise LogitTransformError("mindspeed_cez: an MTP head's loss got the main head's transformed logits")
+    transform = logits.transform()
+    if transform != expected:
+        raise LogitTransformError(
+            f"mindspeed_cez: the model applied {transform} to the logits, but its flags set {expected} ({FLAGS}); "
+            "the fused loss computes only the latter")
+    return logits.logits, transform

@@ -1,13 +1,17 @@
-"""The language-model losses in progress: one entry per model forward with labels, innermost last.
+"""The language-model loss in progress: what a model's forward with labels hands its own loss.
 
 A model's forward (``GPTModel._postprocess`` and the others of :mod:`.megatron_core`'s
-``loss_context_paths``) opens one; what runs inside it reads it: the patched
-``compute_language_model_loss`` (the labels tell the main head from an MTP head, the loss mask
-weights ``lm_z_loss``) and the patched ``ColumnParallelLinear.forward`` (the main head's output
-layer call to defer or wrap, :mod:`.output_layer`).
+``loss_context_paths``) opens a :class:`LossContext` on the model object itself; Megatron then calls
+``self.compute_language_model_loss`` on that same object, whose patched version reads it (the labels
+tell the main head from an MTP head, the loss mask weights ``lm_z_loss``). The context lives on the
+model for the forward's duration (a nested forward of the same model restores the outer one after),
+so no module-level state carries it.
 """
 
 import contextlib
+
+# The model's attribute holding its open context (a plain object: nn.Module keeps it in __dict__).
+ATTRIBUTE = "_mindspeed_cez_loss_context"
 
 
 class LossContext:
@@ -20,19 +24,28 @@ class LossContext:
         self.labels, self.loss_mask, self.main_head_call = labels, loss_mask, main_head_call
 
 
-_OPEN = []  # innermost last
-
-
 @contextlib.contextmanager
-def opened(context):
-    """``context`` is the innermost while the block runs."""
-    _OPEN.append(context)
+def attached(owner, attribute, value):
+    """``owner.<attribute>`` is ``value`` while the block runs, then what it was (nested blocks of one
+    owner restore the outer value). Kept in ``owner``'s ``__dict__``: nn.Module's own attribute hooks
+    are not involved."""
+    state = vars(owner)
+    previous = state.get(attribute)
+    state[attribute] = value
     try:
-        yield context
+        yield value
     finally:
-        _OPEN.pop()
+        if previous is None:
+            state.pop(attribute, None)
+        else:
+            state[attribute] = previous
 
 
-def innermost():
-    """The innermost open :class:`LossContext`, or None (no model forward with labels around)."""
-    return _OPEN[-1] if _OPEN else None
+def opened(model, context):
+    """``context`` is ``model``'s while the block runs."""
+    return attached(model, ATTRIBUTE, context)
+
+
+def of(model):
+    """The :class:`LossContext` open on ``model``, or None (no forward with labels of this model around)."""
+    return getattr(model, "__dict__", {}).get(ATTRIBUTE)

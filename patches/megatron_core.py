@@ -34,15 +34,12 @@ import warnings
 
 import torch
 
-from mindspeed_cez.patches import loss_context, metrics
 from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
-from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
-from mindspeed_cez.patches import output_layer as _output_layer
 from mindspeed_cez.kernels.logit_transform import IDENTITY
-from mindspeed_cez.kernels.loss_spec import loss_spec
-from mindspeed_cez.patches.logit_transform import LogitTransformError, TransformedLogits
+from mindspeed_cez.patches import logit_transform, loss_context, metrics, output_layer
 from mindspeed_cez.patches.pass_through import while_active
 from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
+from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,33 +65,32 @@ def _module_tp_group(module):
     return resolve_tp_group(group)
 
 
-def in_megatron_convention(loss_fn, v_local, tp_group, label_smoothing_megatron, z_loss_coeff, transform=IDENTITY):
-    """``loss_fn(loss)`` -- an op returning ``(loss, z_loss, lse)``, ``loss = CE + c*lse**2`` for the
-    ``LossSpec`` ``loss`` it is handed -- in Megatron's conventions: its label smoothing over the global
-    vocab (``v_local`` per rank of ``tp_group``), and for auxiliary losses: ``loss`` minus its detached
-    ``z_loss``, so the value is the CE (what Megatron logs as ``lm loss``) and the gradient still that of
+def call_loss(spec, global_vocab, label_smoothing_megatron, main_head=True, transform=IDENTITY):
+    """The ``LossSpec`` of one call, from the settings' ``spec`` (:meth:`LossSpec.replace`: no object per
+    call): Megatron's label smoothing over ``global_vocab``, the z-loss for the main head only (MTP heads:
+    plain CE), the transform the model applied to these logits."""
+    return spec.replace(label_smoothing=megatron_to_torch_smoothing(label_smoothing_megatron, global_vocab),
+                        z_loss_coeff=spec.z_loss_coeff if main_head else 0.0, logit_transform=transform)
+
+
+def in_megatron_convention(loss, z_loss, spec):
+    """The op's ``loss = CE + c*lse**2`` as Megatron takes auxiliary losses: minus its detached ``z_loss``,
+    so the value is the CE (what Megatron logs as ``lm loss``) and the gradient still that of
     ``CE + c*lse**2`` (what it trains on), as Megatron's router losses enter the gradient but not the
-    logged loss. The spec is one object per set of values (the adaptor's settings checked them)."""
-    global_vocab = v_local * _tp_world_size(tp_group)
-    spec = loss_spec(z_loss_coeff=z_loss_coeff,
-                     label_smoothing=megatron_to_torch_smoothing(label_smoothing_megatron, global_vocab),
-                     logit_scale=transform.scale, logit_softcap=transform.cap)
-    loss, z_loss, lse = loss_fn(spec)
-    return (loss - z_loss if z_loss_coeff > 0 else loss), z_loss, lse
+    logged loss."""
+    return loss - z_loss if spec.z_loss_coeff > 0 else loss
 
 
-def loss_in_megatron_convention(logits, target, tp_group, label_smoothing_megatron, z_loss_coeff, backend=None,
-                                transform=IDENTITY):
-    """The op on ``[s, b, v_local]`` logits, :func:`in_megatron_convention`; ``(loss, z_loss, lse)``
-    shaped like ``target``."""
+def megatron_cross_entropy(settings, logits, target, tp_group, label_smoothing_megatron, main_head=True,
+                           transform=IDENTITY):
+    """``(loss, z_loss, lse)`` of the op on ``[s, b, v_local]`` logits in Megatron's conventions
+    (:func:`call_loss`, :func:`in_megatron_convention`), shaped like ``target``."""
     tp_group = resolve_tp_group(tp_group)
-
-    def loss_fn(loss):
-        return vocab_parallel_cross_entropy_zloss(logits, target, tp_group=tp_group, backend=backend, return_lse=True,
-                                                  loss=loss)
-
-    return in_megatron_convention(loss_fn, logits.shape[-1], tp_group, label_smoothing_megatron, z_loss_coeff,
-                                  transform)
+    spec = call_loss(settings.loss, logits.shape[-1] * _tp_world_size(tp_group), label_smoothing_megatron,
+                     main_head, transform)
+    loss, z_loss, lse = vocab_parallel_cross_entropy_zloss(logits, target, tp_group=tp_group, backend=settings.backend,
+                                                           return_lse=True, loss=spec)
+    return in_megatron_convention(loss, z_loss, spec), z_loss, lse
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,64 +134,37 @@ def loss_context_paths(methods=_LOSS_CONTEXT_METHODS, loaded_only=False):
 
 
 def loss_context_wrapper(fn):
-    """Open a :class:`~.loss_context.LossContext` for the model forward: its labels and loss mask
-    (the ``lm_z_loss`` metric, the main head told from MTP heads) and its main head's output layer
-    call (:mod:`.output_layer`)."""
+    """Open a :class:`~.loss_context.LossContext` on the model for its forward: its labels and loss mask
+    (the ``lm_z_loss`` metric, the main head told from MTP heads), and hand its output layer the main
+    head's call (:mod:`.output_layer`)."""
     signature = inspect.signature(fn)
 
     def with_loss_context(settings, self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
-        context = loss_context.LossContext(bound.get("labels"), bound.get("loss_mask"),
-                                           _output_layer.main_head_call(self, bound, settings))
-        with loss_context.opened(context):
+        main_head = output_layer.main_head_call(self, bound, settings)
+        context = loss_context.LossContext(bound.get("labels"), bound.get("loss_mask"), main_head)
+        with loss_context.opened(self, context), output_layer.handed(main_head):
             return fn(self, *args, **kwargs)
 
     return while_active(fn, with_loss_context)
 
 
-_WARNED_NO_MASK = set()
+_NO_MASK_WARNED = "_mindspeed_cez_no_mask_warned"  # the model's flag: its warning given
 
 
 def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context):
     names = settings.metric_names()
     if not names or not module.training or not torch.is_grad_enabled():
         return
-    name = type(module).__name__
-    if not has_context and name not in _WARNED_NO_MASK:
-        _WARNED_NO_MASK.add(name)
-        warnings.warn(f"mindspeed_cez: {name} hands no loss mask to its LM loss; lm_z_loss and lm_lse "
-                      "average over every token of its micro-batches", stacklevel=3)
+    if not has_context and not vars(module).get(_NO_MASK_WARNED):
+        vars(module)[_NO_MASK_WARNED] = True
+        warnings.warn(f"mindspeed_cez: {type(module).__name__} hands no loss mask to its LM loss; lm_z_loss and "
+                      "lm_lse average over every token of its micro-batches", stacklevel=3)
     metrics.record_lm_z_loss(
         z_loss_bs if LM_Z_LOSS in names else None,
         loss_mask,
         lse_per_token=lse_bs if LM_LSE in names else None,
     )
-
-
-def _logits_and_transform(module, logits, is_main, context, settings):
-    """What the loss got: ``(logits, transform)``, ``logits`` a tensor or the deferred output layer
-    call (:class:`~.output_layer.DeferredLogits`), ``transform`` the one the model applied to them
-    (recorded by :class:`~.logit_transform.TransformedLogits`, checked against its flags)."""
-    transform = IDENTITY
-    if isinstance(logits, TransformedLogits):  # MindSpeed-LLM's scaling / soft cap, in the kernels
-        if not is_main:
-            raise LogitTransformError("mindspeed_cez: an MTP head's loss got the main head's transformed logits")
-        transform, logits = logits.transform(), logits.logits
-        if transform != settings.logit_transform:
-            raise LogitTransformError(
-                f"mindspeed_cez: the model applied {transform} to the logits, but its flags set "
-                f"{settings.logit_transform} (--output-multiplier-scale / --output-logit-softcapping); the fused loss "
-                "computes only the latter")
-    elif (is_main and not isinstance(logits, _output_layer.DeferredLogits) and context is not None
-          and context.main_head_call is not None):  # the forward was to hand the loss one of those two
-        raise _output_layer.FusedOutputLayerError(
-            f"mindspeed_cez ({_output_layer.FLAG} or the logit transform): the LM loss got a tensor, not the "
-            f"output layer call the adaptor handed out (output layer {type(getattr(module, 'output_layer', None)).__name__}); "
-            "this model's forward is not served")
-    if isinstance(logits, _output_layer.DeferredLogits) and not is_main:
-        raise _output_layer.FusedOutputLayerError(
-            f"{_output_layer.FLAG}: an MTP head's loss got the main head's deferred output layer call")
-    return logits, transform
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,31 +176,24 @@ def compute_language_model_loss_wrapper(fn):
     """Every CE path of ``compute_language_model_loss`` becomes the fused CE + z-loss op."""
 
     def compute_language_model_loss(settings, self, labels, logits):
-        context = loss_context.innermost()  # None: no model that passes a loss mask around us
+        context = loss_context.of(self)  # None: no model forward that passes a loss mask around us
         is_main = context is None or context.labels is labels  # an MTP head's labels are rolled copies
         loss_mask = context.loss_mask if context is not None else None
-        coeff = settings.z_loss_coeff if is_main else 0.0  # MTP heads: plain CE
         smoothing = settings.label_smoothing
         if smoothing is None:
             smoothing = getattr(self.config, "label_smoothing", 0.0) or 0.0
-        logits, transform = _logits_and_transform(self, logits, is_main, context, settings)
+        output_layer.check_loss_input(self, logits, is_main, context)
+        logits, transform = logit_transform.unwrap(logits, is_main, settings.logit_transform)
         target = labels.transpose(0, 1).contiguous()  # [b s] => [s b], as Megatron does
         tp_group = _module_tp_group(self)
-        if not isinstance(logits, _output_layer.DeferredLogits):
-            loss, z_loss, lse = loss_in_megatron_convention(logits, target, tp_group, smoothing, coeff, settings.backend,
-                                                            transform)
+        if isinstance(logits, output_layer.DeferredLogits):
+            spec = call_loss(settings.loss, logits.weight.shape[0] * _tp_world_size(tp_group), smoothing, is_main,
+                             transform)
+            loss, z_loss, lse = output_layer.linear_loss(logits, target, spec, tp_group, settings, loss_mask,
+                                                         self.config)
+            loss = in_megatron_convention(loss, z_loss, spec)
         else:
-            if settings.grads == "forward" and loss_mask is not None and torch.is_grad_enabled():
-                path = "forward"  # gradients made in forward, for the upstream gradient of Megatron's schedule
-            else:
-                path = "recompute"
-
-            def loss_fn(loss):
-                return _output_layer.linear_loss(logits, target, tp_group, loss, settings, path, loss_mask,
-                                                 self.config)
-
-            loss, z_loss, lse = in_megatron_convention(loss_fn, logits.weight.shape[0], tp_group, smoothing, coeff,
-                                                       transform)
+            loss, z_loss, lse = megatron_cross_entropy(settings, logits, target, tp_group, smoothing, is_main, transform)
         if is_main:
             _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, context is not None)
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged
@@ -249,8 +211,7 @@ def vocab_parallel_cross_entropy_wrapper(fn):
     """``tensor_parallel.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0[, tp_group])``."""
 
     def vocab_parallel_cross_entropy(settings, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
-        return loss_in_megatron_convention(vocab_parallel_logits, target, tp_group, label_smoothing,
-                                           settings.z_loss_coeff, settings.backend)[0]
+        return megatron_cross_entropy(settings, vocab_parallel_logits, target, tp_group, label_smoothing)[0]
 
     return while_active(fn, vocab_parallel_cross_entropy)
 
@@ -259,8 +220,7 @@ def fused_vocab_parallel_cross_entropy_wrapper(fn):
     """``fused_vocab_parallel_cross_entropy(logits, target, tp_group)`` (Megatron's 'native' impl)."""
 
     def fused_vocab_parallel_cross_entropy(settings, vocab_parallel_logits, target, tp_group=None):
-        return loss_in_megatron_convention(vocab_parallel_logits, target, tp_group, 0.0, settings.z_loss_coeff,
-                                           settings.backend)[0]
+        return megatron_cross_entropy(settings, vocab_parallel_logits, target, tp_group, 0.0)[0]
 
     return while_active(fn, fused_vocab_parallel_cross_entropy)
 
@@ -277,6 +237,6 @@ def te_parallel_cross_entropy_wrapper(fn):
     """
 
     def te_parallel_cross_entropy(settings, logits, labels, tp_group=None, is_cg_capturable=False):
-        return loss_in_megatron_convention(logits, labels, tp_group, 0.0, settings.z_loss_coeff, settings.backend)[0]
+        return megatron_cross_entropy(settings, logits, labels, tp_group, 0.0)[0]
 
     return while_active(fn, te_parallel_cross_entropy, inactive=fn or _transformer_engine_absent)

@@ -1,19 +1,24 @@
 """``--lm-fused-output-layer``: a GPT model's output layer and LM loss as one op, no logits tensor.
 
-While a GPT model's forward runs with labels (a :class:`~.loss_context.LossContext` is open) and
-``Settings.fused_output_layer`` is on, the output layer's call for the main head returns
-:class:`DeferredLogits` (its input and weight) instead of logits, and the patched
-``compute_language_model_loss`` hands them to :func:`mindspeed_cez.linear_cross_entropy_zloss`.
-The main head's call is the last one: MTP heads (``config.mtp_num_layers``) call the output layer
-first and get real logits, as without the flag. Anything unexpected fails loudly, naming the
-flag: deferred logits reaching anything but the main loss, a main loss that got real logits, an
-output layer the op cannot stand in for (bias, gathered output, deferred embedding wgrad).
+This module owns the fused output layer's whole path. A model's forward with labels
+(:func:`.megatron_core.loss_context_wrapper`) gets its :class:`MainHeadCall` from :func:`main_head_call`
+and hands it to its output layer (:func:`handed`: an attribute of the layer while the forward runs).
+The patched ``ColumnParallelLinear.forward`` of that layer then returns, for the main head's call
+(the last: MTP heads, ``config.mtp_num_layers``, call it first and get real logits),
+:class:`DeferredLogits` (its input and weight) instead of logits; the patched
+``compute_language_model_loss`` checks what it got (:func:`check_loss_input`) and, for deferred
+logits, calls :func:`linear_loss`, which chooses the path (the flag's where the loss mask is known,
+else recompute) and calls :func:`mindspeed_cez.linear_cross_entropy_zloss` (which alone takes the
+recompute path where no backward will come). Anything unexpected fails loudly, naming the flag:
+deferred logits reaching anything but the main loss, a main loss that got real logits, an output
+layer the op cannot stand in for (bias, gathered output, deferred embedding wgrad).
 
 With ``Settings.logit_transform`` (MindSpeed-LLM's scaled / soft-capped logits) the main head's
 call returns :class:`~.logit_transform.TransformedLogits` around its logits (or around the deferred
 call), which records the model's transform for the loss kernels instead of computing it.
 """
 
+import contextlib
 import functools
 
 import torch
@@ -53,8 +58,8 @@ class DeferredLogits:
 
 class MainHeadCall:
     """What the main head's output layer call does in one model forward: it is call number
-    ``main_call`` (0-based) of ``layer`` (MTP heads call it first); ``defer``: return
-    :class:`DeferredLogits` for the loss to make; ``transform``: wrap the result in
+    ``main_call`` (0-based) of ``layer`` (MTP heads call it first; ``calls`` counts them);
+    ``defer``: return :class:`DeferredLogits` for the loss to make; ``transform``: wrap the result in
     :class:`TransformedLogits` to record the model's logit transform."""
 
     __slots__ = ("layer", "main_call", "calls", "defer", "transform")
@@ -92,6 +97,17 @@ def _check_layer(layer, runtime_gather_output):
         raise FusedOutputLayerError(f"{FLAG} does not serve --defer-embedding-wgrad-compute")
 
 
+# The output layer's attribute holding its MainHeadCall during the model's forward.
+MAIN_HEAD = "_mindspeed_cez_main_head"
+
+
+def handed(main_head):
+    """``main_head`` (a :class:`MainHeadCall`, or None: nothing to hand) is its layer's while the block runs."""
+    if main_head is None:
+        return contextlib.nullcontext()
+    return loss_context.attached(main_head.layer, MAIN_HEAD, main_head)
+
+
 def column_parallel_forward_wrapper(fn):
     """``ColumnParallelLinear.forward``: the main head's call returns ``(DeferredLogits, None)`` under a
     deferral, its logits (or that) wrapped in ``TransformedLogits`` under a transform; every other call
@@ -99,9 +115,8 @@ def column_parallel_forward_wrapper(fn):
 
     @functools.wraps(fn)
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        context = loss_context.innermost()
-        main_head = context.main_head_call if context is not None else None
-        if main_head is None or main_head.layer is not self:
+        main_head = vars(self).get(MAIN_HEAD)
+        if main_head is None:
             return fn(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
         call, main_head.calls = main_head.calls, main_head.calls + 1
         if call != main_head.main_call:
@@ -120,6 +135,20 @@ def column_parallel_forward_wrapper(fn):
 
     forward.__cez_wraps__ = fn
     return forward
+
+
+def check_loss_input(module, logits, is_main, context):
+    """What a language-model loss of ``module`` got, as the model handed it over: the main head's loss
+    gets what its forward's output layer call handed out (:class:`DeferredLogits`, or the logits in
+    :class:`TransformedLogits`) wherever it handed one out; an MTP head's never gets deferred logits."""
+    if is_main and context is not None and context.main_head_call is not None \
+            and not isinstance(logits, (DeferredLogits, TransformedLogits)):
+        raise FusedOutputLayerError(
+            f"mindspeed_cez ({FLAG} or the logit transform): the LM loss got a tensor, not the output layer call "
+            f"the adaptor handed out (output layer {type(getattr(module, 'output_layer', None)).__name__}); this "
+            "model's forward is not served")
+    if not is_main and isinstance(logits, DeferredLogits):
+        raise FusedOutputLayerError(f"{FLAG}: an MTP head's loss got the main head's deferred output layer call")
 
 
 def _num_microbatches():
@@ -168,28 +197,31 @@ def megatron_grad_scale(config, loss_mask):
     return loss_scale / (loss_mask.float().sum().clamp(min=1) * num_microbatches)
 
 
-def linear_loss(deferred, target, tp_group, loss, settings, grads, loss_mask, config):
-    """``(loss, z_loss, lse)`` of the deferred output layer, ``[s, b]``, as the op returns them
+def linear_loss(deferred, target, loss, tp_group, settings, loss_mask, config):
+    """``(loss, z_loss, lse)`` of the deferred output layer call, ``[s, b]``, as the op returns them
     (``loss = CE + c*lse**2``) for the ``LossSpec`` ``loss``, with the backends of ``settings``.
-    ``grads`` is the op's path; ``"forward"`` makes the gradients for the upstream gradient Megatron's schedule sends: the
-    ``loss_mask`` ``[b, s]`` as token weights, scaled by :func:`megatron_grad_scale` of ``config``
-    (with it the weight gradient goes into ``main_grad`` during the forward)."""
+    The path: ``settings.gradient_path`` where the ``loss_mask`` ``[b, s]`` is known (``"forward"``
+    makes the gradients for the upstream gradient Megatron's schedule sends: the mask as token
+    weights, scaled by :func:`megatron_grad_scale` of ``config``, the weight gradient into
+    ``main_grad`` during the forward), else recompute; where no backward will come the op itself
+    takes the recompute path."""
     layer, weight = deferred.layer, deferred.weight
-    forward = grads == "forward"
+    path = settings.gradient_path if loss_mask is not None else RECOMPUTE
+    forward = path.grads == "forward"
     # Megatron's DDP gives the weight an fp32 main_grad and reads grad_added_to_main_grad: the op adds
     # into it as the layer would with --gradient-accumulation-fusion (which needs apex / TE, the op not)
     into_main_grad = bool(getattr(layer, "gradient_accumulation_fusion", False)) or (
         hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad"))
+    # no scale to read where no gradient is made (validation: the op computes the loss alone)
+    grad_scale = megatron_grad_scale(config, loss_mask) if forward and torch.is_grad_enabled() else None
     try:
         return linear_cross_entropy_zloss(
             deferred.hidden, weight, target, loss=loss, tp_group=tp_group,
             sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
             gradient_accumulation_fusion=into_main_grad,
             token_weights=loss_mask.transpose(0, 1).to(torch.float32) if forward else None,  # [b s] => [s b]
-            grad_scale=megatron_grad_scale(config, loss_mask) if forward else None,
-            path=settings.gradient_path if forward else RECOMPUTE, backend=settings.backend,
-            linear_backend=settings.linear_backend, remedy=f"{FLAG} recompute",
-            return_lse=True)
+            grad_scale=grad_scale, path=path, backend=settings.backend, linear_backend=settings.linear_backend,
+            remedy=f"{FLAG} recompute", return_lse=True)
     except ForwardGradientError as error:  # a dropped forward's gradient, found at this one
         raise _naming_the_flag(error) from error
 

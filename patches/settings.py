@@ -9,7 +9,7 @@ kernels (``MINDSPEED_CEZ_BACKEND``, ``MINDSPEED_CEZ_LINEAR_BACKEND``), for the f
 """
 
 import os
-from dataclasses import InitVar, dataclass
+from dataclasses import InitVar, dataclass, field
 from typing import Mapping, Optional
 
 from mindspeed_cez import cann, kernels
@@ -52,8 +52,14 @@ class Settings:
         ``"cann"``: torch_npu's fused op (TP = 1, no fused output layer, no logit transform).
     linear_backend: the fused output layer's, ``"gemm"`` / ``"triton"``, None: automatic.
     names: the caller's name per field for errors (the flags' names, :func:`.arguments.settings_from_args`);
-        by default the fields' own. Each field is checked here, once (the loss's in a
-        :class:`~mindspeed_cez.kernels.loss_spec.LossSpec`).
+        by default the fields' own. Each field is checked here, once.
+
+    Made from the fields, once, and handed to the ops as they are:
+    loss: the :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` of the main head (its z-loss, the
+        logit transform, ``label_smoothing`` in Megatron's convention, 0 for None); the patched loss
+        derives each call's with :meth:`LossSpec.replace` (:func:`.megatron_core.call_loss`).
+    gradient_path: the :class:`~mindspeed_cez.linear_cross_entropy.GradientPath` of ``grads`` and
+        ``block_fraction``, the fused output layer's ``path``.
     """
 
     z_loss_coeff: float = 0.0
@@ -67,6 +73,8 @@ class Settings:
     backend: Optional[str] = None
     linear_backend: Optional[str] = None
     names: InitVar[Optional[Mapping[str, str]]] = None
+    loss: LossSpec = field(init=False, repr=False, compare=False)
+    gradient_path: GradientPath = field(init=False, repr=False, compare=False)
 
     def __post_init__(self, names):
         name = (lambda field: names.get(field, field)) if names else (lambda field: field)
@@ -75,12 +83,13 @@ class Settings:
         loss = LossSpec(z_loss_coeff=self.z_loss_coeff,
                         label_smoothing=0.0 if self.label_smoothing is None else self.label_smoothing,
                         logit_transform=self.logit_transform or IDENTITY, names=names)
+        object.__setattr__(self, "loss", loss)
         object.__setattr__(self, "z_loss_coeff", loss.z_loss_coeff)
         if self.label_smoothing is not None:
             object.__setattr__(self, "label_smoothing", loss.label_smoothing)
         path = GradientPath(self.grads, self.block_fraction, names=names)
+        object.__setattr__(self, "gradient_path", path)
         object.__setattr__(self, "block_fraction", path.block_fraction)
-        object.__setattr__(self, "gradient_path", path)  # not a field: what the fused layer's op takes
         if self.backend not in (None, *BACKENDS):
             raise ValueError(f"backend must be None or one of {BACKENDS}, got {self.backend!r}")
         if self.backend == cann.NAME and self.fused_output_layer:
@@ -121,6 +130,7 @@ def backends_from_environment(environ=os.environ):
     return chosen
 
 
+# Global: Megatron calls the patched functions without a handle to the adaptor, so they read it here.
 ACTIVE: Optional[Settings] = None
 
 

@@ -143,10 +143,12 @@ def test_flag_paths_loss_is_the_ce_value_with_the_z_loss_gradient(torch_npu):
     """What the patched Megatron loss calls with MINDSPEED_CEZ_BACKEND=cann: the value of ``lm loss`` is
     the CE, the gradient that of CE + z-loss (Megatron's convention for auxiliary losses)."""
     from mindspeed_cez.patches import megatron_core
+    from mindspeed_cez.patches.settings import Settings
 
     logits, target, upstream = _inputs(torch.float32, seed=8)
     x = logits.clone().requires_grad_(True)
-    loss, z_loss, lse = megatron_core.loss_in_megatron_convention(x, target, None, 0.0, 1e-3, backend="cann")
+    loss, z_loss, lse = megatron_core.megatron_cross_entropy(Settings(z_loss_coeff=1e-3, backend="cann"), x, target,
+                                                             None, 0.0)
     (loss * upstream).sum().backward()
     ce64, _, _ = cross_entropy_zloss_float64(logits, target)
     _, z64, grad64 = loss_and_grad_float64(logits, target, upstream, z_loss_coeff=1e-3)

@@ -412,14 +412,17 @@ def test_linear_kernels_match_float64(label_smoothing):
 
 
 def test_linear_backend_choice_and_bad_names():
-    """CPU and CUDA default to GEMM chunks, other accelerators with the Triton CE backend to the
-    tl.dot kernels; a named one is checked."""
+    """CPU and CUDA default to GEMM chunks (reduced by the CE backend, with the chunk width asked for),
+    other accelerators with the Triton CE backend to the tl.dot kernels; a named one is checked."""
     npu = types.SimpleNamespace(type="npu")  # torch.device("npu") needs torch_npu
-    assert kernels.linear_backend_for(torch.device("cpu")) is chunked_linear
+    gemm = kernels.linear_backend_for(torch.device("cpu"), chunk_cols=2048)
+    assert isinstance(gemm, chunked_linear.ChunkedLinear)
+    assert gemm.ce_backend is kernels.torch_reference and gemm.chunk_cols == 2048
     if kernels.triton_available():
-        assert kernels.linear_backend_for(torch.device("cuda"), backend="triton") is chunked_linear
+        cuda = kernels.linear_backend_for(torch.device("cuda"), backend="triton")
+        assert isinstance(cuda, chunked_linear.ChunkedLinear) and cuda.ce_backend is kernels.get_backend("triton")
         assert kernels.linear_backend_for(npu, backend="triton").__name__.endswith("triton_linear_cross_entropy")
-    assert kernels.linear_backend_for(npu, "gemm", backend="triton") is chunked_linear
+        assert isinstance(kernels.linear_backend_for(npu, "gemm", backend="triton"), chunked_linear.ChunkedLinear)
     with pytest.raises(ValueError, match="unknown linear backend 'cublas'"):
         kernels.linear_backend_for(npu, "cublas")
 

@@ -144,3 +144,34 @@ def test_the_vocab_prologue_and_its_chunks():
     shard = VocabShard(300, 150, 600, 2, 4)
     assert shard.chunk(100, 50) == VocabShard(400, 50, 600, 2, 4)
     assert math.isclose(LossSpec(label_smoothing=0.3).kernel_args(shard.global_vocab)["smoothing_per_col"], 0.3 / 600)
+
+
+def test_replace_derives_one_spec_per_set_of_changes():
+    spec = LossSpec(-100, 1e-3, 0.0, LogitTransform(2.0, 5.0))
+    assert spec.replace(z_loss_coeff=1e-3) is spec and spec.replace() is spec  # nothing changes: itself
+    mtp = spec.replace(z_loss_coeff=0.0, label_smoothing=0.1)
+    assert mtp == LossSpec(-100, 0.0, 0.1, LogitTransform(2.0, 5.0))
+    assert spec.replace(label_smoothing=0.1, z_loss_coeff=0.0) is mtp  # kept: no object per call
+    with pytest.raises(ValueError, match=r"^label_smoothing must be in \[0, 1\)"):
+        spec.replace(label_smoothing=1.0)  # checked as the constructor checks
+    with pytest.raises(ValueError, match="^z_loss_coeff"):
+        spec.replace(z_loss_coeff=[1.0])  # unhashable: the constructor says what is wrong
+    copied = pickle.loads(pickle.dumps(spec))
+    assert copied == spec and copied.replace(z_loss_coeff=0.0) == spec.replace(z_loss_coeff=0.0)
+
+
+def test_settings_hold_the_loss_they_made_and_the_adaptor_hands_it_on():
+    from mindspeed_cez.patches import megatron_core
+
+    transform = LogitTransform(0.5, 30.0)
+    settings = Settings(z_loss_coeff=2e-3, label_smoothing=0.1, logit_transform=transform)
+    assert settings.loss == LossSpec(-100, 2e-3, 0.1, transform)
+    assert settings.loss is settings.loss and Settings(z_loss_coeff=2e-3).loss.label_smoothing == 0.0
+    # each call's spec: Megatron's smoothing over the global vocab, plain CE for MTP heads, the model's transform
+    main = megatron_core.call_loss(settings.loss, 1000, 0.1, main_head=True, transform=transform)
+    assert main == LossSpec(-100, 2e-3, 0.1 * 1000 / 999, transform)
+    assert megatron_core.call_loss(settings.loss, 1000, 0.1, main_head=True, transform=transform) is main
+    mtp = megatron_core.call_loss(settings.loss, 1000, 0.1, main_head=False)
+    assert mtp.z_loss_coeff == 0.0 and mtp.logit_transform == LogitTransform()
+    plain = Settings(z_loss_coeff=1e-3)
+    assert megatron_core.call_loss(plain.loss, 1000, 0.0) is plain.loss  # the common case: the settings' own

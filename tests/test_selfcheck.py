@@ -41,6 +41,7 @@ def test_command_passes_and_writes_a_report(tmp_path):
     assert {r["dtype"] for r in results} == {"fp32", "bf16"}
     real = [r for r in results if r["size"] == "real" and r["status"] == "ok"]
     assert real and all(r["ms"] > 0 and r["torch_ms"] > 0 for r in real)
+    assert "ms on the CPU: indicative only" in proc.stdout  # what a CPU's times are worth, said where they are
     assert any(r["auto"] for r in results)
     if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU suite: Triton runs at the small size
         assert any(r["backend"] == "triton" and r["status"] == "ok" for r in results)
