@@ -90,7 +90,7 @@ def flags_help():
     """The flags as the launcher's ``--help`` lists them: one line each with its default, from the
     parser's own definitions (:func:`add_lm_z_loss_args`)."""
     parser = add_lm_z_loss_args(argparse.ArgumentParser(add_help=False))
-    lines = [f"{GROUP_TITLE} (Megatron's --help shows them in full):"]
+    lines = [f"{GROUP_TITLE} (Megatron's own --help, where it works, describes them in full):"]
     for action in parser._actions:
         flag = action.option_strings[0]
         name = f"{flag} {action.metavar}" if action.metavar else flag
@@ -102,7 +102,7 @@ def flags_help():
             default = f"off; alone: {action.const}"
         if flag == FLAG_BLOCK_FRACTION:
             default = "0.5"  # None: the op's default
-        lines.append(f"  {name:<40} {SUMMARY[flag]} (default: {default})")
+        lines.append(f"  {name:<44} {SUMMARY[flag]} (default: {default})")
     return "\n".join(lines)
 
 

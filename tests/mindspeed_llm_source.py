@@ -8,9 +8,11 @@ class (so imports, subclasses and type hints work), except :data:`ABSENT` (probe
 on a CPU) and :data:`VALUES` (calls whose result is used). ``torch.npu`` becomes such a stub too.
 MindSpeed-LLM's adaptor then runs unchanged: it applies its real feature list to Megatron.
 
-:func:`sources` finds the trees (unpacking ``../shared/third_party``'s archives). Seen working on 2026-11-24 with Megatron-LM core_v0.12.1 (a845aa7e) and MindSpeed-LLM v26.0.0
-(57c33296) on MindSpeed 26.0.0_core_r0.12.1 (3c44c134), and MindSpeed-LLM master (c77308a1) on
-MindSpeed 26.1.0_core_r0.12.1 (57a33053); their other imports need ``six regex einops pyyaml tqdm
+:func:`sources` finds the trees (unpacking ``../shared/third_party``'s archives); :func:`probe` is
+what a process looks like in each import order. Seen working with Megatron-LM core_v0.12.1 (a845aa7e)
+and MindSpeed-LLM v26.0.0 (57c33296) on MindSpeed 26.0.0_core_r0.12.1 (3c44c134), MindSpeed-LLM master
+(c77308a1) on MindSpeed master (028de58c), and (the import-order probes) v2.2.0 (53f3639c) on 2.2.0_core_r0.12.1
+(2026-11-27, the archives); their other imports need ``six regex einops pyyaml tqdm
 scipy`` installed (``peft``, imported by master's LoRA feature, is stubbed).
 """
 
