@@ -1,46 +1,45 @@
 """``import mindspeed_cez.megatron_adaptor`` at the top of a pretraining script (MindSpeed style).
 
-What the import does:
+The import registers the adaptor and imports nothing of Megatron or MindSpeed, so it may come
+before or after ``from mindspeed_llm import megatron_adaptor`` (or MindSpeed's): MindSpeed's
+adaptor still runs before anything imports Megatron. Each patch attaches when its module is first
+imported (:mod:`mindspeed_cez.patches.targets`); the flags are checked when Megatron validates its
+arguments, and a patch that could not attach is an error there.
 
-* **With MindSpeed** (``mindspeed`` importable): registers the feature of
-  :mod:`mindspeed_cez.patches.mindspeed_feature` with MindSpeed's feature list and patch manager.
-  MindSpeed then adds our flags to Megatron's parser and calls our validation; the wrappers
-  are applied by ``MindSpeedPatchesManager``.
-* **Without MindSpeed**: installs the megatron-core wrappers (``mindspeed_cez.patches``; they
-  pass through until configured) and, when ``megatron.training`` exists, wraps its
-  ``parse_args`` (adds :func:`mindspeed_cez.patches.arguments.add_lm_z_loss_args` to whatever
-  ``extra_args_provider`` the script passes) and ``validate_args`` (runs
-  :func:`mindspeed_cez.patches.arguments.validate_lm_z_loss_args`, then activates the fused loss with
-  the parsed flags). If Megatron's arguments are already parsed, they are read right away.
+* **In a MindSpeed process** (once MindSpeed loads ``mindspeed.features_manager``): the feature of
+  :mod:`mindspeed_cez.patches.mindspeed_feature` joins MindSpeed's feature list; MindSpeed adds our
+  flags to Megatron's parser, calls our validation, and its patch manager applies the wrappers.
+* **Megatron without MindSpeed**, with ``megatron.training``: the wrappers of
+  ``mindspeed_cez.patches``, plus Megatron's ``parse_args`` (our flags join whatever
+  ``extra_args_provider`` the script passes) and ``validate_args`` (checks the flags, then activates
+  the fused loss). If Megatron's arguments are already parsed, they are read right away.
 * megatron-core only (no ``megatron.training``): the flags are read from ``sys.argv``.
 
+In every mode the ``--lm-*`` flags and ``MINDSPEED_CEZ_*`` variables on the command line are
+checked at the import too: a bad value ends the run with one line (exit status 2) before the script
+prints anything. Without megatron-core installed, the import ends the run with one line naming
+``pip install megatron-core``.
+
 The flags (``--lm-z-loss-coeff``, ``--lm-fused-ce``, ``--no-lm-fused-ce``,
-``--lm-z-loss-log-lse``, ``--lm-fused-output-layer``) are described in
-:mod:`mindspeed_cez.patches.arguments`.
+``--lm-z-loss-log-lse``, ``--lm-fused-output-layer``, ``--lm-fused-output-layer-block-fraction``)
+are described in :mod:`mindspeed_cez.patches.arguments`.
 """
 
 import functools
-import importlib.util
 import logging
 import sys
 
 from mindspeed_cez import patches
-from mindspeed_cez.patches import arguments, mindspeed_feature
-from mindspeed_cez.patches import settings as _settings
+from mindspeed_cez.patches import arguments, mindspeed_feature, targets
 
 log = logging.getLogger(__name__)
 
-MODE = None  # "mindspeed", "megatron.training" or "megatron.core" once applied
+_REGISTERED = []  # the mode chosen at registration: "megatron.training" or "megatron.core"
 
 
 def configure_from_args(args):
-    """Activate (or deactivate) the fused loss from parsed, validated Megatron args."""
-    settings = arguments.settings_from_args(args)
-    if settings is None:
-        _settings.set_active(None)
-    else:
-        patches.activate(settings)
-    return settings
+    """Activate (or deactivate) the fused loss from parsed Megatron args (the flags' route)."""
+    return patches.activate_from_flags(args)
 
 
 def parse_args_wrapper(fn):
@@ -75,44 +74,47 @@ def validate_args_wrapper(fn):
     return validate_args
 
 
-def _apply_with_mindspeed():
-    mindspeed_feature.register()
-    args = patches.megatron_args()
-    if args is not None and arguments.has_lm_z_loss_args(args):
+def _arguments_parsed(args):
+    if not arguments.has_lm_z_loss_args(args):
+        log.warning("mindspeed_cez: Megatron's arguments were parsed before the adaptor was "
+                    "imported; the --lm-* flags are not available (import it first)")
+    else:
         configure_from_args(args)
-    return "mindspeed"
-
-
-def _apply_without_mindspeed():
-    patches.install_patches()
-    if importlib.util.find_spec("megatron.training") is not None:
-        patches.install_target("megatron.training.arguments.parse_args", parse_args_wrapper)
-        patches.install_target("megatron.training.arguments.validate_args", validate_args_wrapper)
-        args = patches.megatron_args()
-        if args is not None:
-            if not arguments.has_lm_z_loss_args(args):
-                log.warning("mindspeed_cez: Megatron's arguments were parsed before the adaptor was "
-                            "imported; the --lm-* flags are not available (import it first)")
-            else:
-                configure_from_args(args)
-        return "megatron.training"
-    configure_from_args(arguments.parse_lm_z_loss_args(sys.argv[1:]))
-    return "megatron.core"
 
 
 def apply_adaptor():
-    """What the import does (idempotent). Returns the mode."""
-    global MODE
-    if MODE is not None:
-        return MODE
-    if importlib.util.find_spec("mindspeed") is not None:
-        try:
-            MODE = _apply_with_mindspeed()
-            return MODE
-        except ImportError as err:  # MindSpeed present but unusable here (e.g. no torch_npu)
-            log.warning("mindspeed_cez: MindSpeed found but not usable (%s); patching megatron-core directly", err)
-    MODE = _apply_without_mindspeed()
-    return MODE
+    """What the import does (idempotent; imports nothing of Megatron or MindSpeed). Returns the mode."""
+    if _REGISTERED:
+        return mode()
+    targets.require_megatron_core()
+    early = arguments.parse_lm_z_loss_args(sys.argv[1:])  # a bad value: one line, exit 2, now
+    mindspeed_feature.register(patches.activate_from_flags)  # joins MindSpeed's features once MindSpeed loads them
+    if targets.module_exists("megatron.training"):
+        patches.install_patches()
+        patches.install_target("megatron.training.arguments.parse_args", parse_args_wrapper)
+        patches.install_target("megatron.training.arguments.validate_args", validate_args_wrapper)
+        args = patches.megatron_args()
+        if args is not None and (arguments.has_lm_z_loss_args(args) or not mindspeed_feature.registered_with_mindspeed()):
+            _arguments_parsed(args)
+        _REGISTERED.append("megatron.training")
+    else:
+        configure_from_args(early)
+        _REGISTERED.append("megatron.core")
+    return mode()
+
+
+def mode():
+    """``"mindspeed"`` once our feature is in MindSpeed's list, else ``"megatron.training"`` or
+    ``"megatron.core"`` (where the flags are read from)."""
+    if mindspeed_feature.registered_with_mindspeed():
+        return "mindspeed"
+    return _REGISTERED[0] if _REGISTERED else None
+
+
+def __getattr__(name):
+    if name == "MODE":  # read when asked: MindSpeed may load after this import
+        return mode()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 apply_adaptor()

@@ -7,12 +7,16 @@ For scripts built on megatron-core alone::
     ...
     mindspeed_cez.patches.remove()                   # Megatron's own functions again
 
-Both are idempotent; calling ``apply`` again only changes the settings. With MindSpeed installed,
-``import mindspeed_cez.megatron_adaptor`` registers the same wrappers through MindSpeed's patch
-manager instead (see :mod:`.mindspeed_feature`).
+Both are idempotent; calling ``apply`` again only changes the settings. Neither imports Megatron:
+each wrapper attaches when its module is first imported (:mod:`.targets`), so ``apply`` may come
+before or after ``import megatron``. In a MindSpeed process the same wrappers are attached by
+MindSpeed's patch manager instead (see :mod:`.mindspeed_feature`).
 
-What is patched is listed by :func:`patch_targets` (:mod:`.targets`, which also installs them);
-:mod:`.megatron_core` describes each wrapper.
+:func:`activate` is the one place settings become active: ``apply()``, the ``--lm-*`` flags and the
+MindSpeed feature all end there. An ``apply()`` before Megatron parses its arguments is kept when the
+flags choose nothing; flags that choose differently are one clear error.
+
+What is patched is listed in :data:`.targets.TARGETS`; :mod:`.megatron_core` describes each wrapper.
 
 This folder holds everything about Megatron / MindSpeed / MindSpeed-LLM: the flags
 (:mod:`.arguments`), the run-time settings, the patch points, the metrics and their logging, the
@@ -22,13 +26,13 @@ MindSpeed feature. It builds on the ops of :mod:`mindspeed_cez`, never the other
 import sys
 import warnings
 
-from mindspeed_cez.patches import mindspeed_feature, mindspeed_llm
+from mindspeed_cez.patches import arguments, mindspeed_feature, mindspeed_llm, targets
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.settings import Settings
 from mindspeed_cez.patches.targets import (  # noqa: F401  (install_target, installed_targets: re-exported)
-    install_patches, install_target, installed_targets, patch_targets, uninstall_all)
+    PatchTargetError, install_patches, install_target, installed_targets, patch_targets, uninstall_all)
 
-__all__ = ["apply", "activate", "remove", "active_settings", "Settings", "patch_targets"]
+__all__ = ["apply", "activate", "remove", "active_settings", "Settings", "patch_targets", "PatchTargetError"]
 
 
 def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
@@ -59,7 +63,10 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
     MindSpeed-LLM loaded and no arguments parsed yet, warns once that it could not.
 
     Returns the active :class:`Settings`. Idempotent: a second call only replaces the settings.
+    Imports nothing of Megatron; without megatron-core installed, ends the run with one line
+    naming ``pip install megatron-core``.
     """
+    targets.require_megatron_core()
     if logit_transform is None:
         args = megatron_args()
         logit_transform = None if args is None else mindspeed_llm.logit_transform(args)
@@ -69,7 +76,6 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
                         log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer),
                         grads=grads, logit_transform=logit_transform, backend=backend, linear_backend=linear_backend,
                         block_fraction=block_fraction)
-    _check_megatron_args(settings)
     return activate(settings)
 
 
@@ -82,14 +88,14 @@ def _check_megatron_args(settings):
         output_layer_flag = "mindspeed_cez.patches.apply(fused_output_layer=True)" if settings.fused_output_layer else None
         mindspeed_llm.check_args(args, f"mindspeed_cez.patches.apply(z_loss_coeff={settings.z_loss_coeff})",
                                  output_layer_flag)
-    elif mindspeed_llm.loaded() and not _WARNED_UNCHECKED:
+    elif mindspeed_llm.loaded() and not _WARNED_UNCHECKED and "mindspeed_cez.megatron_adaptor" not in sys.modules:
         _WARNED_UNCHECKED.append(True)
         warnings.warn(
             "mindspeed_cez.patches.apply(): MindSpeed-LLM is loaded but Megatron's arguments are not parsed "
             "yet, so its modes that bypass the fused kernel (--loss-compute-mode chunk at TP=1, "
             "--is-instruction-dataset) could not be checked: there the run would train without the "
             "z-loss. Call apply() after the arguments are parsed, or use the --lm-z-loss-coeff flag "
-            "(import mindspeed_cez.megatron_adaptor), which checks them at startup", stacklevel=3)
+            "(import mindspeed_cez.megatron_adaptor), which checks them at startup", stacklevel=4)
 
 
 def megatron_args():
@@ -99,15 +105,79 @@ def megatron_args():
     return getattr(global_vars, "_GLOBAL_ARGS", None)
 
 
-def activate(settings):
-    """Install the wrappers (idempotent) and make ``settings`` the active ones; no checks (the
-    flag path validated its arguments already). Returns ``settings``."""
+_FROM_APPLY = []  # [Settings] an apply() call chose
+_FROM_FLAGS = []  # [Settings or None] what the parsed --lm-* flags chose explicitly
+
+
+def activate(settings, *, args=None):
+    """The one activation route: attach the wrappers (now or when their modules are imported),
+    check that every required one could attach, and make ``settings`` active. Returns the active
+    settings.
+
+    ``args``: Megatron's parsed arguments whose ``--lm-*`` flags gave ``settings`` (validated;
+    None: the fused kernel off); without ``args``, ``settings`` come from ``apply()`` and are run
+    through the startup checks on Megatron's arguments where they are parsed. Flags that choose
+    nothing keep an earlier ``apply()``; flags and ``apply()`` that disagree are a ``ValueError``
+    naming both.
+    """
+    if args is None:
+        if _FROM_FLAGS and _differ(_FROM_FLAGS[0], settings):
+            raise ValueError(_conflict(settings, _FROM_FLAGS[0]))
+        _check_megatron_args(settings)
+        _FROM_APPLY[:] = [settings]
+    else:
+        explicit = settings is not None or getattr(args, "lm_fused_ce", None) is False
+        if explicit:
+            _FROM_FLAGS[:] = [settings]
+        if _FROM_APPLY and explicit and _differ(settings, _FROM_APPLY[0]):
+            raise ValueError(_conflict(_FROM_APPLY[0], settings))
+        if _FROM_APPLY and not explicit:
+            settings = _FROM_APPLY[0]
+            mindspeed_llm.check_args(args, _apply_call(settings),
+                                     _apply_call(settings, "fused_output_layer") if settings.fused_output_layer else None)
+    mindspeed_feature.register(activate_from_flags)  # in a MindSpeed process its patch manager attaches the wrappers
     if mindspeed_feature.registered_with_mindspeed():
-        mindspeed_feature.register_patches_now()  # MindSpeed's patch manager owns the patching
+        if "megatron.core" in sys.modules:
+            mindspeed_feature.register_patches_now()  # MindSpeed's patch manager owns the patching
     else:
         install_patches()
+    targets.check_attached()
     _settings.set_active(settings)
     return settings
+
+
+def activate_from_flags(args):
+    """The ``--lm-*`` flags' route, from Megatron's (or MindSpeed's) validation of ``args``: a bad
+    value or a conflict with ``apply()`` is an argument error (one line, exit status 2)."""
+    settings = arguments.flag_settings(args)
+    try:
+        return activate(settings, args=args)
+    except arguments.FlagValueError:
+        raise
+    except ValueError as err:
+        raise arguments.argument_error(err) from None
+
+
+_COMPARED = ("z_loss_coeff", "log_lse", "fused_output_layer", "grads", "block_fraction")
+
+
+def _differ(a, b):
+    if a is None or b is None:
+        return (a is None) != (b is None)
+    fields = _COMPARED if a.fused_output_layer or b.fused_output_layer else _COMPARED[:3]
+    return any(getattr(a, f) != getattr(b, f) for f in fields)
+
+
+def _apply_call(settings, field="z_loss_coeff"):
+    return f"mindspeed_cez.patches.apply({field}={getattr(settings, field)!r})"
+
+
+def _conflict(applied, flagged):
+    flags = arguments.FLAG_NO_FUSED if flagged is None else (
+        f"{arguments.FLAG_COEFF} {flagged.z_loss_coeff}" + (f" {arguments.FLAG_LOG_LSE}" if flagged.log_lse else "")
+        + (f" {arguments.FLAG_OUTPUT_LAYER} {flagged.grads}" if flagged.fused_output_layer else ""))
+    return (f"{_apply_call(applied)} and the flags ({flags}) configure the fused loss differently: "
+            "keep one of them (drop the apply() call or the --lm-* flags)")
 
 
 def remove():
@@ -116,6 +186,8 @@ def remove():
     Patches installed through MindSpeed's patch manager stay in place but pass through to the
     functions they wrap (MindSpeed owns them); only the settings are cleared."""
     _settings.set_active(None)
+    _FROM_APPLY.clear()
+    _FROM_FLAGS.clear()
     uninstall_all()
 
 

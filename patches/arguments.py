@@ -71,33 +71,68 @@ def _number_or_text(text):
         return text
 
 
+# One line per flag: the first sentence of its help in Megatron's --help, and the launcher's --help.
+SUMMARY = {
+    FLAG_COEFF: "LM-head z-loss coefficient C: trains on CE + C*logsumexp(logits)^2 with the fused kernel, logs lm_z_loss.",
+    FLAG_FUSED: "Use the fused cross-entropy kernel even without z-loss.",
+    FLAG_NO_FUSED: "Use Megatron's own LM cross entropy (the fused kernel stays off).",
+    FLAG_LOG_LSE: "Also log the logits' mean log-sum-exp (lm_lse) and its maximum (lm_lse_max).",
+    FLAG_OUTPUT_LAYER: "Compute the output layer and the loss as one fused op, without the logits tensor.",
+    FLAG_BLOCK_FRACTION: "With --lm-fused-output-layer forward: each block's share of the tokens, 0 < F <= 1.",
+}
+
+
+def _help(flag, details=""):
+    return f"{SUMMARY[flag]} {details}".strip()
+
+
+def flags_help():
+    """The flags as the launcher's ``--help`` lists them: one line each with its default, from the
+    parser's own definitions (:func:`add_lm_z_loss_args`)."""
+    parser = add_lm_z_loss_args(argparse.ArgumentParser(add_help=False))
+    lines = [f"{GROUP_TITLE} (Megatron's own --help, where it works, describes them in full):"]
+    for action in parser._actions:
+        flag = action.option_strings[0]
+        name = f"{flag} {action.metavar}" if action.metavar else flag
+        if action.default is None or action.nargs == 0:
+            default = "off" if action.default in (None, False) else action.default
+        else:
+            default = action.default
+        if action.nargs == "?":
+            default = f"off; alone: {action.const}"
+        if flag == FLAG_BLOCK_FRACTION:
+            default = "0.5"  # None: the op's default
+        lines.append(f"  {name:<44} {SUMMARY[flag]} (default: {default})")
+    return "\n".join(lines)
+
+
 def add_lm_z_loss_args(parser):
     """Add the flags to ``parser`` and return it (Megatron's ``extra_args_provider`` contract)."""
     group = parser.add_argument_group(title=GROUP_TITLE)
     group.add_argument(
         FLAG_COEFF, type=_number_or_text, default=0.0, dest="lm_z_loss_coeff", metavar="C",
-        help="Coefficient of the LM-head z-loss C*logsumexp(logits)^2 added to every token's cross "
+        help=_help(FLAG_COEFF) + " Coefficient of the LM-head z-loss C*logsumexp(logits)^2 added to every token's cross "
              "entropy by the fused vocab-parallel kernel (in the gradient; the logged lm loss stays "
              "the cross entropy, as for Megatron's auxiliary losses); C > 0 turns the fused kernel "
              "on and logs lm_z_loss. Not the router z-loss (--moe-z-loss-coeff). Default 0 (off).",
     )
     group.add_argument(
         FLAG_FUSED, action="store_const", const=True, default=None, dest="lm_fused_ce",
-        help="Compute the LM cross entropy with the fused kernel even without z-loss.",
+        help=_help(FLAG_FUSED),
     )
     group.add_argument(
         FLAG_NO_FUSED, action="store_const", const=False, dest="lm_fused_ce",
-        help="Use Megatron's own LM cross entropy (the fused kernel stays off).",
+        help=_help(FLAG_NO_FUSED),
     )
     group.add_argument(
         FLAG_LOG_LSE, action="store_true", default=False, dest="lm_z_loss_log_lse",
-        help="Also log the mean log-sum-exp of the logits as lm_lse and its maximum over the iteration's "
+        help=_help(FLAG_LOG_LSE) + " Also log the mean log-sum-exp of the logits as lm_lse and its maximum over the iteration's "
              "tokens as lm_lse_max (taken from the fused kernel, no extra pass).",
     )
     group.add_argument(
         FLAG_OUTPUT_LAYER, nargs="?", const="forward", default=None, metavar="{" + ",".join(OUTPUT_LAYER_GRADS) + "}",
         dest="lm_fused_output_layer",
-        help="Compute the GPT output layer and the LM loss (CE + z-loss) as one fused op, without the "
+        help=_help(FLAG_OUTPUT_LAYER) + " Compute the GPT output layer and the LM loss (CE + z-loss) as one fused op, without the "
              "logits tensor (labels given: training and validation; logits are still made without labels). "
              "'forward' (default): the gradients are made during the forward, blocks of half the tokens "
              "(--lm-fused-output-layer-block-fraction), for the upstream gradient Megatron's schedule gives the loss "
@@ -107,7 +142,7 @@ def add_lm_z_loss_args(parser):
     group.add_argument(
         FLAG_BLOCK_FRACTION, type=_number_or_text, default=None, dest="lm_fused_output_layer_block_fraction",
         metavar="F",
-        help="With --lm-fused-output-layer forward: the share of the tokens each block of the fused output "
+        help=_help(FLAG_BLOCK_FRACTION) + " With --lm-fused-output-layer forward: the share of the tokens each block of the fused output "
              "layer takes, 0 < F <= 1; the loss then works in F x the logits' memory, and each block "
              "rewrites the fp32 main_grad once (fewer blocks, less time). Default 0.5; 0.125: lean "
              "(docs/weight_gradient.md).",
@@ -186,14 +221,29 @@ def _validated_settings(args):
 def validate_flags(args, defaults=None):
     """:func:`validate_lm_z_loss_args` for the command line: a bad value prints
     ``SCRIPT: error: <the message naming the flag>`` and raises :class:`FlagValueError` (exit status 2)."""
+    flag_settings(args)
+    return args
+
+
+def flag_settings(args):
+    """The flags' :class:`Settings` (None: the fused kernel off), each value checked once; a bad value
+    is an argument error as in :func:`validate_flags`. Objects without the flags give None."""
+    if not has_lm_z_loss_args(args):
+        return None
     try:
-        return validate_lm_z_loss_args(args, defaults)
+        return _validated_settings(args)
     except FlagValueError:
         raise
     except ValueError as err:
-        prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
-        raise FlagValueError(str(err)) from None
+        raise argument_error(err) from None
+
+
+def argument_error(err):
+    """Print ``SCRIPT: error: <err>`` (one line, as argparse does) and return the
+    :class:`FlagValueError` to raise (exit status 2 where uncaught)."""
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+    return FlagValueError(str(err))
 
 
 def _flag_turning_fused_on(args):

@@ -21,16 +21,20 @@ the Megatron 0.12.1 line, 26.0.0_core_r0.12.1 (3c44c134f396fc14a22a38934c7d5d8be
 Our feature is a default feature: its wrappers are always registered and pass through to
 Megatron until the flags (``validate_args``) or ``mindspeed_cez.patches.apply`` activate them.
 Its flags reach Megatron's ``--help`` through MindSpeed's ``parse_args`` wrapper.
+
+Registering imports nothing: :func:`register` waits (a post-import hook, :func:`.targets.on_import`)
+until MindSpeed itself imports ``mindspeed.features_manager.features_manager``, so MindSpeed's
+adaptor still runs before anything imports Megatron whichever adaptor is imported first.
 """
 
 import sys
 
 from mindspeed_cez.patches import arguments, targets
-from mindspeed_cez.patches import settings as _settings
 
 FEATURE_NAME = "lm-z-loss"
 
 _REGISTERED = None  # the feature instance once registered with MindSpeed
+_ON_FLAGS = []  # [callable(args)]: what our validate_args hands the parsed flags to
 
 
 def make_feature_class(base):
@@ -41,6 +45,7 @@ def make_feature_class(base):
 
         def __init__(self):
             super().__init__(FEATURE_NAME, optimization_level=0)
+            self._patches_registered = False
 
         def register_args(self, parser):
             arguments.add_lm_z_loss_args(parser)
@@ -48,18 +53,23 @@ def make_feature_class(base):
         def validate_args(self, args):
             if not arguments.has_lm_z_loss_args(args):
                 return  # e.g. MindSpeed validating a TransformerConfig
-            arguments.validate_flags(args)
-            _settings.set_active(arguments.settings_from_args(args))
+            if not self._patches_registered:  # MindSpeed never applied its features: do it now
+                register_patches_now()
+            _ON_FLAGS[0](args)  # mindspeed_cez.patches.activate_from_flags: the one activation route
 
         def register_patches(self, patch_manager, args):
+            self._patches_registered = True
+            direct = set(targets.installed_targets())  # attached before MindSpeed loaded: not twice
             for path, wrapper in targets.patch_targets():
-                patch_manager.register_patch(path, wrapper)
+                if path not in direct:
+                    patch_manager.register_patch(path, wrapper)
 
     return LmZLossFeature
 
 
 def _mindspeed_api():
-    # imported when registering, not at import: MindSpeed is optional (and heavy)
+    """MindSpeed's feature base, features manager and patch manager, from its loaded modules
+    (never imported here: MindSpeed imports its features manager before Megatron)."""
     from mindspeed.features_manager.feature import MindSpeedFeature
     from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
     from mindspeed.patch_utils import MindSpeedPatchesManager
@@ -83,28 +93,37 @@ def _stay_in_features_list(features_manager, feature):
     features_manager.set_features_list = classmethod(set_features_list)
 
 
-def register():
-    """Add our feature to MindSpeed's feature list and apply its patches (idempotent).
+def register(on_flags):
+    """Join MindSpeed's feature list once MindSpeed loads its features manager (idempotent; imports
+    nothing). ``on_flags(args)`` activates the parsed flags (``mindspeed_cez.patches.activate_from_flags``).
+    Returns the feature instance once registered, else None (MindSpeed not loaded yet).
 
-    Either import order with a framework's adaptor works: imported after it (MindSpeed's or
-    MindSpeed-LLM's adaptor already applied its features), the patches are registered and applied
-    here; imported before MindSpeed-LLM's, the feature stays in the list MindSpeed-LLM sets and is
-    applied again by its adaptor after that adaptor removes every patch. MindSpeed ignores a
+    MindSpeed's and MindSpeed-LLM's adaptors import ``mindspeed.features_manager`` first, then apply
+    their pre-Megatron patches (``torch.compile`` replaced, apex / Transformer Engine stand-ins),
+    then every feature's patches, ours among them (:meth:`register_patches`). Imported after such an
+    adaptor (Megatron already loaded), the patches are registered and applied right away. Imported
+    before MindSpeed-LLM's, the feature stays in the list MindSpeed-LLM sets. MindSpeed ignores a
     wrapper registered twice, so a later ``apply_features_patches`` is harmless.
-    Returns the feature instance.
     """
+    _ON_FLAGS[:] = [on_flags]
+    targets.defer_to_mindspeed(registered_with_mindspeed)
+    targets.on_import(targets.FEATURES_MANAGER, _join)
+    return _REGISTERED
+
+
+def _join(features_manager_module):
+    """Add our feature to the features manager that just loaded (or was loaded already)."""
     global _REGISTERED
     base, features_manager, patch_manager = _mindspeed_api()
     if _REGISTERED is None:
         cls = make_feature_class(base)
         existing = [f for f in features_manager.FEATURES_LIST if type(f).__name__ == cls.__name__]
         _REGISTERED = existing[0] if existing else cls()
-        if not existing:
-            features_manager.FEATURES_LIST.append(_REGISTERED)
+    if _REGISTERED not in features_manager.FEATURES_LIST:
+        features_manager.FEATURES_LIST.append(_REGISTERED)
     _stay_in_features_list(features_manager, _REGISTERED)
-    _REGISTERED.register_patches(patch_manager, None)
-    patch_manager.apply_patches()
-    return _REGISTERED
+    if "megatron.core" in sys.modules:  # MindSpeed applied its features already: ours now
+        register_patches_now()
 
 
 def register_patches_now():
@@ -115,4 +134,4 @@ def register_patches_now():
 
 
 def registered_with_mindspeed():
-    return _REGISTERED is not None and "mindspeed" in sys.modules
+    return _REGISTERED is not None and targets.FEATURES_MANAGER in sys.modules

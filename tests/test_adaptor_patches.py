@@ -6,6 +6,7 @@ base (MindSpeed is not on PyPI): it implements only the API surface read at Asce
 """
 
 import argparse
+import os
 import sys
 import types
 import warnings
@@ -100,6 +101,22 @@ def test_invalid_apply_arguments():
 # ---------------------------------------------------------------- MindSpeed (recording stand-in)
 
 
+def _resolve(path):
+    """``a.b.mod.Cls.attr`` -> (owner, attr), importing as MindSpeed's ``Patch.parse_path`` does."""
+    import importlib
+
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attr in parts[split:-1]:
+            owner = getattr(owner, attr)
+        return owner, parts[-1]
+    raise ImportError(path)
+
+
 class _RecordingPatchManager:
     """Stand-in for mindspeed.patch_utils.MindSpeedPatchesManager (registration + decorate on apply)."""
 
@@ -118,7 +135,7 @@ class _RecordingPatchManager:
         for name, wrappers in cls.registered.items():
             if name in cls.applied:
                 continue
-            owner, attr, _ = patches.targets._resolve(name)
+            owner, attr = _resolve(name)
             orig = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
             func = orig
             for w in wrappers:
@@ -186,8 +203,8 @@ def test_mindspeed_feature_registers_args_validation_and_patches(fake_mindspeed)
     from mindspeed_cez.patches import mindspeed_feature
 
     orig = lm.LanguageModule.compute_language_model_loss
-    feature = mindspeed_feature.register()
-    assert mindspeed_feature.register() is feature  # idempotent
+    feature = mindspeed_feature.register(patches.activate_from_flags)
+    assert mindspeed_feature.register(patches.activate_from_flags) is feature  # idempotent
     assert fake_mindspeed.FEATURES_LIST == [feature] and feature.feature_name == "lm_z_loss"
     assert feature.is_need_apply(argparse.Namespace())  # a default (always applied) feature
     assert any(n.endswith("LanguageModule.compute_language_model_loss") for n in _RecordingPatchManager.registered)
@@ -209,7 +226,12 @@ def test_mindspeed_feature_registers_args_validation_and_patches(fake_mindspeed)
 
     logits, target = _logits_target(3)
     _assert_ce_value_and_z_loss_gradient(lambda x: tensor_parallel.vocab_parallel_cross_entropy(x, target), logits, target, 5e-3)
+    # apply() disagreeing with the parsed flags: one error naming both, the flags' settings stay
+    with pytest.raises(ValueError, match=r"apply\(z_loss_coeff=0.001\) and the flags \(--lm-z-loss-coeff 0.005\)"):
+        patches.apply(z_loss_coeff=1e-3)
+    assert patches.active_settings().z_loss_coeff == pytest.approx(5e-3)
     # patches.apply() in MindSpeed mode goes through the same manager
+    patches.remove()
     patches.apply(z_loss_coeff=1e-3)
     assert patches.installed_targets() == []
     _assert_ce_value_and_z_loss_gradient(lambda x: tensor_parallel.vocab_parallel_cross_entropy(x, target), logits, target, 1e-3)
@@ -295,3 +317,76 @@ def test_backends_from_the_environment_name_the_variable():
         _settings.backends_from_environment({"MINDSPEED_CEZ_LINEAR_BACKEND": "cublas"})
     with pytest.raises(ValueError, match="backend must be None or one of"):
         patches.apply(backend="cuda")
+
+
+# ---------------------------------------------------------------- attaching when Megatron is imported
+
+LATE_IMPORTS = """
+import json, sys
+megatron = lambda: sorted(m for m in sys.modules if m.split(".")[0] == "megatron")
+import mindspeed_cez.megatron_adaptor
+from mindspeed_cez import patches
+patches.apply(z_loss_coeff=1e-3)
+seen = {"after_register": megatron()}
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # a copy bound after the hook ran
+from megatron.core.tensor_parallel import cross_entropy
+from megatron.core.models.gpt import gpt_model
+from megatron.core.models.common.language_module.language_module import LanguageModule
+wrapped = lambda f: getattr(f, "__cez_wraps__", None) is not None
+seen["copy"] = vocab_parallel_cross_entropy is cross_entropy.vocab_parallel_cross_entropy and wrapped(vocab_parallel_cross_entropy)
+seen["method"] = wrapped(LanguageModule.compute_language_model_loss)
+seen["gpt"] = wrapped(vars(gpt_model.GPTModel).get("_postprocess") or gpt_model.GPTModel.forward)
+seen["installed"] = len(patches.installed_targets())
+patches.remove()
+import megatron.core.tensor_parallel as tp
+seen["removed"] = not any(wrapped(f) for f in (tp.vocab_parallel_cross_entropy, cross_entropy.vocab_parallel_cross_entropy,
+                                                LanguageModule.compute_language_model_loss))
+print(json.dumps(seen))
+"""
+
+
+def test_registering_imports_no_megatron_and_patches_attach_at_import():
+    """The adaptor import and apply() import no Megatron module; each patch attaches when the program
+    imports its module, also in copies bound by ``from x import f`` afterwards; remove() restores them."""
+    import json
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", LATE_IMPORTS], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=repo), cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["after_register"] == [], seen["after_register"][:10]
+    assert seen["copy"] and seen["method"] and seen["gpt"] and seen["installed"] >= 5, seen
+    assert seen["removed"], seen
+
+
+def test_a_required_target_that_cannot_attach_is_an_error_naming_it(tmp_path, monkeypatch):
+    """A module imported without the function a required patch replaces: activating fails naming it
+    (never a silent miss); once active, the import itself fails. A feature-detected optional one is quiet."""
+    from mindspeed_cez.patches import targets
+
+    (tmp_path / "cez_fake_megatron_mod.py").write_text("def other():\n    return 1\n")
+    (tmp_path / "cez_fake_megatron_late.py").write_text("def other():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    wrapper = targets.TARGETS[1].wrapper
+    monkeypatch.setattr(targets, "TARGETS", [
+        targets.Target("cez_fake_megatron_mod", "", ("loss_fn",), wrapper),
+        targets.Target("cez_fake_megatron_mod", "", ("optional_fn",), wrapper, required=False),
+        targets.Target("cez_fake_megatron_late", "", ("loss_fn",), wrapper)])
+    patches.remove()
+    try:
+        patches.install_patches()
+        import cez_fake_megatron_mod  # noqa: F401
+
+        with pytest.raises(patches.PatchTargetError, match=r"cannot patch cez_fake_megatron_mod\.loss_fn:"):
+            patches.apply(z_loss_coeff=1e-3)
+        assert patches.active_settings() is None
+        targets._FAILED.clear()  # as if that module had not been imported
+        _settings.set_active(patches.Settings(z_loss_coeff=1e-3))
+        with pytest.raises(patches.PatchTargetError, match=r"cez_fake_megatron_late\.loss_fn"):
+            import cez_fake_megatron_late  # noqa: F401
+    finally:
+        patches.remove()
+        for name in ("cez_fake_megatron_mod", "cez_fake_megatron_late"):
+            sys.modules.pop(name, None)

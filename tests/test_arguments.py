@@ -201,3 +201,42 @@ def test_flags_in_megatron_parser_help(monkeypatch):
     text = fmt.format_help()
     for flag in ("--lm-z-loss-coeff", "--lm-fused-ce", "--no-lm-fused-ce", "--lm-z-loss-log-lse"):
         assert flag in text, text
+
+
+_APPLY_SCRIPT = """
+import os, sys, json
+os.environ.setdefault("WORLD_SIZE", "1"); os.environ.setdefault("RANK", "0")
+import mindspeed_cez.megatron_adaptor
+from mindspeed_cez import patches
+from mindspeed_cez.patches.arguments import FlagValueError
+patches.apply(z_loss_coeff=1e-3)  # before Megatron is imported or its arguments parsed
+out = {"megatron": [m for m in sys.modules if m.split(".")[0] == "megatron"]}
+from megatron.training import arguments as A
+base = json.loads(sys.argv[1])
+for name, extra in (("none", []), ("same", ["--lm-z-loss-coeff", "1e-3"]), ("other", ["--lm-z-loss-coeff", "2e-3"])):
+    sys.argv = ["pretrain_gpt.py"] + base + extra
+    try:
+        A.validate_args(A.parse_args(), {})
+        out[name] = patches.active_settings().z_loss_coeff
+    except FlagValueError as e:
+        out[name] = "error: " + str(e)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_apply_before_parsing_is_kept_or_refused_by_the_flags():
+    """``patches.apply()`` before Megatron parses its arguments (the adaptor imported): flags that choose
+    nothing keep it (they reset it before), the same choice is served, another one is one error naming both."""
+    import json
+
+    pytest.importorskip("megatron.training")
+    proc = subprocess.run([sys.executable, "-c", _APPLY_SCRIPT, json.dumps(_MEGATRON_ARGV)],
+                          capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = json.loads(lines[-1][len("RESULT"):])
+    assert out["megatron"] == [] and out["none"] == 1e-3 and out["same"] == 1e-3, out
+    assert out["other"] == ("error: mindspeed_cez.patches.apply(z_loss_coeff=0.001) and the flags "
+                            "(--lm-z-loss-coeff 0.002) configure the fused loss differently: keep one of them "
+                            "(drop the apply() call or the --lm-* flags)"), out
+    assert proc.stderr.count("pretrain_gpt.py: error: ") == 1, proc.stderr[-2000:]

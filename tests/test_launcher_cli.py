@@ -71,21 +71,70 @@ BAD_LAUNCHES = [  # (extra arguments, environment, the one error line after "pre
 ]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megatron.training") is not None,
-                    reason="with megatron.training the flags go through Megatron's own parser, which this script "
-                           "never calls: tests/test_e2e_megatron_training.py runs that through pretrain")
 @pytest.mark.parametrize("extra,env,line", BAD_LAUNCHES)
-def test_a_bad_flag_value_is_an_argument_error(script, tmp_path, monkeypatch, extra, env, line):
+def test_a_bad_flag_value_is_an_argument_error(tmp_path, monkeypatch, extra, env, line):
     """Exit status 2 and one line naming the flag or the environment variable (argparse's form), no
-    traceback and no usage dump, where the adaptor reads the flags from ``sys.argv`` (megatron-core
-    without ``megatron.training``); Megatron's own ``pretrain`` through examples/pretrain_gpt.py:
-    tests/test_e2e_megatron_training.py; every message: tests/test_arguments.py."""
+    traceback, no usage dump and nothing before it: the launcher's adaptor import checks the command
+    line before the script runs (its ``import megatron`` would print Megatron's warnings first), with or
+    without ``megatron.training``; every message: tests/test_arguments.py."""
+    script = tmp_path / "pretrain.py"
+    script.write_text("import megatron.core.optimizer  # prints Megatron's apex warnings\nprint('ran')\n")
     if importlib.util.find_spec("torch_npu") is not None and env.get("MINDSPEED_CEZ_BACKEND") == "cann":
         pytest.skip("torch_npu is installed here")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     proc = _launch([str(script), *extra], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr, proc.stderr
-    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
-    assert errors == [f"pretrain.py: error: {line}"], proc.stderr
+    assert proc.stdout == "" and proc.stderr.splitlines() == [f"pretrain.py: error: {line}"], proc.stderr
+
+
+def _flag_definitions():
+    import argparse
+
+    from mindspeed_cez.patches.arguments import add_lm_z_loss_args
+
+    return add_lm_z_loss_args(argparse.ArgumentParser(add_help=False))._actions
+
+
+def test_launcher_help_lists_the_flags_with_their_defaults(script, tmp_path):
+    """``--help``: one line per flag of the parser's own definitions, with its default; ``SCRIPT --help``:
+    the same lines first, then the script's own help (here: the script runs with ``--help`` in argv)."""
+    proc = _launch(["--help"], cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    lines = proc.stdout.splitlines()
+    for action in _flag_definitions():
+        flag = action.option_strings[0]
+        mine = [ln for ln in lines if ln.split()[:1] == [flag]]
+        assert len(mine) == 1 and "(default: " in mine[0], (flag, proc.stdout)
+    assert "(default: 0.0)" in next(ln for ln in lines if ln.split()[0:1] == ["--lm-z-loss-coeff"])
+    through = _launch([str(script), "--help"], cwd=tmp_path)
+    assert through.returncode == 0, through.stderr
+    out = through.stdout.splitlines()
+    assert out.index(next(ln for ln in out if ln.split()[:1] == ["--lm-z-loss-coeff"])) < len(out) - 1
+    assert json.loads(out[-1])["argv"][-1] == "--help"  # the script ran after the flags' lines
+
+
+HIDE_MEGATRON = """
+import importlib.machinery
+_find = importlib.machinery.PathFinder.find_spec.__func__
+def _hidden(cls, name, path=None, target=None):
+    return None if name.split(".")[0] == "megatron" else _find(cls, name, path, target)
+importlib.machinery.PathFinder.find_spec = classmethod(_hidden)
+"""
+
+
+@pytest.mark.parametrize("how", ["launcher", "adaptor", "apply"])
+def test_without_megatron_core_one_line_names_the_install(script, tmp_path, how):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HIDE_MEGATRON)  # megatron-core as if not installed
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), REPO]))
+    command = {"launcher": ["-m", "mindspeed_cez.launch", str(script)],
+               "adaptor": ["-c", "import mindspeed_cez.megatron_adaptor"],
+               "apply": ["-c", "import mindspeed_cez.patches as p; p.apply(z_loss_coeff=1e-4)"]}[how]
+    proc = subprocess.run([sys.executable, *command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == [
+        "mindspeed_cez: megatron-core is not installed, and the fused loss patches Megatron's: pip install "
+        "megatron-core (MindSpeed-LLM 26.x pins megatron-core==0.12.1)"], proc.stderr

@@ -1,7 +1,15 @@
-"""The adaptor inside MindSpeed-LLM's real code (opt-in: ``CEZ_MINDSPEED_LLM_SOURCES``).
+"""The adaptor inside MindSpeed-LLM's real code, on its stack (Python 3.10, torch 2.7.1; CI's users' leg).
 
-``CEZ_MINDSPEED_LLM_SOURCES=<Megatron-LM core_v0.12.1>:<MindSpeed 26.0.0_core_r0.12.1>:<MindSpeed-LLM>``
-(source trees; ``tests/mindspeed_llm_source.py`` stubs what needs Ascend). In real gloo processes,
+The sources: ``../shared/third_party``'s archives of MindSpeed-LLM, MindSpeed and Megatron-LM
+(``CEZ_THIRD_PARTY`` names another folder; ``CEZ_MINDSPEED_LLM_TRIPLE`` = v26.0.0 (default), master
+or v2.2.0), or unpacked trees in ``CEZ_MINDSPEED_LLM_SOURCES=<Megatron-LM>:<MindSpeed>:<MindSpeed-LLM>``;
+``tests/mindspeed_llm_source.py`` stubs what needs Ascend. Without them the tests skip, except in
+CI (``CI=true``), where that is an error. In fresh processes, whatever the order of
+``import mindspeed_cez.megatron_adaptor``, ``mindspeed_cez.patches.apply()``, the launcher and
+MindSpeed-LLM's adaptor: registering imports no Megatron module, Megatron's ``jit_fuser`` is
+MindSpeed's no-op, no Megatron function is compiled, and every patch is attached by MindSpeed's
+patch manager; a bad flag through the launcher and MindSpeed-LLM's ``pretrain_gpt.py`` is one line
+and exit status 2; an ``apply()`` before parsing is kept, or refused by flags that differ. In real gloo processes,
 with ``import mindspeed_cez.megatron_adaptor`` before or after MindSpeed-LLM's adaptor (which runs
 its real feature list), through Megatron's parser as MindSpeed-LLM wraps it, a model from
 MindSpeed-LLM's ``pretrain_gpt.model_provider`` and its ``loss_func``:
@@ -19,8 +27,8 @@ MindSpeed-LLM's ``pretrain_gpt.model_provider`` and its ``loss_func``:
   micro-batches and DP ranks, and writes it to TensorBoard;
 * ``--loss-compute-mode chunk`` at TP=1 fails at validation naming both flags; at TP=2 it is served.
 
-Not in CI (MindSpeed-LLM, MindSpeed and Megatron-LM's ``megatron.training`` 0.12 are not on PyPI);
-CI runs the same contract against ``tests/stand_ins`` (``test_mindspeed_llm_stand_in.py``).
+The same contract runs against ``tests/stand_ins`` on the other megatron-core lines
+(``test_mindspeed_llm_stand_in.py``).
 """
 
 import contextlib
@@ -32,13 +40,18 @@ import sys
 import pytest
 import torch
 
-SOURCES = os.environ.get("CEZ_MINDSPEED_LLM_SOURCES")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
+import mindspeed_llm_source  # noqa: E402
+
+SOURCES = mindspeed_llm_source.sources() if sys.version_info[:2] == (3, 10) else None
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not SOURCES, reason="set CEZ_MINDSPEED_LLM_SOURCES to Megatron-LM:MindSpeed:MindSpeed-LLM"),
+    pytest.mark.skipif(not SOURCES, reason="no MindSpeed-LLM sources: ../shared/third_party's archives, or set "
+                                           "CEZ_MINDSPEED_LLM_SOURCES to Megatron-LM:MindSpeed:MindSpeed-LLM"),
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo test"),
+    # MindSpeed-LLM 26.x's stack (CI's users' leg); its 0.12 sources would shadow another megatron-core
+    pytest.mark.skipif(sys.version_info[:2] != (3, 10), reason="MindSpeed-LLM's stack: Python 3.10, torch 2.7.1"),
 ]
 
 COEFF, VOCAB, SEQ, BATCH = 3e-2, 256, 16, 2
@@ -58,22 +71,29 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
 
 def _has_chunk_mode():
     """MindSpeed-LLM has --loss-compute-mode from 26.0.0 on (feature-detected by its file)."""
-    llm = SOURCES.split(os.pathsep)[2]
+    llm = SOURCES[2]
     return os.path.exists(os.path.join(llm, "mindspeed_llm", "core", "models", "common", "chunk_loss.py"))
 
 
-def _start(tp, order, extra):
-    """Load the sources, import both adaptors in ``order``, parse and validate Megatron's arguments."""
+def _start(tp, order, extra, apply=None):
+    """Load the sources, import both adaptors in ``order``, parse and validate Megatron's arguments
+    (``apply``: ``mindspeed_cez.patches.apply(z_loss_coeff=apply)`` first, and no ``--lm-*`` flag
+    unless ``extra`` has one)."""
     import mindspeed_llm_source as source
 
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron's check for TP > 1
-    source.load(*SOURCES.split(os.pathsep))
+    source.load(*SOURCES)
+    if apply is not None:
+        from mindspeed_cez import patches
+
+        patches.apply(z_loss_coeff=apply)
     world = torch.distributed.get_world_size()
     dense = "dense" in extra
     extra = [a for a in extra if a != "dense"] + ([] if dense else MOE)
     if "--loss-compute-mode" in extra and not _has_chunk_mode():
         extra = [a for a in extra if a not in ("--loss-compute-mode", "chunk")]
-    sys.argv = ["pretrain_gpt.py", *ARGV, "--tensor-model-parallel-size", str(tp),
+    argv = ARGV if apply is None else ARGV[:-2]  # without --lm-z-loss-coeff
+    sys.argv = ["pretrain_gpt.py", *argv, "--tensor-model-parallel-size", str(tp),
                 "--global-batch-size", str(2 * BATCH * world // tp), *extra] + (["--sequence-parallel"] if tp > 1 else [])
     if order == "cez first":
         import mindspeed_cez.megatron_adaptor as adaptor
@@ -105,7 +125,7 @@ def _worker(rank, world_size, tp, order, extra):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     import mindspeed_llm.core.models.gpt.gpt_model as llm_gpt
 
-    pretrain_gpt = source.pretrain_gpt(SOURCES.split(os.pathsep)[2])
+    pretrain_gpt = source.pretrain_gpt(SOURCES[2])
 
     torch.manual_seed(1234)
     model = pretrain_gpt.model_provider(pre_process=True, post_process=True)
@@ -261,3 +281,81 @@ def test_mindspeed_llm_real_chunk_mode_refused_at_tp1(order):
     if not _has_chunk_mode():
         pytest.skip("this MindSpeed-LLM has no --loss-compute-mode")
     run_on_ranks(1, _refusal_worker, order, timeout=600)
+
+
+# ---------------------------------------------------------------- registering imports nothing of Megatron
+
+PROBE_ORDERS = ["cez first", "cez last", "apply first", "launched"]
+
+
+def _probe(order, *launch_args):
+    """``tests/mindspeed_llm_source.py ORDER`` in a fresh process (``launched``: through the launcher,
+    the source trees on PYTHONPATH as a user's install has them)."""
+    import subprocess
+
+    repo = os.path.dirname(TESTS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, TESTS, *SOURCES]), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    script = os.path.join(TESTS, "mindspeed_llm_source.py")
+    command = [sys.executable, *(["-m", "mindspeed_cez.launch"] if order == "launched" else []), script, order, *SOURCES]
+    if launch_args:
+        command = [sys.executable, "-m", "mindspeed_cez.launch", *launch_args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=repo)
+
+
+@pytest.mark.parametrize("order", PROBE_ORDERS)
+def test_registering_imports_no_megatron_and_mindspeed_replacements_hold(order):
+    """Whatever the order: the adaptor (or apply(), or the launcher) imports no Megatron module, MindSpeed's
+    no-op ``torch.compile`` is Megatron's ``jit_fuser``, nothing of Megatron is compiled, and every patch is
+    attached by MindSpeed's patch manager, MindSpeed-LLM's model and training log among them."""
+    import json
+
+    proc = _probe(order)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE "))[len("PROBE "):])
+    assert seen["megatron_before"] == []
+    assert seen.get("megatron_after_register", []) == [], seen["megatron_after_register"][:10]
+    assert seen.get("mindspeed_after_register", []) == []
+    assert seen["jit_fuser"] == "mindspeed.core.megatron_basic.requirements_basic.dummy_compile", seen["jit_fuser"]
+    assert seen["compiled"] == [], seen["compiled"]
+    assert seen["mode"] == "mindspeed"
+    lm = "megatron.core.models.common.language_module.language_module.LanguageModule.compute_language_model_loss"
+    assert {lm, "megatron.core.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy",
+            "mindspeed_llm.core.models.gpt.gpt_model.GPTModel.forward",
+            "mindspeed_llm.training.training.training_log"} <= set(seen["ours_in_mindspeed"]), seen["ours_in_mindspeed"]
+    assert seen["direct"] == [] and seen["loss_patched"]
+
+
+@pytest.mark.parametrize("bad", [["--lm-z-loss-coeff", "-1"], ["--lm-fused-output-layer", "sideways"]])
+def test_a_refused_flag_is_the_first_and_only_line(bad):
+    """MindSpeed-LLM's pretrain_gpt.py through the launcher: a bad flag ends the run with one line of ours,
+    before MindSpeed, Megatron or the script print anything."""
+    proc = _probe(None, os.path.join(SOURCES[2], "pretrain_gpt.py"), *ARGV[:-2], *bad)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("pretrain_gpt.py: error: ") and bad[0] in proc.stderr, proc.stderr
+
+
+def _apply_worker(rank, world_size, order):
+    """apply() before the arguments are parsed: kept by flags that choose nothing; refused by flags
+    that choose otherwise (one line, exit status 2 as an argument error)."""
+    from mindspeed_cez import patches
+    from mindspeed_cez.patches.arguments import FlagValueError
+
+    _start(1, order, ["dense"], apply=1e-3)
+    assert patches.active_settings() is not None and patches.active_settings().z_loss_coeff == 1e-3
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args, validate_args
+
+    sys.argv += ["--lm-z-loss-coeff", "2e-3"]
+    with pytest.raises(FlagValueError, match=r"apply\(z_loss_coeff=0.001\) and the flags \(--lm-z-loss-coeff 0.002\)"):
+        validate_args(parse_args(), {})
+    sys.argv[-1] = "1e-3"  # the same choice twice: served
+    global_vars.set_args(validate_args(parse_args(), {}))
+    assert patches.active_settings().z_loss_coeff == 1e-3
+
+
+@pytest.mark.parametrize("order", ["cez first", "cez last"])
+def test_apply_before_parsing_is_kept_or_refused(order):
+    from support import run_on_ranks
+
+    run_on_ranks(1, _apply_worker, order, timeout=600)
