@@ -1,24 +1,39 @@
-"""What the z-loss does to training: a learning-rate sweep with and without it, in Megatron's ``pretrain``.
+"""What the z-loss does to training, with error bars: seeded learning-rate and coefficient sweeps in Megatron's ``pretrain``.
 
 The small-scale proxy of Wortsman et al. 2023 ("Small-scale proxies for large-scale Transformer
 training instabilities", arXiv 2309.14322): a small pre-LN GPT trained at learning rates from 1e-3
-to 3e-1 with ``--lm-z-loss-coeff`` 0, 1e-4 and 1e-3; the final validation loss against the learning
-rate shows whether the output logits diverge at high learning rates and whether the z-loss keeps
-them from it. Every run is ``torchrun --nproc-per-node 1 -m mindspeed_cez.launch
-examples/pretrain_gpt.py ARGS`` on one GPU (several runs share a GPU; GPUs taken from the machine),
-the same seed and data order in all runs, the LM loss through this package's fused kernel in every
-arm (``--lm-fused-ce``: only the coefficient differs), ``--lm-z-loss-log-lse`` for ``lm_lse`` and
-``lm_lse_max``, TensorBoard events per run. Then ``zloss_sweep_report.py`` reads the events back
-into ``summary.json`` and draws the plots and the table.
+to 3e-1 with and without ``--lm-z-loss-coeff``; the final validation loss against the learning rate
+shows whether the output logits diverge at high learning rates and whether the z-loss keeps them
+from it. Every run is ``torchrun --nproc-per-node 1 -m mindspeed_cez.launch examples/pretrain_gpt.py
+ARGS`` on one GPU (several runs share a GPU), the LM loss through this package's fused kernel in
+every arm (``--lm-fused-ce``: only the coefficient differs), ``--lm-z-loss-log-lse`` for ``lm_lse``
+and ``lm_lse_max``, TensorBoard events at every iteration. A seed fixes the initial weights and the
+data order, so runs that differ only in the coefficient are paired. Two phases, each sized for one
+call of a few minutes on four GPUs:
 
-    python examples/zloss_lr_sweep.py --out out/zloss_sweep                  # GPUs: ~6 min on 4 H100
+* ``--phase A`` (the main sweep): 6 learning rates x c in {0, 1e-4, 1e-3} x seeds 1, 2, 3, and one
+  same-seed rerun (learning rate 1e-2, c = 0, seed 1) that measures the run-to-run nondeterminism.
+* ``--phase B --best-lr LR``: the coefficient sweep at LR (c in {1e-5, 3e-4, 3e-3, 1e-2} x 3 seeds;
+  0, 1e-4 and 1e-3 come from phase A); decoupled weight decay 0.1 (Megatron's usual setting) and
+  the paper's independent weight decay 1e-4 at LR, 1e-1 and 3e-1 with c in {0, 1e-4} x 2 seeds;
+  hidden 1024 and 512 (4 layers, head size 64) at 1e-2 .. 3e-1 with c in {0, 1e-4}, one seed.
+
+Runs start in that order of priority (the widest first within phase B, so they are not the ones cut);
+a run still going at ``--budget-s`` is stopped and recorded as stopped, one never started as such.
+
+    pip install "megatron-core>=0.18" tokenizers tensorboard matplotlib     # what it needs besides torch
+    python examples/pypi_text_corpus.py build --dir data/pypi_32k           # the data, once (CPU, network)
+    python examples/zloss_lr_sweep.py --data data/pypi_32k --phase A --out out/zloss_A       # 4 GPUs: ~7 min
+    python examples/zloss_lr_sweep.py --data data/pypi_32k --phase B --best-lr 0.01 --out out/zloss_B
     python examples/zloss_lr_sweep.py --quick --out out/zloss_quick          # CPU smoke run of the plumbing
+    python examples/zloss_sweep_report.py out/zloss_A out/zloss_B --out report   # the report of both
 
-The data is the Python standard library's text (``stdlib_text_dataset.py``), built into ``--data``
-unless a finished build is there. The model and its differences from the paper: docs/z_loss_training.md.
+The data: ``pypi_text_corpus.py`` (pinned wheels' source files; ``--quick`` builds a small corpus from
+this checkout's own files instead). The model and its differences from the paper: docs/z_loss_training.md.
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -31,50 +46,117 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+# module -> pip requirement: what every run needs, and tokenizers to build the data (not to train on a build)
+NEEDS = {"megatron.training": "megatron-core>=0.18", "tensorboard": "tensorboard", "tokenizers": "tokenizers"}
+
+
+def missing_requirements(modules=tuple(NEEDS)):
+    """The pip requirements of the ``modules`` this sweep needs and cannot import."""
+    missing = []
+    for module in modules:
+        requirement = NEEDS[module]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is missing (megatron)
+            found = False
+        if not found:
+            missing.append(requirement)
+    return missing
+
+
 sys.path.insert(0, HERE)
-import stdlib_text_dataset  # noqa: E402
-import zloss_sweep_report  # noqa: E402
 
-# The paper's proxy at the small end, sized so that 18 runs sharing 4 GPUs end within minutes.
-FULL = dict(layers=4, hidden=256, heads=4, seq=512, micro_batch=32, steps=1500, warmup=75, eval_iters=10,
-            eval_every=300, vocab=32768, max_mb=None, log_interval=10, tb_interval=5, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1])
+# The paper's proxy at the small end: 4 layers, hidden 256, sized so 55 runs share 4 GPUs in minutes.
+FULL = dict(layers=4, hidden=256, seq=512, micro_batch=32, steps=1500, vocab=32768, log_interval=10,
+            tb_interval=1, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], seeds=[1, 2, 3], gpu_capacity=6)
 # --quick: the same plumbing on the CPU (gloo, the CPU shims of pretrain_gpt.py), a few steps of a tiny model.
-QUICK = dict(layers=2, hidden=64, heads=2, seq=64, micro_batch=4, steps=12, warmup=2, eval_iters=2,
-             eval_every=12, vocab=4096, max_mb=1.0, log_interval=2, tb_interval=1, lrs=[1e-3, 1e-1])
-COEFFS = [0.0, 1e-4, 1e-3]
+QUICK = dict(layers=2, hidden=64, seq=64, micro_batch=4, steps=12, vocab=4096, log_interval=4, tb_interval=1,
+             lrs=[1e-3, 1e-1], seeds=[1, 2], coeffs=[0.0, 1e-3], gpu_capacity=1)
+MAIN_COEFFS = [0.0, 1e-4, 1e-3]
+COEFF_SWEEP = [0.0, 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2]
+RERUN = dict(lr=1e-2, coeff=0.0, seed=1)  # the same-seed rerun (phase A)
+WEIGHT_DECAY = {"none": 0.0, "decoupled": 0.1, "independent": 1e-4}
 MIN_LR = 1e-5
-SEED = 1234
+WARMUP_FRACTION = 0.05  # the paper's linear warmup
 
 
-def run_name(lr, coeff):
-    return f"lr{lr:g}_c{coeff:g}"
+def run_name(run):
+    wd = "" if run["wd_mode"] == "none" else f"_{run['wd_mode'][:3]}wd{run['wd']:g}"
+    return (f"h{run['hidden']}_lr{run['lr']:g}_c{run['coeff']:g}{wd}_s{run['seed']}"
+            + ("_rerun" if run.get("rerun") else ""))
 
 
-def megatron_args(cfg, lr, coeff, data, run_dir, name, on_gpu):
-    """Megatron's arguments of one run (all runs differ only in ``--lr`` and ``--lm-z-loss-coeff``)."""
-    h = cfg["hidden"]
+def make_run(group, lr, coeff, seed, hidden, wd_mode="none", rerun=False):
+    # cost: a run's share of a GPU, in units of the hidden-256 run (GPU_CAPACITY units per GPU)
+    run = dict(group=group, lr=lr, coeff=coeff, seed=seed, hidden=hidden, wd_mode=wd_mode,
+               wd=WEIGHT_DECAY[wd_mode], rerun=rerun, cost={512: 2, 1024: 3}.get(hidden, 1))
+    run["name"] = run_name(run)
+    return run
+
+
+def plan_phase(phase, cfg, best_lr=None, quick=False):
+    """The runs of a phase, in the order they start."""
+    h, seeds, lrs = cfg["hidden"], cfg["seeds"], cfg["lrs"]
+    if phase == "A":
+        runs = [make_run("main", lr, c, s, h) for s in seeds for lr in lrs for c in cfg.get("coeffs", MAIN_COEFFS)]
+        rerun = dict(RERUN, lr=lrs[len(lrs) // 2]) if quick else RERUN
+        return runs + [make_run("main", rerun["lr"], rerun["coeff"], rerun["seed"], h, rerun=True)]
+    if best_lr is None:
+        raise ValueError("phase B needs --best-lr (the best learning rate of phase A at c = 0)")
+    if quick:  # one of each kind, tiny
+        widths = [make_run("width", lrs[-1], c, seeds[0], 2 * h) for c in (0.0, 1e-4)]
+        coeff = [make_run("coeff", best_lr, 1e-2, s, h) for s in seeds]
+        wd = [make_run("wd", best_lr, 0.0, seeds[0], h, mode) for mode in ("decoupled", "independent")]
+        return widths + coeff + wd
+    # the longest first (the widest, highest learning rate), the weight-decay arms' second seed last
+    widths = [make_run("width", lr, c, seeds[0], hidden) for hidden in (1024, 512) for lr in (3e-1, 1e-1, 3e-2, 1e-2)
+              for c in (0.0, 1e-4)]
+    coeff = [make_run("coeff", best_lr, c, s, h) for s in seeds for c in COEFF_SWEEP if c not in MAIN_COEFFS]
+    wd_lrs = [best_lr] + [lr for lr in (1e-1, 3e-1) if lr != best_lr]
+    wd = [make_run("wd", lr, c, s, h, mode) for s in seeds[:2] for mode in ("decoupled", "independent")
+          for lr in wd_lrs for c in (0.0, 1e-4)]
+    return widths + coeff + wd
+
+
+def eval_iters_for(data, cfg, valid_prefix):
+    """Validation batches that cover the held-out split once (Megatron's samples of one epoch)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(os.path.join(data, valid_prefix))  # held: its arrays are views of its memory map
+    tokens = int(dataset.sequence_lengths.sum())
+    samples = (tokens - 1) // cfg["seq"]
+    if samples < cfg["micro_batch"]:
+        raise SystemExit(f"{data}: the validation split has {samples} sequences of {cfg['seq']}, fewer than a batch")
+    return samples // cfg["micro_batch"], tokens
+
+
+def megatron_args(cfg, run, data, run_dir, on_gpu, eval_iters, prefixes):
+    """Megatron's arguments of one run."""
+    h = run["hidden"]
+    steps = cfg["steps"]
+    # independent weight decay lambda * s(t): Megatron decays by lr(t) * wd, so wd = lambda / lr_max
+    wd = run["wd"] / run["lr"] if run["wd_mode"] == "independent" else run["wd"]
     args = [
-        # pre-LN GPT, no biases, RoPE, untied embeddings, qk-layernorm; init std 1/sqrt(hidden)
+        # pre-LN GPT, no biases, RoPE, untied embeddings, qk-layernorm; head size 64; init std 1/sqrt(hidden)
         "--num-layers", cfg["layers"], "--hidden-size", h, "--ffn-hidden-size", 4 * h,
-        "--num-attention-heads", cfg["heads"], "--seq-length", cfg["seq"], "--max-position-embeddings", cfg["seq"],
+        "--num-attention-heads", max(1, h // 64), "--seq-length", cfg["seq"], "--max-position-embeddings", cfg["seq"],
         "--disable-bias-linear", "--normalization", "LayerNorm", "--norm-epsilon", "1e-6", "--qk-layernorm",
         "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--init-method-std", f"{h ** -0.5:.6g}",
-        # AdamW (0.9, 0.95, 1e-8), no weight decay, clipping at 1, linear warmup then cosine decay
+        # AdamW (0.9, 0.95, 1e-8), clipping at 1, linear warmup then cosine decay to MIN_LR
         "--optimizer", "adam", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8",
-        "--weight-decay", "0", "--clip-grad", "1.0", "--lr", f"{lr:g}", "--min-lr", f"{MIN_LR:g}",
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", cfg["warmup"], "--lr-decay-iters", cfg["steps"],
+        "--weight-decay", f"{wd:.6g}", "--clip-grad", "1.0", "--lr", f"{run['lr']:g}", "--min-lr", f"{MIN_LR:g}",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", max(1, int(steps * WARMUP_FRACTION)),
+        "--lr-decay-iters", steps,
         "--micro-batch-size", cfg["micro_batch"], "--global-batch-size", cfg["micro_batch"],
-        "--train-iters", cfg["steps"], "--seed", SEED,
-        # the data: real text, its own held-out split; evaluated every eval_every steps and after the last
-        "--train-data-path", os.path.join(data, stdlib_text_dataset.TRAIN),
-        "--valid-data-path", os.path.join(data, stdlib_text_dataset.VALID),
-        "--data-cache-path", os.path.join(run_dir, "cache", name), "--num-workers", "1",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", cfg["vocab"],
-        "--null-tokenizer-eod-id", stdlib_text_dataset.EOD_ID,
-        "--eval-iters", cfg["eval_iters"], "--eval-interval", cfg["eval_every"],
-        "--log-interval", cfg["log_interval"], "--tensorboard-dir", os.path.join(run_dir, "tb", name),
-        "--tensorboard-log-interval", cfg["tb_interval"], "--tensorboard-queue-size", "50",
+        "--train-iters", steps, "--seed", run["seed"],
+        # the data: its own held-out split, evaluated once after the last step, all of it
+        "--train-data-path", os.path.join(data, prefixes[0]), "--valid-data-path", os.path.join(data, prefixes[1]),
+        "--data-cache-path", os.path.join(run_dir, "cache", run["name"]), "--num-workers", "1",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", cfg["vocab"], "--null-tokenizer-eod-id", "0",
+        "--eval-iters", eval_iters, "--eval-interval", steps + 1,
+        "--log-interval", cfg["log_interval"], "--tensorboard-dir", os.path.join(run_dir, "tb", run["name"]),
+        "--tensorboard-log-interval", cfg["tb_interval"], "--tensorboard-queue-size", "100",
         # megatron-core alone (no Transformer Engine / Apex): the local implementation, no fused kernels
         "--transformer-impl", "local", "--attention-backend", "unfused", "--no-gradient-accumulation-fusion",
         "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
@@ -82,7 +164,7 @@ def megatron_args(cfg, lr, coeff, data, run_dir, name, on_gpu):
         # a diverging run goes on to the end (NaN included) instead of stopping: its final loss is the measurement
         "--no-check-for-nan-in-loss-and-grad",
         # this package: the fused kernel in every arm, only the coefficient differs
-        "--lm-fused-ce", "--lm-z-loss-log-lse", "--lm-z-loss-coeff", f"{coeff:g}",
+        "--lm-fused-ce", "--lm-z-loss-log-lse", "--lm-z-loss-coeff", f"{run['coeff']:g}",
         "--distributed-backend", "nccl" if on_gpu else "gloo",
     ]
     args += ["--bf16"] if on_gpu else ["--use-cpu-initialization"]
@@ -103,33 +185,43 @@ def free_ports(n):
             s.close()
 
 
-def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s):
-    """Start every run (``parallel`` at a time on the CPU; all at once, round-robin over ``gpus``, on
-    GPUs), stop what is still running after ``budget_s``; returns one record per run."""
+def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, prefixes):
+    """Start the runs in order while capacity allows (on GPUs: ``cfg['gpu_capacity']`` units per GPU, a
+    run's ``cost`` units, the least-loaded GPU first; on the CPU: ``parallel`` at a time), stop what is
+    still running after ``budget_s``; returns one record per run of the plan."""
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    ports = free_ports(len(plan))
+    ports = iter(free_ports(len(plan)))
     base_env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
                     OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2" if gpus else "1"))
-    pending = list(enumerate(plan))
+    slots = gpus or ["cpu"]
+    capacity = cfg["gpu_capacity"] if gpus else parallel
+    load = {g: 0 for g in slots}
+    pending = list(plan)
     running, records = {}, []
     start = time.time()
     while pending or running:
-        while pending and (gpus or len(running) < parallel):
-            i, (lr, coeff) = pending.pop(0)
-            name = run_name(lr, coeff)
-            gpu = gpus[i % len(gpus)] if gpus else None
+        over = time.time() - start > budget_s
+        for run in list(pending):
+            if over:
+                break
+            gpu = min(slots, key=lambda g: load[g])
+            cost = run["cost"] if gpus else 1
+            if load[gpu] + cost > capacity:
+                continue
+            pending.remove(run)
+            load[gpu] += cost
             env = dict(base_env, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpus else {}))
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                   "--master-addr", "127.0.0.1", "--master-port", str(ports[i]),
+                   "--master-addr", "127.0.0.1", "--master-port", str(next(ports)),
                    "-m", "mindspeed_cez.launch", os.path.join(HERE, "pretrain_gpt.py"),
-                   *megatron_args(cfg, lr, coeff, data, run_dir, name, bool(gpus))]
-            log = open(os.path.join(run_dir, "logs", name + ".log"), "w")
+                   *megatron_args(cfg, run, data, run_dir, bool(gpus), eval_iters, prefixes)]
+            log = open(os.path.join(run_dir, "logs", run["name"] + ".log"), "w")
             log.write(" ".join(cmd) + "\n\n")
             log.flush()
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-            running[name] = (proc, log, {"name": name, "lr": lr, "coeff": coeff, "gpu": gpu,
-                                         "started_s": round(time.time() - start, 1)})
+            running[run["name"]] = (proc, log, dict(run, gpu=None if not gpus else gpu,
+                                                    started_s=round(time.time() - start, 1)))
         time.sleep(1.0)
         over = time.time() - start > budget_s
         for name, (proc, log, record) in list(running.items()):
@@ -144,11 +236,17 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s):
                     proc.wait()
                 record["stopped_at_budget"] = True
             log.close()
+            load[record["gpu"] if gpus else "cpu"] -= record["cost"] if gpus else 1
             record.update(rc=proc.returncode, wall_s=round(time.time() - start - record["started_s"], 1))
             records.append(record)
             del running[name]
             print(f"[{time.time() - start:5.0f} s] {name}: rc={proc.returncode} in {record['wall_s']:.0f} s"
                   + (" (stopped: out of time)" if record.get("stopped_at_budget") else ""), flush=True)
+        if over and pending:
+            for run in pending:
+                records.append(dict(run, gpu=None, rc=None, not_started=True))
+                print(f"[{time.time() - start:5.0f} s] {run['name']}: not started (out of time)", flush=True)
+            pending = []
     return records
 
 
@@ -170,12 +268,18 @@ def environment(gpus):
 
     import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    for package in ("megatron-core", "triton", "mindspeed_cez"):
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpus": os.cpu_count()}
+    for package in ("megatron-core", "triton", "mindspeed_cez", "tokenizers"):
         try:
             env[package] = version(package)
         except PackageNotFoundError:
             env[package] = None
+    try:
+        env["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = None
     if gpus:
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(len(gpus))]
         try:
@@ -187,70 +291,103 @@ def environment(gpus):
     return env
 
 
+def build_data(data, quick, vocab):
+    """Build (or check) the corpus in a child process (``tokenizers`` and torch in one process can crash);
+    returns the build record. ``quick``: this checkout's own text files through the same builder."""
+    cmd = [sys.executable, os.path.join(HERE, "pypi_text_corpus.py"), "build", "--dir", data, "--no-strict"]
+    cmd += ["--from-dir", REPO, "--vocab-size", str(vocab)] if quick else []
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"building the data in {data} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    with open(os.path.join(data, "build.json")) as fh:
+        return json.load(fh)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(REPO, "out", "zloss_sweep"), help="the run folder")
     parser.add_argument("--data", default=None,
-                        help="the dataset folder (stdlib_text_dataset.py); built there unless a finished build of "
-                             "this size is there (default: OUT/data)")
-    parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, few steps, 2 learning rates")
-    parser.add_argument("--lrs", type=float, nargs="+", default=None, help="default: 1e-3 3e-3 1e-2 3e-2 1e-1 3e-1")
-    parser.add_argument("--coeffs", type=float, nargs="+", default=COEFFS)
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 1500)")
-    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default 32)")
+                        help="the corpus folder (pypi_text_corpus.py build --dir DATA: built there if only its text and "
+                             "tokenizer are there); --quick without it: a small corpus of this checkout in OUT/data")
+    parser.add_argument("--data-archive", default=None,
+                        help="a .tar.xz of the built corpus (pypi_text_corpus.py pack): unpacked into --data first")
+    parser.add_argument("--phase", choices=["A", "B"], default="A", help="A: the main sweep; B: coefficients, "
+                                                                         "weight decay, widths (needs --best-lr)")
+    parser.add_argument("--best-lr", type=float, default=None, help="phase B: the learning rate of its sweeps")
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, few steps")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all; 0: CPU)")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time on the CPU")
+    parser.add_argument("--only", nargs="+", default=None, help="run only these run names of the phase")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop runs still going after this many seconds (default: 480 on GPUs, 900 on the CPU)")
     args = parser.parse_args(argv)
+    import pypi_text_corpus as corpus
+    import zloss_sweep_report
+
+    built = args.data and all(os.path.exists(os.path.join(args.data, f)) for f in corpus.INDEXED)
+    missing = missing_requirements([m for m in NEEDS if m != "tokenizers" or not (built or args.data_archive)])
+    if missing:
+        raise SystemExit("zloss_lr_sweep.py needs: pip install " + " ".join(f'"{m}"' for m in missing))
+
     cfg = dict(QUICK if args.quick else FULL)
-    for key in ("lrs", "steps", "micro_batch"):
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
-    if args.steps is not None and not args.quick:  # the paper's 5 % warmup; five evaluations
-        cfg.update(warmup=max(1, args.steps // 20), eval_every=max(1, args.steps // 5))
-    bad = [c for c in args.coeffs if not (math.isfinite(c) and c >= 0)] + [lr for lr in cfg["lrs"] if not lr > 0]
-    if bad:
-        parser.error(f"--lrs must be > 0 and --coeffs finite and >= 0, got {bad}")
-    gpus = detect_gpus()
-    if args.gpus is not None:
+    gpus = [] if args.quick else detect_gpus()
+    if args.gpus is not None and not args.quick:
         if args.gpus > len(gpus):
             parser.error(f"--gpus {args.gpus}: this machine has {len(gpus)}")
         gpus = gpus[:args.gpus]
-    if args.quick:
-        gpus = []
+    if args.best_lr is not None and not args.best_lr > 0:
+        parser.error(f"--best-lr must be > 0, got {args.best_lr}")
     budget_s = args.budget_s or (480 if gpus else 900)
     out = os.path.abspath(args.out)
-    data = os.path.abspath(args.data or os.path.join(out, "data"))
     os.makedirs(out, exist_ok=True)
 
     start = time.time()
-    manifest = stdlib_text_dataset.matches(data, cfg["vocab"], cfg["max_mb"])
-    if manifest is None:
-        print(f"building the dataset in {data} ...", flush=True)
-        manifest = stdlib_text_dataset.build(data, cfg["vocab"], cfg["max_mb"])
-    print(f"data: {manifest['files']} files of Python {manifest['python']}'s standard library, "
-          f"{manifest['splits'][stdlib_text_dataset.TRAIN]['tokens']} training / "
-          f"{manifest['splits'][stdlib_text_dataset.VALID]['tokens']} validation tokens "
-          f"({time.time() - start:.0f} s)", flush=True)
+    if args.data is None and not args.quick:
+        parser.error("--data: the built corpus folder (examples/pypi_text_corpus.py build --dir DATA)")
+    data = os.path.abspath(args.data or os.path.join(out, "data"))
+    if args.data_archive and not os.path.exists(os.path.join(data, corpus.TRAIN + ".bin")):
+        corpus.unpack(args.data_archive, data)
+    # --quick without --data: a small corpus of this checkout's files; with --data: that corpus, its vocabulary
+    build = build_data(data, args.quick and args.data is None, cfg["vocab"])
+    cfg["vocab"] = build["vocab_size"]
+    eval_iters, valid_tokens = eval_iters_for(data, cfg, corpus.VALID)
+    if args.quick:
+        eval_iters = min(eval_iters, 4)
+    print(f"data {data}: {json.dumps(build.get('splits'))}; matches the manifest: {build.get('matches_manifest')}; "
+          f"validation: {eval_iters} batches of {cfg['micro_batch']} x {cfg['seq']} "
+          f"({eval_iters * cfg['micro_batch'] * cfg['seq']} of {valid_tokens} tokens) ({time.time() - start:.0f} s)",
+          flush=True)
 
     env = environment(gpus)
     print("environment:", json.dumps(env), flush=True)
-    plan = [(lr, c) for lr in cfg["lrs"] for c in args.coeffs]
+    try:
+        plan = plan_phase(args.phase, cfg, args.best_lr, args.quick)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.only:
+        plan = [r for r in plan if r["name"] in args.only]
     where = f"{len(gpus)} GPU(s)" if gpus else f"the CPU, {args.parallel} at a time"
-    print(f"{len(plan)} runs on {where}, {cfg['steps']} steps each, budget {budget_s:.0f} s", flush=True)
-    records = launch_all(plan, cfg, data, out, gpus, args.parallel, budget_s)
+    print(f"phase {args.phase}: {len(plan)} runs on {where}, {cfg['steps']} steps each, budget {budget_s:.0f} s",
+          flush=True)
+    records = launch_all(plan, cfg, data, out, gpus, args.parallel, budget_s, eval_iters, (corpus.TRAIN, corpus.VALID))
     shutil.rmtree(os.path.join(out, "cache"), ignore_errors=True)  # Megatron's sample indices, rebuilt per run
-    sweep = {"config": cfg, "coeffs": args.coeffs, "seed": SEED, "min_lr": MIN_LR, "data": manifest,
-             "gpus": len(gpus), "environment": env, "runs": sorted(records, key=lambda r: (r["lr"], r["coeff"])),
-             "wall_s": round(time.time() - start, 1),
-             "megatron_args_example": megatron_args(cfg, cfg["lrs"][0], args.coeffs[0], data, out, "NAME", bool(gpus))}
+    sweep = {"phase": args.phase, "best_lr": args.best_lr, "config": cfg, "min_lr": MIN_LR,
+             "warmup_fraction": WARMUP_FRACTION, "eval_iters": eval_iters, "valid_tokens": valid_tokens,
+             "data": build, "gpus": len(gpus), "environment": env, "budget_s": budget_s,
+             "runs": records, "wall_s": round(time.time() - start, 1),
+             "megatron_args_example": megatron_args(cfg, plan[0], data, out, bool(gpus), eval_iters,
+                                                    (corpus.TRAIN, corpus.VALID)) if plan else None}
     with open(os.path.join(out, "sweep.json"), "w") as fh:
         json.dump(sweep, fh, indent=1)
     summary = zloss_sweep_report.summarize(out)
-    zloss_sweep_report.report(summary, os.path.join(out, "report"))
-    failed = [r["name"] for r in records if r["rc"] != 0 and not r.get("stopped_at_budget")]
+    if importlib.util.find_spec("matplotlib") is None:
+        print("no plots: pip install matplotlib, then: python examples/zloss_sweep_report.py " + out, flush=True)
+    else:
+        zloss_sweep_report.report([summary], os.path.join(out, "report"))
+    failed = [r["name"] for r in records if r.get("rc") not in (0, None) and not r.get("stopped_at_budget")]
+    cut = [r["name"] for r in records if r.get("stopped_at_budget") or r.get("not_started")]
     print(f"done in {time.time() - start:.0f} s; report in {os.path.join(out, 'report')}"
+          + (f"; stopped or not started (out of time): {cut}" if cut else "")
           + (f"; failed: {failed} (logs in {os.path.join(out, 'logs')})" if failed else ""), flush=True)
     return 1 if failed else 0
 
