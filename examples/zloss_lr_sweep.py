@@ -66,9 +66,10 @@ def missing_requirements(modules=tuple(NEEDS)):
 
 sys.path.insert(0, HERE)
 
-# The paper's proxy at the small end: 4 layers, hidden 256, sized so 55 runs share 4 GPUs in minutes.
+# The paper's proxy at the small end: 4 layers, hidden 256, sized so 55 runs share 4 GPUs in minutes
+# (12 units a GPU: 12 runs of hidden 256 at once, about 5 GB each).
 FULL = dict(layers=4, hidden=256, seq=512, micro_batch=32, steps=1500, vocab=32768, log_interval=10,
-            tb_interval=1, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], seeds=[1, 2, 3], gpu_capacity=6)
+            tb_interval=1, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], seeds=[1, 2, 3], gpu_capacity=12)
 # --quick: the same plumbing on the CPU (gloo, the CPU shims of pretrain_gpt.py), a few steps of a tiny model.
 QUICK = dict(layers=2, hidden=64, seq=64, micro_batch=4, steps=12, vocab=4096, log_interval=4, tb_interval=1,
              lrs=[1e-3, 1e-1], seeds=[1, 2], coeffs=[0.0, 1e-3], gpu_capacity=1)
@@ -87,9 +88,9 @@ def run_name(run):
 
 
 def make_run(group, lr, coeff, seed, hidden, wd_mode="none", rerun=False):
-    # cost: a run's share of a GPU, in units of the hidden-256 run (GPU_CAPACITY units per GPU)
+    # cost: a run's share of a GPU (its memory, about 5 GB a unit), in units of the hidden-256 run
     run = dict(group=group, lr=lr, coeff=coeff, seed=seed, hidden=hidden, wd_mode=wd_mode,
-               wd=WEIGHT_DECAY[wd_mode], rerun=rerun, cost={512: 2, 1024: 3}.get(hidden, 1))
+               wd=WEIGHT_DECAY[wd_mode], rerun=rerun, cost={512: 2, 1024: 4}.get(hidden, 1))
     run["name"] = run_name(run)
     return run
 
@@ -98,9 +99,11 @@ def plan_phase(phase, cfg, best_lr=None, quick=False):
     """The runs of a phase, in the order they start."""
     h, seeds, lrs = cfg["hidden"], cfg["seeds"], cfg["lrs"]
     if phase == "A":
+        # seed by seed (a seed cut by the budget is the last one), the rerun right after the first seed
         runs = [make_run("main", lr, c, s, h) for s in seeds for lr in lrs for c in cfg.get("coeffs", MAIN_COEFFS)]
         rerun = dict(RERUN, lr=lrs[len(lrs) // 2]) if quick else RERUN
-        return runs + [make_run("main", rerun["lr"], rerun["coeff"], rerun["seed"], h, rerun=True)]
+        first = len(runs) // len(seeds)
+        return runs[:first] + [make_run("main", rerun["lr"], rerun["coeff"], rerun["seed"], h, rerun=True)] + runs[first:]
     if best_lr is None:
         raise ValueError("phase B needs --best-lr (the best learning rate of phase A at c = 0)")
     if quick:  # one of each kind, tiny
@@ -108,14 +111,14 @@ def plan_phase(phase, cfg, best_lr=None, quick=False):
         coeff = [make_run("coeff", best_lr, 1e-2, s, h) for s in seeds]
         wd = [make_run("wd", best_lr, 0.0, seeds[0], h, mode) for mode in ("decoupled", "independent")]
         return widths + coeff + wd
-    # the longest first (the widest, highest learning rate), the weight-decay arms' second seed last
+    # the coefficient sweep, then the widest (the longest runs start early), the weight-decay arms' second seed last
     widths = [make_run("width", lr, c, seeds[0], hidden) for hidden in (1024, 512) for lr in (3e-1, 1e-1, 3e-2, 1e-2)
               for c in (0.0, 1e-4)]
     coeff = [make_run("coeff", best_lr, c, s, h) for s in seeds for c in COEFF_SWEEP if c not in MAIN_COEFFS]
     wd_lrs = [best_lr] + [lr for lr in (1e-1, 3e-1) if lr != best_lr]
     wd = [make_run("wd", lr, c, s, h, mode) for s in seeds[:2] for mode in ("decoupled", "independent")
           for lr in wd_lrs for c in (0.0, 1e-4)]
-    return widths + coeff + wd
+    return coeff + widths + wd
 
 
 def eval_iters_for(data, cfg, valid_prefix):
@@ -275,11 +278,13 @@ def environment(gpus):
             env[package] = version(package)
         except PackageNotFoundError:
             env[package] = None
-    try:
-        env["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True, timeout=30).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        env["commit"] = None
+    env["commit"] = os.environ.get("ZLOSS_COMMIT")  # a copy without its .git says which commit it is
+    if not env["commit"]:
+        try:
+            env["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True, timeout=30).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            env["commit"] = None
     if gpus:
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(len(gpus))]
         try:
