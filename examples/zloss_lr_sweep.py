@@ -67,15 +67,20 @@ def missing_requirements(modules=tuple(NEEDS)):
 sys.path.insert(0, HERE)
 
 # The paper's proxy at the small end: 4 layers, hidden 256, sized so 55 runs share 4 GPUs in minutes
-# (12 units a GPU: 12 runs of hidden 256 at once, about 5 GB each).
+# (12 units a GPU: 12 runs of hidden 256 at once, about 5 GB each). unit_s: the GPU seconds of one
+# such run (four H100s, 12 runs a GPU: 31-32 s each, 2026-11-27); startup_s: a run's start before its
+# first step. A run starts only if the GPU's admitted work is predicted to end within the budget.
 FULL = dict(layers=4, hidden=256, seq=512, micro_batch=32, steps=1500, vocab=32768, log_interval=10,
-            tb_interval=1, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], seeds=[1, 2, 3], gpu_capacity=12)
+            tb_interval=1, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], seeds=[1, 2, 3], gpu_capacity=12,
+            unit_s=34, startup_s=25)
 # --quick: the same plumbing on the CPU (gloo, the CPU shims of pretrain_gpt.py), a few steps of a tiny model.
 QUICK = dict(layers=2, hidden=64, seq=64, micro_batch=4, steps=12, vocab=4096, log_interval=4, tb_interval=1,
-             lrs=[1e-3, 1e-1], seeds=[1, 2], coeffs=[0.0, 1e-3], gpu_capacity=1)
+             lrs=[1e-3, 1e-1], seeds=[1, 2], coeffs=[0.0, 1e-3], gpu_capacity=1, unit_s=None, startup_s=0)
 MAIN_COEFFS = [0.0, 1e-4, 1e-3]
 COEFF_SWEEP = [0.0, 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2]
 RERUN = dict(lr=1e-2, coeff=0.0, seed=1)  # the same-seed rerun (phase A)
+SHORT_STEPS = 500  # phase B's wider models: as many steps as one call of a few minutes holds
+WORK = {512: 2.3, 1024: 5.7}  # GPU time per step against hidden 256 (the FLOPs of the layers and the output layer)
 WEIGHT_DECAY = {"none": 0.0, "decoupled": 0.1, "independent": 1e-4}
 MIN_LR = 1e-5
 WARMUP_FRACTION = 0.05  # the paper's linear warmup
@@ -83,16 +88,45 @@ WARMUP_FRACTION = 0.05  # the paper's linear warmup
 
 def run_name(run):
     wd = "" if run["wd_mode"] == "none" else f"_{run['wd_mode'][:3]}wd{run['wd']:g}"
-    return (f"h{run['hidden']}_lr{run['lr']:g}_c{run['coeff']:g}{wd}_s{run['seed']}"
+    steps = "" if run.get("steps") is None else f"_{run['steps']}st"
+    return (f"h{run['hidden']}_lr{run['lr']:g}_c{run['coeff']:g}{wd}_s{run['seed']}{steps}"
             + ("_rerun" if run.get("rerun") else ""))
 
 
-def make_run(group, lr, coeff, seed, hidden, wd_mode="none", rerun=False):
-    # cost: a run's share of a GPU (its memory, about 5 GB a unit), in units of the hidden-256 run
+def make_run(group, lr, coeff, seed, hidden, wd_mode="none", rerun=False, steps=None):
+    """One run; ``steps`` None: the configuration's. ``cost``: its share of a GPU's memory (about 5 GB
+    a unit); ``work``: its GPU time per step, both against the hidden-256 run."""
     run = dict(group=group, lr=lr, coeff=coeff, seed=seed, hidden=hidden, wd_mode=wd_mode,
-               wd=WEIGHT_DECAY[wd_mode], rerun=rerun, cost={512: 2, 1024: 4}.get(hidden, 1))
+               wd=WEIGHT_DECAY[wd_mode], rerun=rerun, steps=steps, cost={512: 2, 1024: 4}.get(hidden, 1),
+               work=WORK.get(hidden, 1.0))
     run["name"] = run_name(run)
     return run
+
+
+def missing_from(summary_path):
+    """The runs of a finished phase that did not complete (no validation loss after the last step):
+    what a later phase reruns first. A rerun whose original did not complete comes back with it."""
+    with open(summary_path) as fh:
+        summary = json.load(fh)
+    keys = ("group", "lr", "coeff", "seed", "hidden", "wd_mode", "rerun")
+
+    def again(r):
+        steps = r.get("steps") if r.get("steps") not in (None, summary.get("steps")) else None
+        return make_run(**{k: r[k] for k in keys if k in r}, steps=steps)
+
+    missing = [again(r) for r in summary["runs"] if not r.get("complete")]
+    names = {r["name"] for r in missing}
+    for r in summary["runs"]:  # the rerun measures the noise between two runs of one call: both run again
+        original = r["name"].replace("_rerun", "")
+        if r.get("rerun") and original in names and r["name"] not in names:
+            missing.append(again(r))
+    order = {r["name"]: i for i, r in enumerate(summary["runs"])}
+    missing.sort(key=lambda r: (r["rerun"], order.get(r["name"], 0)))
+    originals = [r for r in missing if not r["rerun"]]
+    for rerun in [r for r in missing if r["rerun"]]:  # each rerun right after its original
+        at = next((i for i, r in enumerate(originals) if r["name"] == rerun["name"].replace("_rerun", "")), None)
+        originals.insert(len(originals) if at is None else at + 1, rerun)
+    return originals
 
 
 def plan_phase(phase, cfg, best_lr=None, quick=False):
@@ -106,19 +140,28 @@ def plan_phase(phase, cfg, best_lr=None, quick=False):
         return runs[:first] + [make_run("main", rerun["lr"], rerun["coeff"], rerun["seed"], h, rerun=True)] + runs[first:]
     if best_lr is None:
         raise ValueError("phase B needs --best-lr (the best learning rate of phase A at c = 0)")
+    if best_lr not in cfg["lrs"]:
+        raise ValueError(f"--best-lr {best_lr:g} is none of phase A's learning rates {cfg['lrs']}")
     if quick:  # one of each kind, tiny
-        widths = [make_run("width", lrs[-1], c, seeds[0], 2 * h) for c in (0.0, 1e-4)]
+        widths = [make_run("width", lrs[-1], c, seeds[0], 2 * h, steps=cfg["steps"] // 2) for c in (0.0, 1e-4)]
         coeff = [make_run("coeff", best_lr, 1e-2, s, h) for s in seeds]
         wd = [make_run("wd", best_lr, 0.0, seeds[0], h, mode) for mode in ("decoupled", "independent")]
         return widths + coeff + wd
-    # the coefficient sweep, then the widest (the longest runs start early), the weight-decay arms' second seed last
-    widths = [make_run("width", lr, c, seeds[0], hidden) for hidden in (1024, 512) for lr in (3e-1, 1e-1, 3e-2, 1e-2)
-              for c in (0.0, 1e-4)]
-    coeff = [make_run("coeff", best_lr, c, s, h) for s in seeds for c in COEFF_SWEEP if c not in MAIN_COEFFS]
-    wd_lrs = [best_lr] + [lr for lr in (1e-1, 3e-1) if lr != best_lr]
-    wd = [make_run("wd", lr, c, s, h, mode) for s in seeds[:2] for mode in ("decoupled", "independent")
-          for lr in wd_lrs for c in (0.0, 1e-4)]
-    return coeff + widths + wd
+    # In order of priority (what the budget cuts is the end of the list):
+    # 1. the coefficient sweep's first seed; 2. the weight-decay arms at the highest learning rate, seed 1;
+    # 3. the wider models, SHORT_STEPS steps at 3e-1 (and hidden 256 as long, their baseline); 4. the
+    # coefficient sweep's second seed, the weight-decay arms at the best learning rate, the widths at 3e-2;
+    # 5. the coefficient sweep's third seed.
+    coeff = {s: [make_run("coeff", best_lr, c, s, h) for c in COEFF_SWEEP if c not in MAIN_COEFFS] for s in seeds}
+    wd = {lr: [make_run("wd", lr, c, seeds[0], h, mode) for mode in ("decoupled", "independent") for c in (0.0, 1e-4)]
+          for lr in (3e-1, best_lr)}
+    widths = {lr: [make_run("width", lr, c, seeds[0], hidden, steps=SHORT_STEPS) for hidden in (1024, 512, h)
+                   for c in (0.0, 1e-4)] for lr in (3e-1, 3e-2)}
+    plan = coeff[seeds[0]] + wd[3e-1] + widths[3e-1] + coeff[seeds[1]] + wd[best_lr] + widths[3e-2] + coeff[seeds[2]]
+    unique = {}
+    for run in plan:
+        unique.setdefault(run["name"], run)
+    return list(unique.values())
 
 
 def eval_iters_for(data, cfg, valid_prefix):
@@ -136,7 +179,7 @@ def eval_iters_for(data, cfg, valid_prefix):
 def megatron_args(cfg, run, data, run_dir, on_gpu, eval_iters, prefixes):
     """Megatron's arguments of one run."""
     h = run["hidden"]
-    steps = cfg["steps"]
+    steps = run.get("steps") or cfg["steps"]
     # independent weight decay lambda * s(t): Megatron decays by lr(t) * wd, so wd = lambda / lr_max
     wd = run["wd"] / run["lr"] if run["wd_mode"] == "independent" else run["wd"]
     args = [
@@ -188,6 +231,21 @@ def free_ports(n):
             s.close()
 
 
+def place(run, cost, load, busy, now, cfg, capacity, deadline, unit_s):
+    """Where ``run`` starts now: ``(slot, predicted end)``, or None when no slot has room for its ``cost``
+    or (``unit_s`` given) its slot's admitted work would end after ``deadline``. The slot whose work
+    ends first; a run adds ``unit_s * work * steps / cfg steps`` to it, after ``startup_s`` on an idle one."""
+    fits = [g for g in load if load[g] + cost <= capacity]
+    if not fits:
+        return None
+    gpu = min(fits, key=lambda g: (max(busy[g], now), load[g]))
+    if not unit_s:
+        return gpu, None
+    steps = run.get("steps") or cfg["steps"]
+    finish = max(busy[gpu], now + cfg["startup_s"]) + unit_s * run["work"] * steps / cfg["steps"]
+    return None if finish > deadline else (gpu, finish)
+
+
 def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, prefixes):
     """Start the runs in order while capacity allows (on GPUs: ``cfg['gpu_capacity']`` units per GPU, a
     run's ``cost`` units, the least-loaded GPU first; on the CPU: ``parallel`` at a time), stop what is
@@ -199,6 +257,11 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
     slots = gpus or ["cpu"]
     capacity = cfg["gpu_capacity"] if gpus else parallel
     load = {g: 0 for g in slots}
+    # the admission model (GPUs): runs sharing a GPU divide its time, so its admitted work ends at busy[g];
+    # a run is admitted where that stays before the deadline (10 % before the budget)
+    unit_s = cfg.get("unit_s") if gpus else None
+    deadline = 0.9 * budget_s
+    busy = {g: 0.0 for g in slots}
     pending = list(plan)
     running, records = {}, []
     start = time.time()
@@ -207,11 +270,15 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
         for run in list(pending):
             if over:
                 break
-            gpu = min(slots, key=lambda g: load[g])
             cost = run["cost"] if gpus else 1
-            if load[gpu] + cost > capacity:
+            placed = place(run, cost, load, busy, time.time() - start, cfg, capacity, deadline, unit_s)
+            if placed is None:
                 continue
-            pending.remove(run)
+            gpu, finish = placed
+            if finish is not None:
+                busy[gpu] = finish
+                run = dict(run, predicted_end_s=round(finish))
+            pending.remove(next(r for r in pending if r["name"] == run["name"]))
             load[gpu] += cost
             env = dict(base_env, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpus else {}))
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
@@ -227,25 +294,32 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
                                                     started_s=round(time.time() - start, 1)))
         time.sleep(1.0)
         over = time.time() - start > budget_s
-        for name, (proc, log, record) in list(running.items()):
-            if proc.poll() is None and not over:
-                continue
-            if proc.poll() is None:  # out of time: stop the whole torchrun session, keep what it wrote
+        if over:  # out of time: stop every torchrun session still going (all at once), keep what they wrote
+            stopping = [(proc, record) for proc, _, record in running.values() if proc.poll() is None]
+            for proc, record in stopping:
                 os.killpg(proc.pid, signal.SIGTERM)
+                record["stopped_at_budget"] = True
+            end = time.time() + 15
+            for proc, _ in stopping:
                 try:
-                    proc.wait(timeout=15)
+                    proc.wait(timeout=max(0.1, end - time.time()))
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                record["stopped_at_budget"] = True
+        for name, (proc, log, record) in list(running.items()):
+            if proc.poll() is None:
+                continue
             log.close()
-            load[record["gpu"] if gpus else "cpu"] -= record["cost"] if gpus else 1
+            where = record["gpu"] if gpus else "cpu"
+            load[where] -= record["cost"] if gpus else 1
+            if load[where] == 0:  # an idle GPU's admitted work has ended, whatever was predicted
+                busy[where] = min(busy[where], time.time() - start)
             record.update(rc=proc.returncode, wall_s=round(time.time() - start - record["started_s"], 1))
             records.append(record)
             del running[name]
             print(f"[{time.time() - start:5.0f} s] {name}: rc={proc.returncode} in {record['wall_s']:.0f} s"
                   + (" (stopped: out of time)" if record.get("stopped_at_budget") else ""), flush=True)
-        if over and pending:
+        if pending and (over or (unit_s and not running)):  # out of time, or nothing left that fits in it
             for run in pending:
                 records.append(dict(run, gpu=None, rc=None, not_started=True))
                 print(f"[{time.time() - start:5.0f} s] {run['name']}: not started (out of time)", flush=True)
@@ -319,6 +393,10 @@ def main(argv=None):
     parser.add_argument("--phase", choices=["A", "B"], default="A", help="A: the main sweep; B: coefficients, "
                                                                          "weight decay, widths (needs --best-lr)")
     parser.add_argument("--best-lr", type=float, default=None, help="phase B: the learning rate of its sweeps")
+    parser.add_argument("--complete", default=None, metavar="SUMMARY",
+                        help="first rerun the runs that did not complete in this earlier phase's summary.json")
+    parser.add_argument("--unit-s", type=float, default=None,
+                        help="GPU seconds of one hidden-256 run at full steps, for admission (default 34: H100)")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, few steps")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all; 0: CPU)")
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time on the CPU")
@@ -369,8 +447,14 @@ def main(argv=None):
         plan = plan_phase(args.phase, cfg, args.best_lr, args.quick)
     except ValueError as e:
         parser.error(str(e))
+    if args.complete:
+        first = missing_from(args.complete)
+        names = {r["name"] for r in first}
+        plan = first + [r for r in plan if r["name"] not in names]
     if args.only:
         plan = [r for r in plan if r["name"] in args.only]
+    if args.unit_s is not None:
+        cfg["unit_s"] = args.unit_s
     where = f"{len(gpus)} GPU(s)" if gpus else f"the CPU, {args.parallel} at a time"
     print(f"phase {args.phase}: {len(plan)} runs on {where}, {cfg['steps']} steps each, budget {budget_s:.0f} s",
           flush=True)

@@ -87,7 +87,7 @@ def read_log(path):
     rows = [(int(i), float(v)) for i, v in ITERATION.findall(text)]
     vals = [(int(i), float(v)) for i, v in VALIDATION.findall(text)]
     return {"first_logged": rows[0] if rows else None, "last_logged": rows[-1] if rows else None,
-            "validation_log": vals[-1][1] if vals else None}
+            "validation_log": vals[-1][1] if vals else None, "validation_log_step": vals[-1][0] if vals else None}
 
 
 def _finite(x):
@@ -145,13 +145,21 @@ def summarize(run_dir):
     for record, series in zip(sweep["runs"], events):
         log = read_log(os.path.join(run_dir, "logs", record["name"] + ".log"))
         validation = series.get("lm loss validation", [])
-        # the validation loss from TensorBoard, else as the log printed it (a run without the tensorboard package)
-        final = validation[-1][1] if validation else log.get("validation_log")
-        run = dict(record, **log, final_validation=final,
+        # the validation loss after the last step from TensorBoard, else as the log printed it (no tensorboard)
+        run_steps = record.get("steps") or steps
+        if validation:
+            final, final_step = validation[-1][1], validation[-1][0]
+        else:
+            final, final_step = log.get("validation_log"), log.get("validation_log_step")
+        final = final if final_step == run_steps else None
+        run = dict(record, **log, final_validation=final, steps=run_steps,
                    last_step=max((s for s, _ in series.get("lm loss", [])), default=0),
                    init_loss=dict(map(tuple, series.get("lm loss", []))).get(1))
-        run["complete"] = final is not None and run.get("rc") == 0 and not record.get("stopped_at_budget")
-        run["status"] = ("complete" if run["complete"] else "stopped at the budget" if record.get("stopped_at_budget")
+        # complete: validated after its last step; a run stopped by the budget while it exited counts too
+        run["complete"] = final is not None and (run.get("rc") == 0 or bool(record.get("stopped_at_budget")))
+        run["status"] = ("complete (stopped while exiting)" if run["complete"] and record.get("stopped_at_budget")
+                         else "complete" if run["complete"]
+                         else f"stopped at the budget (step {run['last_step']})" if record.get("stopped_at_budget")
                          else "not started" if record.get("not_started") else f"failed (rc {run.get('rc')})")
         run["series"] = series
         run["diverged"] = diverged(run) if run["complete"] else None
@@ -173,12 +181,24 @@ def summarize(run_dir):
 
 # ------------------------------------------------------------------------------------- statistics
 def pool(summaries):
-    """Every run of the phases, each tagged with its phase; the reruns apart."""
+    """Every run of the phases, each tagged with its phase. A run that did not complete in one phase
+    and did in a later one counts once, as completed (the later phase reran it). Runs shorter than
+    their phase's steps form arms of their own (``wd_mode`` "none, 500 steps")."""
     runs = []
     for summary in summaries:
         for run in summary["runs"]:
-            runs.append(dict(run, phase=summary.get("phase")))
-    return runs
+            run = dict(run, phase=summary.get("phase"))
+            if run.get("steps") and run["steps"] != summary["steps"]:
+                run["wd_mode"] = f"{run['wd_mode']}, {run['steps']} steps"
+            runs.append(run)
+    completed = {r["name"] for r in runs if r.get("complete")}
+    kept, seen = [], set()
+    for run in reversed(runs):  # the last complete run of a name wins
+        if run["name"] in seen or (not run.get("complete") and run["name"] in completed):
+            continue
+        seen.add(run["name"])
+        kept.append(run)
+    return kept[::-1]
 
 
 def cell_key(run):

@@ -45,12 +45,45 @@ def test_phase_b():
     assert sorted({r["coeff"] for r in coeff}) == [1e-5, 3e-4, 3e-3, 1e-2] and len(coeff) == 12
     assert {r["lr"] for r in coeff} == {3e-3} and {r["seed"] for r in coeff} == {1, 2, 3}
     widths = [r for r in plan if r["group"] == "width"]
-    assert {(r["hidden"], r["lr"], r["coeff"]) for r in widths} == {
-        (h, lr, c) for h in (1024, 512) for lr in (1e-2, 3e-2, 1e-1, 3e-1) for c in (0.0, 1e-4)}
+    assert {(r["hidden"], r["lr"], r["coeff"], r["steps"]) for r in widths} == {
+        (h, lr, c, sweep.SHORT_STEPS) for h in (1024, 512, 256) for lr in (3e-2, 3e-1) for c in (0.0, 1e-4)}
     wd = [r for r in plan if r["group"] == "wd"]
     assert {(r["wd_mode"], r["wd"]) for r in wd} == {("decoupled", 0.1), ("independent", 1e-4)}
-    assert {r["lr"] for r in wd} == {3e-3, 1e-1, 3e-1} and len(wd) == 24
-    assert plan.index(coeff[-1]) < plan.index(widths[0]) < plan.index(wd[0])
+    assert {r["lr"] for r in wd} == {3e-3, 3e-1} and len(wd) == 8
+    # priorities: the first seed of the coefficient sweep, the arms at 3e-1, the widths at 3e-1 ... the third seed last
+    assert [r["seed"] for r in plan[:4]] == [1] * 4 and plan[4]["wd_mode"] == "decoupled" and plan[4]["lr"] == 3e-1
+    assert all(r["group"] == "coeff" and r["seed"] == 3 for r in plan[-4:])
+
+
+def test_phase_b_completes_phase_a_first(tmp_path):
+    runs = [dict(r, complete=r["seed"] != 1 or r["lr"] != 1e-2) for r in sweep.plan_phase("A", sweep.FULL)]
+    (tmp_path / "summary.json").write_text(__import__("json").dumps({"runs": runs}))
+    missing = sweep.missing_from(str(tmp_path / "summary.json"))
+    names = [r["name"] for r in missing]
+    assert names == ["h256_lr0.01_c0_s1", "h256_lr0.01_c0_s1_rerun", "h256_lr0.01_c0.0001_s1", "h256_lr0.01_c0.001_s1"]
+
+
+def test_admission_fills_the_gpus_within_the_deadline():
+    """Four GPUs, 32 s per hidden-256 run, 25 s to start, 390 s: 11 runs a GPU are admitted at once
+    (25 + 11 x 32 = 377 s), the twelfth would end after the deadline; a hidden-1024 run of 500 steps
+    counts 5.7 / 3 runs; the memory cap (12 units) holds whatever the time."""
+    cfg = dict(sweep.FULL, startup_s=25)
+    load, busy = {g: 0 for g in "0123"}, {g: 0.0 for g in "0123"}
+    admitted = []
+    for run in [sweep.make_run("main", 1e-2, 0.0, s, 256) for s in range(60)]:
+        placed = sweep.place(run, run["cost"], load, busy, 0.0, cfg, 12, 390, 32)
+        if placed:
+            load[placed[0]] += run["cost"]
+            busy[placed[0]] = placed[1]
+            admitted.append(placed)
+    assert len(admitted) == 44 and all(load[g] == 11 for g in load)
+    assert max(end for _, end in admitted) == pytest.approx(25 + 11 * 32)
+    wide = sweep.make_run("width", 3e-1, 0.0, 1, 1024, steps=500)
+    fresh = {g: 0.0 for g in "0123"}
+    gpu, end = sweep.place(wide, wide["cost"], {g: 0 for g in "0123"}, fresh, 100.0, cfg, 12, 390, 32)
+    assert end == pytest.approx(100 + 25 + 32 * 5.7 * 500 / 1500)
+    assert sweep.place(wide, wide["cost"], {g: 9 for g in "0123"}, fresh, 0.0, cfg, 12, 390, 32) is None
+    assert sweep.place(wide, wide["cost"], {g: 0 for g in "0123"}, fresh, 0.0, cfg, 12, 100, None) == ("0", None)
 
 
 def test_megatron_arguments():
