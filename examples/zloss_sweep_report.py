@@ -27,7 +27,7 @@ over the last 5 % of the steps lies more than ``DIVERGED_NATS`` above the lowest
 sensitivity needs every learning rate of its seed complete; one that lacks a run is listed as
 incomplete, never computed from fewer learning rates.
 
-    python examples/zloss_sweep_report.py RUN [RUN ...] [--out DIR]      # DIR default RUN/report
+    python examples/zloss_sweep_report.py RUN_OR_SUMMARY [...] [--out DIR]     # DIR default FIRST/report
 """
 
 import argparse
@@ -437,8 +437,9 @@ def report(summaries, out_dir):
     base_coeffs = sorted({k[3] for k in cell if k[:2] == (cfg["hidden"], "none")})
     main_lrs = sorted({k[2] for k in cell if k[:2] == (cfg["hidden"], "none")})
 
-    def errorbar(ax, xs, ivs, **kw):
-        pts = [(x, iv) for x, iv in zip(xs, ivs) if iv and iv.get("mean") is not None]
+    def errorbar(ax, xs, ivs, shift=0, **kw):
+        """Means with their 95 % bars; ``shift`` moves a curve sideways (x 1.06^shift) so bars do not overlap."""
+        pts = [(x * 1.06 ** shift, iv) for x, iv in zip(xs, ivs) if iv and iv.get("mean") is not None]
         if pts:
             ax.errorbar([x for x, _ in pts], [iv["mean"] for _, iv in pts],
                         yerr=[iv["ci95"] or 0 for _, iv in pts], capsize=3, marker="o", **kw)
@@ -449,10 +450,11 @@ def report(summaries, out_dir):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, c in enumerate(main_coeffs):
         rows = [cell.get((cfg["hidden"], "none", lr, c), {}) for lr in main_lrs]
-        errorbar(axes[1], main_lrs, [r.get("final_validation") for r in rows], color=f"C{i}", label=_label(c))
+        errorbar(axes[1], main_lrs, [r.get("final_validation") for r in rows], shift=i - 1, color=f"C{i}",
+                 label=_label(c))
         if c != 0.0:
-            errorbar(axes[0], main_lrs, [r.get("final_validation_minus_c0") for r in rows], color=f"C{i}",
-                     label=f"{_label(c)} minus c=0")
+            errorbar(axes[0], main_lrs, [r.get("final_validation_minus_c0") for r in rows], shift=i - 1.5,
+                     color=f"C{i}", label=f"{_label(c)} minus c=0")
     axes[0].axhline(0, color="gray", linewidth=1)
     axes[0].set_ylabel("final validation loss, paired difference from c=0 (nats)")
     axes[1].set_ylabel("final validation loss (zoomed)")
@@ -489,8 +491,8 @@ def report(summaries, out_dir):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, c in enumerate(main_coeffs):
         rows = [cell.get((cfg["hidden"], "none", lr, c), {}) for lr in main_lrs]
-        errorbar(axes[0], main_lrs, [r.get("lse_max_run") for r in rows], color=f"C{i}", label=_label(c))
-        errorbar(axes[1], main_lrs, [r.get("lse_last100") for r in rows], color=f"C{i}", label=_label(c))
+        errorbar(axes[0], main_lrs, [r.get("lse_max_run") for r in rows], shift=i - 1, color=f"C{i}", label=_label(c))
+        errorbar(axes[1], main_lrs, [r.get("lse_last100") for r in rows], shift=i - 1, color=f"C{i}", label=_label(c))
     axes[0].set_ylabel("largest lm_lse_max of the run")
     axes[1].set_ylabel("mean lm_lse, last 100 steps")
     for ax in axes:
@@ -512,9 +514,9 @@ def report(summaries, out_dir):
             lrs = sorted({k[2] for k in cell if k[:2] == arm})
             label = f"hidden {arm[0]}" + ("" if arm[1] == "none" else f", {arm[1]} wd")
             errorbar(axes[0], lrs, [cell.get((*arm, lr, 1e-4), {}).get("final_validation_minus_c0") for lr in lrs],
-                     color=f"C{i}", label=label)
+                     shift=i - len(arms) / 2, color=f"C{i}", label=label)
             errorbar(axes[1], lrs, [cell.get((*arm, lr, 0.0), {}).get("final_validation") for lr in lrs],
-                     color=f"C{i}", label=label)
+                     shift=i - len(arms) / 2, color=f"C{i}", label=label)
         axes[0].axhline(0, color="gray", linewidth=1)
         axes[0].set_ylabel("final validation loss, c=1e-4 minus c=0 (paired)")
         axes[1].set_ylabel("final validation loss at c=0")
@@ -555,7 +557,10 @@ def report(summaries, out_dir):
 
 
 def load(run):
-    """A run folder's summary (summarized now when its TensorBoard events are there)."""
+    """A run folder's summary (summarized now when its TensorBoard events are there), or a summary file."""
+    if os.path.isfile(run):
+        with open(run) as fh:
+            return json.load(fh)
     if os.path.isdir(os.path.join(run, "tb")) and os.path.exists(os.path.join(run, "sweep.json")):
         return summarize(run)
     with open(os.path.join(run, "summary.json")) as fh:
@@ -564,11 +569,13 @@ def load(run):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="the phases' run folders (sweep.json and tb/, or summary.json alone)")
+    parser.add_argument("runs", nargs="+", help="the phases' run folders (sweep.json and tb/, or summary.json alone), "
+                                               "or their summary files")
     parser.add_argument("--out", default=None, help="where the PNGs and tables go (default FIRST_RUN/report)")
     args = parser.parse_args(argv)
     summaries = [load(run) for run in args.runs]
-    paths = report(summaries, args.out or os.path.join(args.runs[0], "report"))
+    first = args.runs[0] if os.path.isdir(args.runs[0]) else os.path.dirname(os.path.abspath(args.runs[0]))
+    paths = report(summaries, args.out or os.path.join(first, "report"))
     print("\n".join(paths.values()))
 
 
