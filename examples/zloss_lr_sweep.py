@@ -251,7 +251,6 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
     run's ``cost`` units, the least-loaded GPU first; on the CPU: ``parallel`` at a time), stop what is
     still running after ``budget_s``; returns one record per run of the plan."""
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    ports = iter(free_ports(len(plan)))
     base_env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
                     OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2" if gpus else "1"))
     slots = gpus or ["cpu"]
@@ -263,6 +262,7 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
     deadline = 0.9 * budget_s
     busy = {g: 0.0 for g in slots}
     pending = list(plan)
+    plan_keys = set().union(*(r.keys() for r in plan)) if plan else set()
     running, records = {}, []
     start = time.time()
     while pending or running:
@@ -282,7 +282,7 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
             load[gpu] += cost
             env = dict(base_env, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpus else {}))
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                   "--master-addr", "127.0.0.1", "--master-port", str(next(ports)),
+                   "--master-addr", "127.0.0.1", "--master-port", str(free_ports(1)[0]),  # chosen at launch
                    "-m", "mindspeed_cez.launch", os.path.join(HERE, "pretrain_gpt.py"),
                    *megatron_args(cfg, run, data, run_dir, bool(gpus), eval_iters, prefixes)]
             log = open(os.path.join(run_dir, "logs", run["name"] + ".log"), "w")
@@ -310,6 +310,15 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
             if proc.poll() is None:
                 continue
             log.close()
+            if proc.returncode != 0 and not record.get("stopped_at_budget") and not record.get("retried") \
+                    and "EADDRINUSE" in open(log.name, errors="replace").read():
+                # the port was free when chosen and taken before torchrun bound it: start the run once more
+                os.replace(log.name, log.name + ".eaddrinuse")
+                load[record["gpu"] if gpus else "cpu"] -= record["cost"] if gpus else 1
+                del running[name]
+                pending.insert(0, dict({k: v for k, v in record.items() if k in plan_keys}, retried=True))
+                print(f"[{time.time() - start:5.0f} s] {name}: port taken at rendezvous, started again", flush=True)
+                continue
             where = record["gpu"] if gpus else "cpu"
             load[where] -= record["cost"] if gpus else 1
             if load[where] == 0:  # an idle GPU's admitted work has ended, whatever was predicted
