@@ -334,7 +334,8 @@ def statistics_of(runs):
         lrs, coeffs = swept(runs, hidden, wd_mode)
         base_lrs, base_coeffs = swept(runs, 256, "none")
         coeffs = [c for c in coeffs if c in base_coeffs]
-        if len(lrs) > 1 and set(lrs) <= set(base_lrs) and coeffs:
+        done = {(tuple(e["lrs"]), tuple(e["by_coeff"])) for e in sens if e.get("compare_with")}
+        if len(lrs) > 1 and set(lrs) <= set(base_lrs) and coeffs and (tuple(lrs), tuple(coeffs)) not in done:
             entry = sensitivities(runs, 256, "none", lrs, coeffs)
             entry["compare_with"] = [hidden, wd_mode]
             sens.append(entry)
@@ -536,15 +537,18 @@ def report(summaries, out_dir):
     top = max(r["lr"] for r in runs)
     fig, axes = plt.subplots(1, len(widths), figsize=(6 * len(widths), 4.2), squeeze=False)
     for ax, hidden in zip(axes[0], widths):
-        chosen = [r for r in runs if r["hidden"] == hidden and r["wd_mode"] == "none" and r["lr"] == top
+        chosen = [r for r in runs if r["hidden"] == hidden and r["wd_mode"].split(",")[0] == "none" and r["lr"] == top
                   and not r.get("rerun") and r["series"]]
+        longest = max((r.get("steps") or 0 for r in chosen), default=0)
+        chosen = [r for r in chosen if (r.get("steps") or 0) == longest]  # the longest runs of that width
         seed = min((r["seed"] for r in chosen), default=None)
         for i, r in enumerate(sorted((r for r in chosen if r["seed"] == seed), key=lambda r: r["coeff"])):
             for tag, style in (("lm_lse", "-"), ("lm_lse_max", "--")):
                 pts = r["series"].get(tag, [])
                 ax.plot([s for s, _ in pts], [v for _, v in pts], style, color=f"C{i}", linewidth=1,
                         label=f"{_label(r['coeff'])}, {'mean' if tag == 'lm_lse' else 'max'}")
-        ax.set_title(f"hidden {hidden}, LR {top:g}, seed {seed}", fontsize=9)
+        steps = max((r["last_step"] for r in chosen if r["seed"] == seed), default=0)
+        ax.set_title(f"hidden {hidden}, LR {top:g}, seed {seed}, {steps} steps, no weight decay", fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("log Z")
         ax.grid(alpha=0.3)
