@@ -13,7 +13,10 @@ Metrics
 ``lm_lse_max`` (with ``lm_lse``)
     The largest log-sum-exp of the iteration's counted tokens (``loss_mask`` > 0), over every
     micro-batch, data-parallel x context-parallel rank and pipeline stage: the token whose logits
-    drift furthest, which the mean hides. ``-inf`` when the iteration counts no token.
+    drift furthest, which the mean hides. ``-inf`` when the iteration counts no token. Megatron's
+    log line shows the largest of its logging interval (``training_log`` would print the interval's
+    mean: the wrapper in :mod:`mindspeed_cez.patches.training_log` keeps the maximum instead);
+    TensorBoard and W&B get each iteration's own value at the iterations they write.
 
 Recording adds three sums and a running maximum to small device tensors (no host sync). Reporting
 all-reduces them (SUM, and MAX for the maximum) over the data-parallel group with context

@@ -7,6 +7,10 @@ own micro-batches with different masks, and every rank must report
 ``sum(z * mask) / sum(mask)`` over the micro-batches of the ranks that hold the LM head (all of
 them for DP and CP, the last pipeline stage for PP), in float64 within fp32 rounding, and the
 largest lse among their counted tokens (the largest of all tokens is masked out on purpose).
+
+And ``interval_maximum`` under Megatron's accumulation rule (sum unless skipped, print sum / count,
+reset): the printed ``lm_lse_max`` is the interval's largest (Megatron's real ``training_log`` with
+log interval 4: tests/test_zloss_sweep.py).
 """
 
 import pytest
@@ -59,3 +63,39 @@ def _worker(rank, world_size, layout):
 @pytest.mark.parametrize("layout", ["dp", "cp", "pp"])
 def test_token_weighted_over_the_groups(layout):
     run_on_ranks(2, _worker, layout, timeout=300)
+
+
+def _megatron_log_interval(values, skipped, log_interval):
+    """What Megatron's training_log prints for lm_lse_max with the wrapper's interval_maximum: its
+    accumulation rule (sum unless skipped, count the advanced iterations, print sum / count, reset
+    both after the line), the wrapper's adjustment before each call. Returns the printed values."""
+    from mindspeed_cez.patches import metrics
+    from mindspeed_cez.patches.training_log import ADVANCED_ITERS, interval_maximum
+
+    total, printed = {}, []
+    for iteration, (value, skip) in enumerate(zip(values, skipped), start=1):
+        value = torch.tensor([value], dtype=torch.float32)
+        interval_maximum(total, value, skip)
+        if not skip:
+            total[ADVANCED_ITERS] = total.get(ADVANCED_ITERS, 0) + 1
+            total[metrics.LM_LSE_MAX] = total.get(metrics.LM_LSE_MAX, torch.zeros(1)) + value
+        if iteration % log_interval == 0:
+            printed.append(float(total[metrics.LM_LSE_MAX]) / max(1, total.get(ADVANCED_ITERS, 0)))
+            total[metrics.LM_LSE_MAX] = torch.zeros(1)
+            total[ADVANCED_ITERS] = 0
+    return printed
+
+
+def test_interval_maximum_on_megatrons_accumulation():
+    """The printed value is the largest of the interval's non-skipped iterations, to fp32 rounding."""
+    g = torch.Generator().manual_seed(7)
+    values = (20 + 200 * torch.rand(40, generator=g, dtype=torch.float64)).tolist()
+    skipped = [i % 7 == 3 for i in range(40)]
+    values[9] = 1e4  # a spike in a skipped-free interval; the skipped iterations' values must not count
+    for i in range(40):
+        if skipped[i]:
+            values[i] = 1e6
+    printed = _megatron_log_interval(values, skipped, 5)
+    for k, got in enumerate(printed):
+        window = [v for v, s in zip(values[5 * k:5 * k + 5], skipped[5 * k:5 * k + 5]) if not s]
+        assert got == pytest.approx(max(window), rel=1e-6), (k, got, window)

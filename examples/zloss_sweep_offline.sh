@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One phase of the z-loss sweep on a GPU machine without network, from this checkout's root.
+#
+#   bash examples/zloss_sweep_offline.sh PHASE WHEELS DATA OUT [zloss_lr_sweep.py args ...]
+#
+# PHASE: A or B (B needs --best-lr LR among the args). WHEELS: a folder with the megatron-core
+# wheel (pip download --no-deps --only-binary=:all: --python-version 3.12 megatron-core==0.19.2);
+# torch, tensorboard and tokenizers come with the machine. DATA: the corpus as it travels, either
+# corpus.jsonl.xz + tokenizer.json (examples/pypi_text_corpus.py encodes them there and checks the
+# digests) or a finished build. OUT: where the results go, 8 files: PHASE_sweep.log,
+# PHASE_sweep.json, PHASE_summary.json, PHASE_series.json.gz (every TensorBoard point),
+# PHASE_logs.tgz, PHASE_report.tgz, PHASE_data.json, PHASE_data_build.log.
+# Environment: PYTHON (python3), SITE (where the wheels and this package are installed), WORK
+# (scratch); TOTAL_S: the whole call's seconds, the sweep's --budget-s then being what the install
+# and the data leave of it, less RESERVE_S (100) for the summary and the packing.
+set -u -o pipefail
+[ $# -ge 4 ] || { sed -n 2,15p "$0"; exit 2; }
+PHASE=$1 WHEELS=$(realpath "$2") DATA=$(realpath "$3") OUT=$4
+shift 4
+PY=${PYTHON:-python3} SITE=${SITE:-/tmp/zloss_site} WORK=${WORK:-/tmp/zloss_work}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+mkdir -p "$OUT" "$WORK/data"
+OUT=$(realpath "$OUT")
+start=$SECONDS
+stamp() { echo "== zloss $PHASE [$((SECONDS - start)) s] $*"; }
+
+stamp "install megatron-core and this package into $SITE"
+$PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/megatron_core-*.whl || exit 1
+$PY -m pip install -q --no-index --no-deps --no-cache-dir --no-build-isolation --upgrade --target "$SITE" . || exit 1
+export PYTHONPATH=$SITE
+for f in "$DATA"/*; do [ -e "$WORK/data/$(basename "$f")" ] || cp -r "$f" "$WORK/data/"; done
+
+stamp "data: build or check $WORK/data"
+$PY examples/pypi_text_corpus.py build --dir "$WORK/data" --no-strict >"$OUT/${PHASE}_data_build.log" 2>&1 || {
+    tail -20 "$OUT/${PHASE}_data_build.log"; exit 1; }
+budget=()
+if [ -n "${TOTAL_S:-}" ]; then  # the sweep gets what is left of TOTAL_S, less RESERVE_S for the summary and packing
+    budget=(--budget-s $((TOTAL_S - (SECONDS - start) - ${RESERVE_S:-100})))
+fi
+
+stamp "sweep ${budget[*]}"
+$PY examples/zloss_lr_sweep.py --data "$WORK/data" --phase "$PHASE" --out "$WORK/$PHASE" "$@" "${budget[@]}" 2>&1 \
+    | tee "$OUT/${PHASE}_sweep.log"
+rc=${PIPESTATUS[0]}
+
+stamp "pack the results (sweep rc=$rc)"
+R=$WORK/$PHASE
+cp "$R/sweep.json" "$OUT/${PHASE}_sweep.json" 2>/dev/null
+cp "$R/summary.json" "$OUT/${PHASE}_summary.json" 2>/dev/null
+cp "$R/series_full.json.gz" "$OUT/${PHASE}_series.json.gz" 2>/dev/null
+cp "$WORK/data/build.json" "$OUT/${PHASE}_data.json" 2>/dev/null
+tar czf "$OUT/${PHASE}_logs.tgz" -C "$R" logs 2>/dev/null
+tar czf "$OUT/${PHASE}_report.tgz" -C "$R" report 2>/dev/null
+ls -la "$OUT"
+stamp "done"
+exit "$rc"
