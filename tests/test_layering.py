@@ -162,3 +162,34 @@ def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
     modules = {f"{PACKAGE}.a": str(a), f"{PACKAGE}.b": str(b)}
     assert _imports(f"{PACKAGE}.b", str(b), modules) == {f"{PACKAGE}.a"}
     assert _imports(f"{PACKAGE}.a", str(a), modules) == {f"{PACKAGE}.b"}
+
+
+ARCHITECTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "architecture.md")
+
+
+def _architecture_layers():
+    """{section title: [module names]} of docs/architecture.md's module tables (first column, in backticks)."""
+    layers, title = {}, None
+    for line in open(ARCHITECTURE).read().splitlines():
+        if line and not line.startswith("|") and not line.startswith(" "):
+            title = line
+        elif line.startswith("| `") and title is not None:
+            layers.setdefault(title, []).append(line.split("`")[1])
+    return layers
+
+
+def test_architecture_page_names_every_module_in_its_layer():
+    """docs/architecture.md stays true: its tables name each module once, every one of them, in its layer,
+    and its entry points are the layering's."""
+    modules, _ = _graph()
+    layers = _architecture_layers()
+    named = [m for names in layers.values() for m in names]
+    assert len(named) == len(set(named)), "a module named twice in docs/architecture.md"
+    assert set(named) == set(modules), (f"docs/architecture.md lacks {sorted(set(modules) - set(named))}, "
+                                        f"names what is gone: {sorted(set(named) - set(modules))}")
+    entry, patches, ops, kernels = (next(names for title, names in layers.items() if title.startswith(prefix))
+                                    for prefix in ("Entry points", "`patches/`", "`mindspeed_cez/`", "`kernels/`"))
+    assert set(entry) == ENTRY_POINTS
+    assert all(_inside(m, PATCHES) for m in patches)
+    assert all(_inside(m, KERNELS) for m in kernels)
+    assert not any(_inside(m, PATCHES) or _inside(m, KERNELS) or m in ENTRY_POINTS for m in ops)
