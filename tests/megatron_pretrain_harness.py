@@ -11,6 +11,12 @@ wraps three of its functions:
   data-dependent tail of the sequence, so that micro-batches (and data-parallel ranks) count
   different numbers of tokens, as packed sequences do.
 
+With ``CEZ_TEST_NAN_ITERATION=N`` the output layer's input turns NaN in iteration N (Megatron's NaN
+checks and its rerun state machine meet it). ``CEZ_TEST_RERUN_MODE=report_determinism_stats`` puts Megatron's
+rerun state machine in that mode (every step run twice, the loss's variability logged), which
+megatron-core 0.19.2's ``--rerun-mode report_stats`` cannot reach (its enum value differs); each
+re-run micro-batch's loss is then compared with the first run's, exactly, and the result printed.
+
 With ``CEZ_TEST_CP_ATTENTION`` set, Megatron's local layer specs build the test-only
 context-parallel attention of ``tests/context_parallel_attention.py`` (context parallelism without
 Transformer Engine).
@@ -116,12 +122,26 @@ _example_model_provider, _example_get_batch, _example_loss_func = (
     example.model_provider, example.get_batch, example.loss_func)
 
 
+def _nan_into_output_layer(module, args):
+    """``CEZ_TEST_NAN_ITERATION=N``: the output layer's input becomes NaN in every training forward of
+    iteration N (a fault for Megatron's NaN checks to find; a re-run of the step meets it again)."""
+    if module.training and getattr(get_args(), "curr_iteration", -1) == int(os.environ["CEZ_TEST_NAN_ITERATION"]) - 1:
+        return (args[0] * float("nan"), *args[1:])
+    return None
+
+
 @functools.wraps(_example_model_provider)  # the same signature: Megatron reads it
 def model_provider(*args, **kwargs):
     model = _example_model_provider(*args, **kwargs)
     post_process = inspect.signature(_example_model_provider).bind(*args, **kwargs).arguments.get("post_process", True)
     if post_process and os.environ.get("CEZ_DUMP_LOGITS_DIR"):
         model.output_layer.register_forward_hook(_keep_logits_hook)
+    if post_process and os.environ.get("CEZ_TEST_NAN_ITERATION"):
+        model.output_layer.register_forward_pre_hook(_nan_into_output_layer)
+    if os.environ.get("CEZ_TEST_RERUN_MODE"):  # after initialize_megatron made the rerun state machine
+        from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+        get_rerun_state_machine().set_mode(RerunMode(os.environ["CEZ_TEST_RERUN_MODE"]))
     return model
 
 
@@ -129,20 +149,45 @@ def get_batch(data_iterator):
     batch = _example_get_batch(data_iterator)
     if os.environ.get("CEZ_TEST_MASK_TAIL"):
         # the tail of the whole sequence (this rank's share of it under context parallelism)
+        # on the device (no host sync: a full-iteration CUDA graph captures it)
         total = batch["tokens"].sum()
         if parallel_state.get_context_parallel_world_size() > 1:
             torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
-        keep = 4 + int(total) % (get_args().seq_length - 4)
-        batch["loss_mask"][batch["position_ids"] >= keep] = 0.0  # mock data: position_ids = arange(seq)
+        keep = 4 + total % (get_args().seq_length - 4)
+        batch["loss_mask"].masked_fill_(batch["position_ids"] >= keep, 0.0)  # mock data: position_ids = arange(seq)
     _CURRENT_BATCH.update(batch)
     return batch
+
+
+_RERUN_LOSSES = {}  # (iteration, re-run?) -> this rank's micro-batch losses, in order
+
+
+def _compare_rerun(result):
+    """Under ``CEZ_TEST_RERUN_MODE``: each micro-batch's loss sum of a re-run step against the first run's,
+    printed as ``cez-rerun iteration I micro-batch K: identical`` (or both values)."""
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    rerun = machine.state == RerunState.RERUNNING_IN_PLACE
+    losses = _RERUN_LOSSES.setdefault((machine.current_iteration, rerun), [])
+    losses.append(float(result[0]))
+    if rerun:
+        k = len(losses) - 1
+        first = _RERUN_LOSSES.get((machine.current_iteration, False), [])
+        same = k < len(first) and first[k] == losses[k]
+        print(f"cez-rerun iteration {machine.current_iteration} micro-batch {k} rank {torch.distributed.get_rank()}: "
+              + ("identical" if same else f"differs: {first[k] if k < len(first) else None!r} then {losses[k]!r}"),
+              flush=True)
 
 
 def loss_func(loss_mask, output_tensor):
     pending = _CURRENT_BATCH.pop("logits", None)
     if pending is not None:
         _dump_logits(*pending)
-    return _example_loss_func(loss_mask, output_tensor)
+    result = _example_loss_func(loss_mask, output_tensor)
+    if os.environ.get("CEZ_TEST_RERUN_MODE") and torch.is_grad_enabled():
+        _compare_rerun(result)
+    return result
 
 
 if os.environ.get("CEZ_TEST_CP_ATTENTION"):
