@@ -80,6 +80,15 @@ def check_forward_gradients(backward_pending_ok=False):
             "forwards under torch.no_grad(), or run with " + RECOMPUTE_FIX + ".")
 
 
+def forget_forward_gradients():
+    """Forget every forward that added into ``main_grad`` (their graphs alive or freed): for a training loop
+    that throws the step away and zeroes ``main_grad`` itself (an in-process restart after a fault), so
+    :func:`check_forward_gradients` does not report the abandoned step's forwards. No device work."""
+    for token in list(_OWED):
+        token.paid = True
+    _DROPPED.clear()
+
+
 ROW_BLOCK_MIN = 1024
 BLOCK_FRACTION = 0.5  # the default: a block's logits are half the logits
 LEAN_BLOCK_FRACTION = 0.125  # the lean setting: an eighth

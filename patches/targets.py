@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from mindspeed_cez.patches import megatron_core as mc
-from mindspeed_cez.patches import mindspeed_llm, moe_tracker, output_layer, training_log
+from mindspeed_cez.patches import megatron_features, mindspeed_llm, moe_tracker, output_layer, training_log
 
 
 def patch_targets():
@@ -33,6 +33,7 @@ def patch_targets():
         targets.append((report, training_log.moe_metrics_report_wrapper))
     if importlib.util.find_spec("megatron.training") is not None:
         targets.append(("megatron.training.training.training_log", training_log.training_log_wrapper))
+        targets.append(("megatron.training.training.destroy_global_state", megatron_features.destroy_global_state_wrapper))
     return targets + mindspeed_llm.patch_targets()
 
 

@@ -1,0 +1,50 @@
+"""Megatron's training features beside the flags: the combinations refused at startup, and the adaptor's state
+at an in-process restart.
+
+What runs with the flags and what does not is in ``docs/megatron_features.md`` (the runs behind it:
+``tests/gpu_megatron_features.py`` on four GPUs, ``tests/test_megatron_features_cpu.py`` on the CPU).
+
+* :func:`check_args` (called by the flags' validation): each combination the flags cannot serve ends the run
+  at startup, one line naming the alternative.
+* :func:`reset_iteration_state`: an in-process restart (``--inprocess-restart``, nvidia-resiliency-ext)
+  abandons the step a fault interrupted and calls Megatron's ``destroy_global_state`` before it trains again;
+  the adaptor then drops that step's partial metric sums (``lm_z_loss``, ``lm_lse``, ``lm_lse_max``) and the
+  forwards of ``--lm-fused-output-layer`` (forward) whose backward never came, which would otherwise be
+  counted into the first step after the restart and be reported as a dropped gradient
+  (:func:`destroy_global_state_wrapper`).
+"""
+
+from mindspeed_cez.linear_forward_grads import forget_forward_gradients
+from mindspeed_cez.patches import metrics
+from mindspeed_cez.patches.pass_through import while_active
+
+FLAG_OUTPUT_LAYER = "--lm-fused-output-layer"
+
+# (what the flags are set to, Megatron's setting, why not, the alternative): each a one-line refusal
+REFUSED = ()
+
+
+def check_args(args, output_layer_mode):
+    """Raise ``ValueError`` (one line, naming the alternative) for a combination of Megatron's features with the
+    flags that the adaptor cannot serve; ``output_layer_mode``: ``--lm-fused-output-layer``'s value or None."""
+    for applies, message in REFUSED:
+        if applies(args, output_layer_mode):
+            raise ValueError(message)
+
+
+def reset_iteration_state():
+    """Forget the interrupted step: this iteration's metric sums and the fused layer's forwards that owe a
+    backward. Local; no collective, no device sync."""
+    metrics.reduce_iteration([])  # clears the sums, reports nothing
+    forget_forward_gradients()
+
+
+def destroy_global_state_wrapper(fn):
+    """``megatron.training.training.destroy_global_state`` (called by Megatron's in-process restart between a
+    fault and the next attempt): :func:`reset_iteration_state` first."""
+
+    def destroy_global_state(settings, *args, **kwargs):
+        reset_iteration_state()
+        return fn(*args, **kwargs)
+
+    return while_active(fn, destroy_global_state)
