@@ -136,10 +136,13 @@ def specs(cpu, work):
     kinds = {"ddp": [], "mfsdp": ["--use-megatron-fsdp"], "fsdp2": ["--use-torch-fsdp2"]}
     for kind, extra in kinds.items():
         for variant in FLAGGED:
-            add(f"dp4-{kind}-{variant}", "fsdp", variant, dense + extra, 6, env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+            dump = str(work / f"grad-dp4-{kind}-{variant}")
+            add(f"dp4-{kind}-{variant}", "fsdp", variant, dense + extra, 6,
+                env={"CUDA_DEVICE_MAX_CONNECTIONS": "8", "CEZ_DUMP_OUTPUT_GRAD": dump})
     for kind in ("ddp", "mfsdp"):
         for variant in ("fol", "fol_recompute"):
-            add(f"tp2dp2-{kind}-{variant}", "fsdp", variant, dense + _parallel(tp=2, sp=True) + kinds[kind], 6)
+            add(f"tp2dp2-{kind}-{variant}", "fsdp", variant, dense + _parallel(tp=2, sp=True) + kinds[kind], 6,
+                env={"CEZ_DUMP_OUTPUT_GRAD": str(work / f"grad-tp2dp2-{kind}-{variant}")})
     return out
 
 
@@ -187,6 +190,28 @@ def check_graphs(runs, specs_by_name):
     return checks
 
 
+GRAD_REL = 2e-2  # the output layer's gradient, bf16 GEMMs summed over tokens and ranks in another order
+
+
+def output_grads(spec):
+    """{tp rank: (gradient, where it was read)} the harness dumped for ``spec``'s iteration 1."""
+    import torch
+
+    folder = Path(spec.env.get("CEZ_DUMP_OUTPUT_GRAD", ""))
+    dumps = [torch.load(path) for path in sorted(folder.glob("output_grad_tp*.pt"))] if folder.name else []
+    return {d["tp_rank"]: (d["grad"], f"{d['kind']}.{d['source']}") for d in dumps}
+
+
+def grad_difference(a, b):
+    """``|a - b| / |b|`` (Frobenius) over every tensor-parallel shard; NaN where one is missing."""
+    if not a or sorted(a) != sorted(b) or any(a[t][0] is None or b[t][0] is None for t in a):
+        return math.nan
+    if any(a[t][0].shape != b[t][0].shape for t in a):
+        return math.inf
+    num = sum(float((a[t][0].double() - b[t][0].double()).norm() ** 2) for t in a)
+    return math.sqrt(num / max(sum(float(b[t][0].double().norm() ** 2) for t in b), 1e-300))
+
+
 def check_fsdp(runs, specs_by_name):
     checks = Checks("fsdp")
     ok = {name: ended(checks, run, specs_by_name[name]) for name, run in runs.items()}
@@ -204,6 +229,11 @@ def check_fsdp(runs, specs_by_name):
                    f"{a[1]['grad norm']} vs {b[1]['grad norm']}")
         checks.close(f"{name}: later iterations = {ref}",
                      {f"{it} {k}": (a[it][k], b[it][k]) for it in sorted(b) if it > 1 for k in METRICS}, LATER_REL)
+        ga, gb = output_grads(specs_by_name[name]), output_grads(specs_by_name[ref])
+        diff = grad_difference(ga, gb)
+        checks.add(f"{name}: iteration 1's output-layer weight gradient (after the gradient sync) = {ref}'s",
+                   diff <= GRAD_REL, diff, GRAD_REL,
+                   f"read from {sorted({w for _, w in ga.values()})} and {sorted({w for _, w in gb.values()})}")
     return checks
 
 

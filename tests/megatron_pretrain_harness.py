@@ -15,7 +15,9 @@ With ``CEZ_TEST_NAN_ITERATION=N`` the output layer's input turns NaN in iteratio
 checks and its rerun state machine meet it). ``CEZ_TEST_RERUN_MODE=report_determinism_stats`` puts Megatron's
 rerun state machine in that mode (every step run twice, the loss's variability logged), which
 megatron-core 0.19.2's ``--rerun-mode report_stats`` cannot reach (its enum value differs); each
-re-run micro-batch's loss is then compared with the first run's, exactly, and the result printed.
+re-run micro-batch's loss is then compared with the first run's, exactly, and the result printed. With
+``CEZ_DUMP_OUTPUT_GRAD=DIR`` the output layer's weight gradient of iteration 1, after Megatron's gradient
+sync, is written to ``DIR`` (DDP's ``main_grad``, an FSDP parameter's gradient gathered).
 
 With ``CEZ_TEST_CP_ATTENTION`` set, Megatron's local layer specs build the test-only
 context-parallel attention of ``tests/context_parallel_attention.py`` (context parallelism without
@@ -189,6 +191,52 @@ def loss_func(loss_mask, output_tensor):
         _compare_rerun(result)
     return result
 
+
+# ------------------------------------------------------------------- the output layer's gradient
+def _whole(grad):
+    """A gradient as this rank's tensor-parallel shard, whole over data parallel (an FSDP DTensor gathered:
+    a collective of the data-parallel ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return grad
+    try:
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
+    except ImportError:
+        return grad.full_tensor()
+    return uneven_dtensor_to_full_tensor(grad)
+
+
+def _dumping_output_grad(finalize):
+    """Megatron's ``finalize_model_grads`` (the gradient sync), then, in iteration 1, the output layer's weight
+    gradient as the optimizer will read it (DDP: ``main_grad``; FSDP: the parameter's gradient, gathered) to
+    ``$CEZ_DUMP_OUTPUT_GRAD/output_grad_tp{t}.pt`` from data-parallel rank 0."""
+
+    @functools.wraps(finalize)
+    def finalize_model_grads(model, *args, **kwargs):
+        result = finalize(model, *args, **kwargs)
+        if getattr(get_args(), "curr_iteration", -1) == 0:
+            for chunk in model:
+                for name, param in chunk.named_parameters():
+                    if name.endswith("output_layer.weight"):
+                        source = "grad" if param.grad is not None else "main_grad"
+                        grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
+                        grad = None if grad is None else _whole(grad)
+                        if parallel_state.get_data_parallel_rank() == 0:
+                            os.makedirs(os.environ["CEZ_DUMP_OUTPUT_GRAD"], exist_ok=True)
+                            tp = parallel_state.get_tensor_model_parallel_rank()
+                            torch.save({"grad": None if grad is None else grad.detach().float().cpu(), "name": name,
+                                        "tp_rank": tp, "kind": type(param).__name__, "source": source},
+                                       os.path.join(os.environ["CEZ_DUMP_OUTPUT_GRAD"], f"output_grad_tp{tp}.pt"))
+        return result
+
+    return finalize_model_grads
+
+
+if os.environ.get("CEZ_DUMP_OUTPUT_GRAD"):
+    from megatron.training import training as _training
+
+    _training.finalize_model_grads = _dumping_output_grad(_training.finalize_model_grads)
 
 if os.environ.get("CEZ_TEST_CP_ATTENTION"):
     import context_parallel_attention
