@@ -6,6 +6,7 @@ What runs with the flags and what does not is in ``docs/megatron_features.md`` (
 
 * :func:`check_args` (called by the flags' validation): each combination the flags cannot serve ends the run
   at startup, one line naming the alternative.
+* :func:`megatron_fsdp_param`: under ``--use-megatron-fsdp`` the fused output layer leaves ``main_grad`` alone.
 * :func:`reset_iteration_state`: an in-process restart (``--inprocess-restart``, nvidia-resiliency-ext)
   abandons the step a fault interrupted and calls Megatron's ``destroy_global_state`` before it trains again;
   the adaptor then drops that step's partial metric sums (``lm_z_loss``, ``lm_lse``, ``lm_lse_max``) and the
@@ -30,6 +31,15 @@ def check_args(args, output_layer_mode):
     for applies, message in REFUSED:
         if applies(args, output_layer_mode):
             raise ValueError(message)
+
+
+def megatron_fsdp_param(weight):
+    """Whether Megatron-FSDP manages ``weight`` (its ``__fsdp_param__``, which Transformer Engine reads too). Its
+    ``main_grad`` is a view of a gradient bucket that Megatron-FSDP fetches in backward, overwrites and
+    reduce-scatters: one seen in forward is the last iteration's, released. The fused output layer hands such a
+    weight's gradient back through autograd (into the bucket by Megatron-FSDP's own hook), as Megatron's
+    unfused layer without gradient-accumulation fusion does."""
+    return bool(getattr(weight, "__fsdp_param__", False))
 
 
 def reset_iteration_state():

@@ -20,7 +20,7 @@ import torch
 
 from mindspeed_cez.linear_cross_entropy import (RECOMPUTE, ForwardGradientError, check_forward_gradients,
                                                linear_cross_entropy_zloss)
-from mindspeed_cez.patches import loss_context
+from mindspeed_cez.patches import loss_context, megatron_features
 from mindspeed_cez.patches.pass_through import while_active
 from mindspeed_cez.patches.logit_transform import TransformedLogits
 
@@ -180,6 +180,7 @@ def linear_loss(deferred, target, tp_group, loss, settings, grads, loss_mask, co
     # into it as the layer would with --gradient-accumulation-fusion (which needs apex / TE, the op not)
     into_main_grad = bool(getattr(layer, "gradient_accumulation_fusion", False)) or (
         hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad"))
+    into_main_grad = into_main_grad and not megatron_features.megatron_fsdp_param(weight)  # Megatron-FSDP: autograd
     try:
         return linear_cross_entropy_zloss(
             deferred.hidden, weight, target, loss=loss, tp_group=tp_group,

@@ -16,7 +16,7 @@ checks and its rerun state machine meet it). ``CEZ_TEST_RERUN_MODE=report_determ
 rerun state machine in that mode (every step run twice, the loss's variability logged), which
 megatron-core 0.19.2's ``--rerun-mode report_stats`` cannot reach (its enum value differs); each
 re-run micro-batch's loss is then compared with the first run's, exactly, and the result printed. With
-``CEZ_DUMP_OUTPUT_GRAD=DIR`` the output layer's weight gradient of iteration 1, after Megatron's gradient
+``CEZ_DUMP_OUTPUT_GRAD=DIR`` the output layer's weight gradient of iterations 1 and 2, after Megatron's gradient
 sync, is written to ``DIR`` (DDP's ``main_grad``, an FSDP parameter's gradient gathered).
 
 With ``CEZ_TEST_CP_ATTENTION`` set, Megatron's local layer specs build the test-only
@@ -208,14 +208,15 @@ def _whole(grad):
 
 
 def _dumping_output_grad(finalize):
-    """Megatron's ``finalize_model_grads`` (the gradient sync), then, in iteration 1, the output layer's weight
-    gradient as the optimizer will read it (DDP: ``main_grad``; FSDP: the parameter's gradient, gathered) to
-    ``$CEZ_DUMP_OUTPUT_GRAD/output_grad_tp{t}.pt`` from data-parallel rank 0."""
+    """Megatron's ``finalize_model_grads`` (the gradient sync), then, in iterations 1 and 2, the output layer's
+    weight gradient as the optimizer will read it (DDP: ``main_grad``; FSDP: the parameter's gradient, gathered)
+    to ``$CEZ_DUMP_OUTPUT_GRAD/output_grad_it{i}_tp{t}.pt`` from data-parallel rank 0."""
 
     @functools.wraps(finalize)
     def finalize_model_grads(model, *args, **kwargs):
         result = finalize(model, *args, **kwargs)
-        if getattr(get_args(), "curr_iteration", -1) == 0:
+        iteration = getattr(get_args(), "curr_iteration", -1) + 1
+        if iteration in (1, 2):
             for chunk in model:
                 for name, param in chunk.named_parameters():
                     if name.endswith("output_layer.weight"):
@@ -225,9 +226,10 @@ def _dumping_output_grad(finalize):
                         if parallel_state.get_data_parallel_rank() == 0:
                             os.makedirs(os.environ["CEZ_DUMP_OUTPUT_GRAD"], exist_ok=True)
                             tp = parallel_state.get_tensor_model_parallel_rank()
+                            path = os.path.join(os.environ["CEZ_DUMP_OUTPUT_GRAD"],
+                                                f"output_grad_it{iteration}_tp{tp}.pt")
                             torch.save({"grad": None if grad is None else grad.detach().float().cpu(), "name": name,
-                                        "tp_rank": tp, "kind": type(param).__name__, "source": source},
-                                       os.path.join(os.environ["CEZ_DUMP_OUTPUT_GRAD"], f"output_grad_tp{tp}.pt"))
+                                        "tp_rank": tp, "kind": type(param).__name__, "source": source}, path)
         return result
 
     return finalize_model_grads

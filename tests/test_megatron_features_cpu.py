@@ -122,3 +122,47 @@ def test_inprocess_restart_forgets_the_interrupted_step():
         assert {k: float(v) for k, v in values.items()} == {"lm_z_loss": 1.0, "lm_lse": 3.0, "lm_lse_max": 3.0}
     finally:
         patches.remove()
+
+
+@pytest.mark.parametrize("fsdp", [True, False], ids=["megatron-fsdp", "ddp"])
+def test_fused_layer_leaves_megatron_fsdp_main_grad_alone(fsdp):
+    """A weight Megatron-FSDP manages (``__fsdp_param__``) keeps last iteration's ``main_grad`` view in forward;
+    the fused layer hands its gradient back through autograd (Megatron-FSDP's hook puts it into the bucket), the
+    gradient of a plain weight; a DDP weight's gradient goes into ``main_grad`` (the control)."""
+    from types import SimpleNamespace
+
+    from mindspeed_cez.kernels.loss_spec import loss_spec
+    from mindspeed_cez.patches import output_layer
+    from mindspeed_cez.patches.settings import Settings
+
+    torch.manual_seed(0)
+    s, b, h, v = 8, 2, 16, 32
+    hidden = torch.randn(s, b, h)
+    target = torch.randint(0, v, (s, b))
+    mask = (torch.rand(b, s) > 0.3).float()
+    settings = Settings(z_loss_coeff=1e-2, fused_output_layer=True, grads="recompute")
+    config = SimpleNamespace(grad_scale_func=None, calculate_per_token_loss=False)
+    layer = SimpleNamespace(sequence_parallel=False, gradient_accumulation_fusion=False)
+
+    def weight_grad(weight):
+        x = hidden.clone().requires_grad_()
+        deferred = output_layer.DeferredLogits(x, weight, layer)
+        loss, _, _ = output_layer.linear_loss(deferred, target, None, loss_spec(z_loss_coeff=1e-2), settings,
+                                              "recompute", mask, config)
+        (loss.transpose(0, 1) * mask).sum().backward()
+        return weight
+
+    init = torch.randn(v, h) * 0.1
+    plain = weight_grad(torch.nn.Parameter(init.clone())).grad
+    weight = torch.nn.Parameter(init.clone())
+    weight.main_grad = torch.full((v, h), 7.0)  # the view a previous iteration left
+    weight.grad_added_to_main_grad = False
+    if fsdp:
+        weight.__fsdp_param__ = True
+    weight_grad(weight)
+    if fsdp:
+        assert torch.equal(weight.main_grad, torch.full((v, h), 7.0))
+        torch.testing.assert_close(weight.grad, plain)
+    else:
+        torch.testing.assert_close(weight.main_grad - 7.0, plain)
+        assert weight.grad_added_to_main_grad
