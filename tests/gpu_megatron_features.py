@@ -133,7 +133,7 @@ def specs(cpu, work):
 
     # --- FSDP (torch FSDP2 needs an untied output layer, torch_dist checkpoints and more than one CUDA connection)
     dense = base_args(cpu, 6, moe=False) + ["--untie-embeddings-and-output-weights"]
-    kinds = {"ddp": [], "mfsdp": ["--use-megatron-fsdp"], "fsdp2": ["--use-torch-fsdp2"]}
+    kinds = {"ddp": [], "mfsdp": ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], "fsdp2": ["--use-torch-fsdp2"]}
     for kind, extra in kinds.items():
         for variant in FLAGGED:
             dump = str(work / f"grad-dp4-{kind}-{variant}")
@@ -141,8 +141,10 @@ def specs(cpu, work):
                 env={"CUDA_DEVICE_MAX_CONNECTIONS": "8", "CEZ_DUMP_OUTPUT_GRAD": dump})
     for kind in ("ddp", "mfsdp"):
         for variant in ("fol", "fol_recompute"):
+            # Megatron wants one CUDA connection with TP, FSDP more than one (with TP: a warning)
             add(f"tp2dp2-{kind}-{variant}", "fsdp", variant, dense + _parallel(tp=2, sp=True) + kinds[kind], 6,
-                env={"CEZ_DUMP_OUTPUT_GRAD": str(work / f"grad-tp2dp2-{kind}-{variant}")})
+                env={"CEZ_DUMP_OUTPUT_GRAD": str(work / f"grad-tp2dp2-{kind}-{variant}"),
+                     "CUDA_DEVICE_MAX_CONNECTIONS": "8" if kind != "ddp" else "1"})
     return out
 
 
