@@ -166,3 +166,24 @@ def test_fused_layer_leaves_megatron_fsdp_main_grad_alone(fsdp):
     else:
         torch.testing.assert_close(weight.main_grad - 7.0, plain)
         assert weight.grad_added_to_main_grad
+
+
+def test_every_gpu_launch_passes_megatrons_argument_validation(monkeypatch, tmp_path):
+    """The four-GPU script's launches (CUDA graphs, FSDP, resharding, faults) as Megatron validates them at
+    startup, with the flags' validation, on the CPU: a launch Megatron would refuse never costs device time."""
+    import gpu_megatron_features
+    from megatron.training import arguments as megatron_arguments
+
+    from mindspeed_cez.patches.arguments import add_lm_z_loss_args, validate_lm_z_loss_args
+
+    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)  # Hopper, as the GPUs used
+    for key, value in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    specs = gpu_megatron_features.specs(cpu=False, work=tmp_path)
+    assert {s.group for s in specs} == {"graphs", "fsdp", "reshard", "faults"}
+    for spec in specs:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", spec.env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"))
+        monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *spec.args, "--distributed-backend", "nccl"])
+        args = megatron_arguments.parse_args(extra_args_provider=add_lm_z_loss_args)
+        megatron_arguments.validate_args(args, {"tokenizer_type": "NullTokenizer"})
+        validate_lm_z_loss_args(args)
