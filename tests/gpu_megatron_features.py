@@ -58,7 +58,7 @@ FLAGGED = ("z", "fol", "fol_recompute")
 METRICS = ("lm loss", "lm_z_loss", "lm_lse", "lm_lse_max")
 NO_DUMP = {"CEZ_DUMP_LOGITS_DIR": ""}
 NAN_ITERATION = 3
-LAUNCH_TIMEOUT_S = {"gpu": 190, "cpu": 600}
+LAUNCH_TIMEOUT_S = {"gpu": 200, "cpu": 600}
 
 
 @dataclass
@@ -139,7 +139,7 @@ def specs(cpu, work):
             dump = str(work / f"grad-dp4-{kind}-{variant}")
             add(f"dp4-{kind}-{variant}", "fsdp", variant, dense + extra, 6,
                 env={"CUDA_DEVICE_MAX_CONNECTIONS": "8", "CEZ_DUMP_OUTPUT_GRAD": dump})
-    for kind in ("ddp", "mfsdp"):
+    for kind in ("ddp", "mfsdp", "fsdp2"):
         for variant in ("fol", "fol_recompute"):
             # Megatron wants one CUDA connection with TP, FSDP more than one (with TP: a warning)
             add(f"tp2dp2-{kind}-{variant}", "fsdp", variant, dense + _parallel(tp=2, sp=True) + kinds[kind], 6,
@@ -221,7 +221,7 @@ def check_fsdp(runs, specs_by_name):
     checks = Checks("fsdp")
     ok = {name: ended(checks, run, specs_by_name[name]) for name, run in runs.items()}
     pairs = [(f"dp4-{k}-{v}", f"dp4-ddp-{v}") for k in ("mfsdp", "fsdp2") for v in FLAGGED]
-    pairs += [(f"tp2dp2-mfsdp-{v}", f"tp2dp2-ddp-{v}") for v in ("fol", "fol_recompute")]
+    pairs += [(f"tp2dp2-{k}-{v}", f"tp2dp2-ddp-{v}") for k in ("mfsdp", "fsdp2") for v in ("fol", "fol_recompute")]
     pairs += [(f"dp4-ddp-{v}", "dp4-ddp-z") for v in ("fol", "fol_recompute")]
     for name, ref in pairs:
         if not (ok.get(name) and ok.get(ref)):
@@ -372,8 +372,8 @@ def main(argv=None):
     parser.add_argument("--groups", nargs="+", help="groups to run (default: all)")
     parser.add_argument("--only", help="a regular expression: run the launches whose names match (and those they need)")
     parser.add_argument("--work", help="where the runs write (default: a temporary folder, removed)")
-    parser.add_argument("--parallel", type=int, default=14, help="launches at once")
-    parser.add_argument("--budget-s", type=float, default=330, help="no launch starts after this many seconds")
+    parser.add_argument("--parallel", type=int, default=16, help="launches at once")
+    parser.add_argument("--budget-s", type=float, default=290, help="no launch starts after this many seconds")
     args = parser.parse_args(argv)
 
     import torch
@@ -391,6 +391,7 @@ def main(argv=None):
         wanted = {s.name for s in todo if re.search(args.only, s.name)}
         wanted |= {n for s in todo if s.name in wanted for n in s.needs}
         todo = [s for s in todo if s.name in wanted]
+    todo.sort(key=lambda s: ("reshard", "graphs", "fsdp", "faults").index(s.group))  # the savers first
     by_name = {s.name: s for s in todo}
     timeout_s = LAUNCH_TIMEOUT_S["cpu" if cpu else "gpu"]
     parallel = 1 if cpu else args.parallel

@@ -30,7 +30,7 @@ layouts() {  # every layout of Megatron's pretrain the GPUs found hold, 4 varian
 features() {  # the flag under Megatron's CUDA graphs, FSDP, resharding resumes and fault tolerance; asserted
     if [ "$GPUS" -ge 4 ]; then
         echo "== Megatron features with the flag over NCCL ($GPUS GPUs)"
-        timeout 480 python3 tests/gpu_megatron_features.py --out "$OUT/features" --budget-s 270 2>&1 | tee "$OUT/features.log"
+        timeout 530 python3 tests/gpu_megatron_features.py --out "$OUT/features" --budget-s 290 2>&1 | tee "$OUT/features.log"
         return "${PIPESTATUS[0]}"
     fi
     echo "== Megatron features: skipped (they need four GPUs, this machine has $GPUS)"
