@@ -129,11 +129,13 @@ def specs(cpu, work):
     graphs = base_args(cpu, 10, moe=False) + _parallel(tp=2, sp=True) + ["--no-check-for-nan-in-loss-and-grad"]
     for impl in ("none", "full_iteration", "local"):
         for variant in FLAGGED:
-            add(f"graph-{impl}-{variant}", "graphs", variant, graphs + ["--cuda-graph-impl", impl], 10)
+            add(f"graph-{impl}-{variant}", "graphs", variant, graphs + ["--cuda-graph-impl", impl], 10,
+                env={"CEZ_TEST_LOG_MEMORY": "1"})
 
     # --- FSDP (torch FSDP2 needs an untied output layer, torch_dist checkpoints and more than one CUDA connection)
     dense = base_args(cpu, 6, moe=False) + ["--untie-embeddings-and-output-weights"]
-    kinds = {"ddp": [], "mfsdp": ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], "fsdp2": ["--use-torch-fsdp2"]}
+    kinds = {"ddp": [], "mfsdp": ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],  # as Megatron requires
+             "fsdp2": ["--use-torch-fsdp2"]}
     for kind, extra in kinds.items():
         for variant in FLAGGED:
             dump = str(work / f"grad-dp4-{kind}-{variant}")
@@ -173,6 +175,22 @@ def rows_of(run):
     return {it: Row(row) for it, row in run.rows.items()}
 
 
+GRAPH_WARMUP = 3  # Megatron's --cuda-graph-warmup-steps: eager steps before the capture
+
+
+def memory_growth(run, after):
+    """The largest growth of a rank's allocated CUDA memory from one logged step to a later one, over steps >
+    ``after`` (NaN without the harness's ``cez-memory`` lines)."""
+    found = {}
+    text = run.log_path.read_text(errors="replace")
+    for m in re.finditer(r"cez-memory iteration (\d+) rank (\d+): allocated (\d+)", text):
+        if int(m.group(1)) > after:
+            found.setdefault(int(m.group(2)), []).append(int(m.group(3)))
+    if not found:
+        return math.nan
+    return max(max(v) - v[0] for v in found.values())
+
+
 def check_graphs(runs, specs_by_name):
     checks = Checks("graphs")
     ok = {name: ended(checks, run, specs_by_name[name]) for name, run in runs.items()}
@@ -191,6 +209,9 @@ def check_graphs(runs, specs_by_name):
                 text = runs[name].log_path.read_text(errors="replace")
                 checks.add(f"{name}: the training step was captured", "CUDA graph capture done for training" in text
                            or "Capture CUDA graph for training" in text)
+            grown = memory_growth(runs[name], after=GRAPH_WARMUP + 1)  # captured in step 4, replayed from 5
+            checks.add(f"{name}: CUDA memory allocated steady over the steps after the capture", grown == 0, grown,
+                       0, "bytes, largest growth on a rank")
     return checks
 
 

@@ -17,7 +17,8 @@ rerun state machine in that mode (every step run twice, the loss's variability l
 megatron-core 0.19.2's ``--rerun-mode report_stats`` cannot reach (its enum value differs); each
 re-run micro-batch's loss is then compared with the first run's, exactly, and the result printed. With
 ``CEZ_DUMP_OUTPUT_GRAD=DIR`` the output layer's weight gradient of iterations 1 and 2, after Megatron's gradient
-sync, is written to ``DIR`` (DDP's ``main_grad``, an FSDP parameter's gradient gathered).
+sync, is written to ``DIR`` (DDP's ``main_grad``, an FSDP parameter's gradient gathered). With
+``CEZ_TEST_LOG_MEMORY`` each logged step prints this rank's CUDA memory (``cez-memory iteration I ...``).
 
 With ``CEZ_TEST_CP_ATTENTION`` set, Megatron's local layer specs build the test-only
 context-parallel attention of ``tests/context_parallel_attention.py`` (context parallelism without
@@ -234,6 +235,26 @@ def _dumping_output_grad(finalize):
 
     return finalize_model_grads
 
+
+def _logging_memory(training_log):
+    """Megatron's ``training_log``, then ``cez-memory iteration I: allocated A reserved R`` (this rank's CUDA
+    memory in bytes after the step: steady across steps replayed from a CUDA graph)."""
+
+    @functools.wraps(training_log)
+    def logged(*args, **kwargs):
+        result = training_log(*args, **kwargs)
+        iteration = inspect.signature(training_log).bind(*args, **kwargs).arguments["iteration"]
+        print(f"cez-memory iteration {iteration} rank {torch.distributed.get_rank()}: allocated "
+              f"{torch.cuda.memory_allocated()} reserved {torch.cuda.memory_reserved()}", flush=True)
+        return result
+
+    return logged
+
+
+if os.environ.get("CEZ_TEST_LOG_MEMORY"):
+    from megatron.training import training as _training
+
+    _training.training_log = _logging_memory(_training.training_log)
 
 if os.environ.get("CEZ_DUMP_OUTPUT_GRAD"):
     from megatron.training import training as _training
