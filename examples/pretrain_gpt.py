@@ -327,6 +327,34 @@ def _with_inprocess_restart(pretrain_fn):
     return train, ({"store": store} if "store" in inspect.signature(pretrain_fn).parameters else {})
 
 
+def release_cuda_graphs_and_process_groups():
+    """After ``pretrain``: drop the CUDA graphs Megatron captured (``--cuda-graph-impl full_iteration`` /
+    ``local``: they hold NCCL collectives) and then the process groups, in that order. Left to the interpreter's
+    exit, a full-iteration graph's ranks hang there after training."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        try:
+            from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+        except ImportError:  # a Megatron line without full-iteration graphs
+            FullCudaGraphWrapper = None
+        if FullCudaGraphWrapper is not None:
+            for stage in list(FullCudaGraphWrapper.cuda_graph):
+                FullCudaGraphWrapper.cuda_graph[stage] = FullCudaGraphWrapper.result[stage] = None
+        try:
+            from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+        except ImportError:
+            delete_cuda_graphs = None
+        if delete_cuda_graphs is not None:
+            delete_cuda_graphs()
+        import gc
+
+        gc.collect()
+        torch.cuda.synchronize()
+    torch.distributed.destroy_process_group()
+
+
 def main():
     global _TUPLE_REPORTS
     _TUPLE_REPORTS = _train_step_sums_tuples()
@@ -345,6 +373,7 @@ def main():
             model_provider=model_provider, model_type=ModelType.encoder_or_decoder,
             forward_step_func=forward_step, **extra,
         )
+        release_cuda_graphs_and_process_groups()
     else:
         # Classic Megatron-LM: pretrain() parses and validates the arguments itself.
         pretrain(

@@ -128,9 +128,13 @@ def specs(cpu, work):
     # --- CUDA graphs (dense: the MoE dispatcher's token counts go through the host)
     graphs = base_args(cpu, 10, moe=False) + _parallel(tp=2, sp=True) + ["--no-check-for-nan-in-loss-and-grad"]
     for impl in ("none", "full_iteration", "local"):
-        for variant in FLAGGED:
+        for variant in VARIANTS:
             add(f"graph-{impl}-{variant}", "graphs", variant, graphs + ["--cuda-graph-impl", impl], 10,
                 env={"CEZ_TEST_LOG_MEMORY": "1"})
+    # Megatron's own CE, its CUDA graphs and process groups left to the interpreter's exit (the example releases
+    # them after pretrain): does the exit hang without the flags too?
+    add("graph-full_iteration-ce-exit", "graphs", "ce", graphs + ["--cuda-graph-impl", "full_iteration"], 10,
+        env={"CEZ_TEST_LOG_MEMORY": "1", "CEZ_TEST_SKIP_TEARDOWN": "1"}, expect_rc0=False)
 
     # --- FSDP (torch FSDP2 needs an untied output layer, torch_dist checkpoints and more than one CUDA connection)
     dense = base_args(cpu, 6, moe=False) + ["--untie-embeddings-and-output-weights"]
@@ -191,24 +195,36 @@ def memory_growth(run, after):
     return max(max(v) - v[0] for v in found.values())
 
 
+def graphs_held(run):
+    """The CUDA graphs the harness last saw Megatron hold (``full``, ``local``), per its ``cez-memory`` lines."""
+    found = re.findall(r"cez-memory iteration \d+ rank \d+: .* graphs (\S+)", run.log_path.read_text(errors="replace"))
+    return found[-1] if found else "unknown"
+
+
 def check_graphs(runs, specs_by_name):
     checks = Checks("graphs")
-    ok = {name: ended(checks, run, specs_by_name[name]) for name, run in runs.items()}
-    for variant in FLAGGED:
+    ok = {name: ended(checks, run, specs_by_name[name]) for name, run in runs.items() if specs_by_name[name].expect_rc0}
+    exit_run = runs.get("graph-full_iteration-ce-exit")
+    if exit_run is not None:  # reported, not asserted: Megatron's behaviour without the example's teardown
+        rows = sorted(exit_run.rows)
+        checks.add("graph-full_iteration-ce-exit (Megatron's CE, graphs left to the interpreter's exit): "
+                   + ("hangs at exit after training" if exit_run.timed_out and rows[-1:] == [10] else
+                      f"rc {exit_run.rc}, logged to {rows[-1:] or 'none'}"), True)
+    for variant in VARIANTS:
         eager = f"graph-none-{variant}"
         for impl in ("full_iteration", "local"):
             name = f"graph-{impl}-{variant}"
             if not (ok.get(eager) and ok.get(name)):
                 continue
             a, b = rows_of(runs[name]), rows_of(runs[eager])
-            checks.close(f"{name}: {', '.join(METRICS)} = eager at every iteration",
-                         {f"{it} {k}": (a[it][k], b[it][k]) for it in sorted(b) for k in METRICS}, LATER_REL)
+            keys = [k for k in METRICS if k in b[1]]
+            checks.close(f"{name}: {', '.join(keys)} = eager at every iteration",
+                         {f"{it} {k}": (a[it][k], b[it][k]) for it in sorted(b) for k in keys}, LATER_REL)
             checks.items[-1]["detail"] += (f"; median step {fmt(step_ms(runs[name]), 3)} ms, eager "
                                            f"{fmt(step_ms(runs[eager]), 3)} ms (launches sharing the GPUs)")
-            if impl == "full_iteration":
-                text = runs[name].log_path.read_text(errors="replace")
-                checks.add(f"{name}: the training step was captured", "CUDA graph capture done for training" in text
-                           or "Capture CUDA graph for training" in text)
+            held = graphs_held(runs[name])
+            checks.add(f"{name}: Megatron held its CUDA graphs ({'full' if impl == 'full_iteration' else 'local'})",
+                       ("full" if impl == "full_iteration" else "local") in held.split(","), detail=f"held: {held}")
             grown = memory_growth(runs[name], after=GRAPH_WARMUP + 1)  # captured in step 4, replayed from 5
             checks.add(f"{name}: CUDA memory allocated steady over the steps after the capture", grown == 0, grown,
                        0, "bytes, largest growth on a rank")
@@ -391,6 +407,7 @@ def main(argv=None):
     parser.add_argument("--out", default="out/features", help="results.md, results.json, logs.tar.gz")
     parser.add_argument("--cpu", action="store_true", help="gloo, 2 ranks: reshard and faults only")
     parser.add_argument("--groups", nargs="+", help="groups to run (default: all)")
+    parser.add_argument("--timeout-s", type=float, help="per launch (default: 200 on GPUs)")
     parser.add_argument("--only", help="a regular expression: run the launches whose names match (and those they need)")
     parser.add_argument("--work", help="where the runs write (default: a temporary folder, removed)")
     parser.add_argument("--parallel", type=int, default=16, help="launches at once")
@@ -414,7 +431,7 @@ def main(argv=None):
         todo = [s for s in todo if s.name in wanted]
     todo.sort(key=lambda s: ("reshard", "graphs", "fsdp", "faults").index(s.group))  # the savers first
     by_name = {s.name: s for s in todo}
-    timeout_s = LAUNCH_TIMEOUT_S["cpu" if cpu else "gpu"]
+    timeout_s = args.timeout_s or LAUNCH_TIMEOUT_S["cpu" if cpu else "gpu"]
     parallel = 1 if cpu else args.parallel
     t0 = time.time()
 

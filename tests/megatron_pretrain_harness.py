@@ -18,7 +18,9 @@ megatron-core 0.19.2's ``--rerun-mode report_stats`` cannot reach (its enum valu
 re-run micro-batch's loss is then compared with the first run's, exactly, and the result printed. With
 ``CEZ_DUMP_OUTPUT_GRAD=DIR`` the output layer's weight gradient of iterations 1 and 2, after Megatron's gradient
 sync, is written to ``DIR`` (DDP's ``main_grad``, an FSDP parameter's gradient gathered). With
-``CEZ_TEST_LOG_MEMORY`` each logged step prints this rank's CUDA memory (``cez-memory iteration I ...``).
+``CEZ_TEST_LOG_MEMORY`` each logged step prints this rank's CUDA memory and the CUDA graphs Megatron holds
+(``cez-memory iteration I ...``); ``CEZ_TEST_SKIP_TEARDOWN`` leaves the example's CUDA graphs and process
+groups to the interpreter's exit.
 
 With ``CEZ_TEST_CP_ATTENTION`` set, Megatron's local layer specs build the test-only
 context-parallel attention of ``tests/context_parallel_attention.py`` (context parallelism without
@@ -236,6 +238,17 @@ def _dumping_output_grad(finalize):
     return finalize_model_grads
 
 
+def _graphs():
+    """Which CUDA graphs Megatron holds now: ``full`` (the training step, ``--cuda-graph-impl full_iteration``)
+    and ``local`` (per layer, ``--cuda-graph-impl local``)."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+    held = [name for name, on in (("full", FullCudaGraphWrapper.cuda_graph.get("training") is not None),
+                                  ("local", _CudagraphGlobalRecord.cudagraph_created)) if on]
+    return ",".join(held) or "none"
+
+
 def _logging_memory(training_log):
     """Megatron's ``training_log``, then ``cez-memory iteration I: allocated A reserved R`` (this rank's CUDA
     memory in bytes after the step: steady across steps replayed from a CUDA graph)."""
@@ -245,7 +258,7 @@ def _logging_memory(training_log):
         result = training_log(*args, **kwargs)
         iteration = inspect.signature(training_log).bind(*args, **kwargs).arguments["iteration"]
         print(f"cez-memory iteration {iteration} rank {torch.distributed.get_rank()}: allocated "
-              f"{torch.cuda.memory_allocated()} reserved {torch.cuda.memory_reserved()}", flush=True)
+              f"{torch.cuda.memory_allocated()} reserved {torch.cuda.memory_reserved()} graphs {_graphs()}", flush=True)
         return result
 
     return logged
@@ -260,6 +273,9 @@ if os.environ.get("CEZ_DUMP_OUTPUT_GRAD"):
     from megatron.training import training as _training
 
     _training.finalize_model_grads = _dumping_output_grad(_training.finalize_model_grads)
+
+if os.environ.get("CEZ_TEST_SKIP_TEARDOWN"):  # leave the CUDA graphs and process groups to the interpreter's exit
+    example.release_cuda_graphs_and_process_groups = lambda: None
 
 if os.environ.get("CEZ_TEST_CP_ATTENTION"):
     import context_parallel_attention

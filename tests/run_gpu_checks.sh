@@ -30,7 +30,9 @@ layouts() {  # every layout of Megatron's pretrain the GPUs found hold, 4 varian
 features() {  # the flag under Megatron's CUDA graphs, FSDP, resharding resumes and fault tolerance; asserted
     if [ "$GPUS" -ge 4 ]; then
         echo "== Megatron features with the flag over NCCL ($GPUS GPUs)"
-        timeout 530 python3 tests/gpu_megatron_features.py --out "$OUT/features" --budget-s 290 2>&1 | tee "$OUT/features.log"
+        # shellcheck disable=SC2086  # FEATURES_ARGS: e.g. --only REGEX --timeout-s 150 for part of it
+        timeout 530 python3 tests/gpu_megatron_features.py --out "$OUT/features" --budget-s 290 ${FEATURES_ARGS:-} 2>&1 \
+            | tee "$OUT/features.log"
         return "${PIPESTATUS[0]}"
     fi
     echo "== Megatron features: skipped (they need four GPUs, this machine has $GPUS)"
