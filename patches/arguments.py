@@ -35,7 +35,7 @@ import os
 import sys
 
 from mindspeed_cez.linear_cross_entropy import GRADS
-from mindspeed_cez.patches import megatron_features, mindspeed_llm
+from mindspeed_cez.patches import mindspeed_llm
 from mindspeed_cez.patches.settings import Settings, backends_from_environment
 
 FLAG_COEFF = "--lm-z-loss-coeff"
@@ -180,7 +180,6 @@ def _validated_settings(args):
     if not on:
         return None
     mindspeed_llm.check_args(args, _flag_turning_fused_on(args), FLAG_OUTPUT_LAYER if mode else None)
-    megatron_features.check_args(args, settings.grads if mode else None)
     return settings
 
 

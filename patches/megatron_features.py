@@ -1,11 +1,9 @@
-"""Megatron's training features beside the flags: the combinations refused at startup, and the adaptor's state
-at an in-process restart.
+"""Megatron's training features beside the flags: Megatron-FSDP's gradient buckets, and the adaptor's state at
+an in-process restart.
 
-What runs with the flags and what does not is in ``docs/megatron_features.md`` (the runs behind it:
-``tests/gpu_megatron_features.py`` on four GPUs, ``tests/test_megatron_features_cpu.py`` on the CPU).
+What runs with the flags is in ``docs/megatron_features.md`` (the runs behind it: ``tests/gpu_megatron_features.py``
+on four GPUs, ``tests/test_megatron_features_cpu.py`` on the CPU); none of those features is refused.
 
-* :func:`check_args` (called by the flags' validation): each combination the flags cannot serve ends the run
-  at startup, one line naming the alternative.
 * :func:`megatron_fsdp_param`: under ``--use-megatron-fsdp`` the fused output layer leaves ``main_grad`` alone.
 * :func:`reset_iteration_state`: an in-process restart (``--inprocess-restart``, nvidia-resiliency-ext)
   abandons the step a fault interrupted and calls Megatron's ``destroy_global_state`` before it trains again;
@@ -18,19 +16,6 @@ What runs with the flags and what does not is in ``docs/megatron_features.md`` (
 from mindspeed_cez.linear_forward_grads import forget_forward_gradients
 from mindspeed_cez.patches import metrics
 from mindspeed_cez.patches.pass_through import while_active
-
-FLAG_OUTPUT_LAYER = "--lm-fused-output-layer"
-
-# (what the flags are set to, Megatron's setting, why not, the alternative): each a one-line refusal
-REFUSED = ()
-
-
-def check_args(args, output_layer_mode):
-    """Raise ``ValueError`` (one line, naming the alternative) for a combination of Megatron's features with the
-    flags that the adaptor cannot serve; ``output_layer_mode``: ``--lm-fused-output-layer``'s value or None."""
-    for applies, message in REFUSED:
-        if applies(args, output_layer_mode):
-            raise ValueError(message)
 
 
 def megatron_fsdp_param(weight):
