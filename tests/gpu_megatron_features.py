@@ -197,7 +197,8 @@ def memory_growth(run, after):
 
 def graphs_held(run):
     """The CUDA graphs the harness last saw Megatron hold (``full``, ``local``), per its ``cez-memory`` lines."""
-    found = re.findall(r"cez-memory iteration \d+ rank \d+: .* graphs (\S+)", run.log_path.read_text(errors="replace"))
+    found = re.findall(r"cez-memory iteration \d+ rank \d+: allocated \d+ reserved \d+ graphs ([a-z,]+)",
+                       run.log_path.read_text(errors="replace"))
     return found[-1] if found else "unknown"
 
 
@@ -330,8 +331,8 @@ def verdict(run):
 
 def rerun_lines(run):
     """The harness's comparisons of re-run micro-batch losses (``cez-rerun iteration I micro-batch K rank R: ...``)."""
-    return [ln[ln.index("cez-rerun"):].strip() for ln in run.log_path.read_text(errors="replace").splitlines()
-            if "cez-rerun iteration" in ln]
+    return re.findall(r"cez-rerun iteration \d+ micro-batch \d+ rank \d+: (?:identical|differs: \S+? then \S+?)"
+                      r"(?=cez-rerun|\s|$)", run.log_path.read_text(errors="replace"))
 
 
 def check_faults(runs, specs_by_name):
@@ -342,10 +343,14 @@ def check_faults(runs, specs_by_name):
             continue
         lines = rerun_lines(runs[name])
         differ = [ln for ln in lines if not ln.endswith("identical")]
-        iterations = {int(ln.split()[2]) for ln in lines}
-        checks.add(f"{name}: every step re-run, every micro-batch's loss reproduced exactly",
-                   len(iterations) >= specs_by_name[name].iters - 1 and not differ,
-                   detail=f"{len(lines)} compared, iterations {sorted(iterations)}; " + "; ".join(differ[:2]))
+        seen = {tuple(map(int, re.findall(r"\d+", ln)[:3])) for ln in lines}  # (iteration, micro-batch, rank)
+        iterations, micro_batches, ranks = ({key[i] for key in seen} for i in range(3))
+        every = (iterations == set(range(1, specs_by_name[name].iters + 1)) and len(ranks) == specs_by_name[name].ranks
+                 and len(seen) == len(iterations) * len(micro_batches) * len(ranks))
+        checks.add(f"{name}: every step re-run, every micro-batch's loss on every rank reproduced exactly",
+                   every and not differ,
+                   detail=f"{len(lines)} compared: iterations {sorted(iterations)}, {len(micro_batches)} "
+                          f"micro-batches, {len(ranks)} ranks; " + "; ".join(differ[:2]))
     for mode, ref in (("validate_results", "ce"), ("disabled", "ce")):
         names = [n for n in runs if n.startswith(f"nan-{mode}-")]
         base = runs.get(f"nan-{mode}-{ref}")

@@ -181,8 +181,8 @@ def _compare_rerun(result):
         first = _RERUN_LOSSES.get((machine.current_iteration, False), [])
         same = k < len(first) and first[k] == losses[k]
         print(f"cez-rerun iteration {machine.current_iteration} micro-batch {k} rank {torch.distributed.get_rank()}: "
-              + ("identical" if same else f"differs: {first[k] if k < len(first) else None!r} then {losses[k]!r}"),
-              flush=True)
+              + ("identical" if same else f"differs: {first[k] if k < len(first) else None!r} then {losses[k]!r}")
+              + "\n", end="", flush=True)  # one write: the ranks share the log
 
 
 def loss_func(loss_mask, output_tensor):
@@ -258,7 +258,8 @@ def _logging_memory(training_log):
         result = training_log(*args, **kwargs)
         iteration = inspect.signature(training_log).bind(*args, **kwargs).arguments["iteration"]
         print(f"cez-memory iteration {iteration} rank {torch.distributed.get_rank()}: allocated "
-              f"{torch.cuda.memory_allocated()} reserved {torch.cuda.memory_reserved()} graphs {_graphs()}", flush=True)
+              f"{torch.cuda.memory_allocated()} reserved {torch.cuda.memory_reserved()} graphs {_graphs()}\n", end="",
+              flush=True)  # one write: the ranks share the log
         return result
 
     return logged
