@@ -2,6 +2,7 @@
 command; asserted, with a table of the results.
 
     python3 tests/gpu_megatron_features.py --out $OUT/features          # 4 GPUs, about 6 minutes
+    python3 tests/gpu_megatron_features.py --only 'mfsdp|^dp4-ddp' ...  # part of it (and what it needs)
     python tests/gpu_megatron_features.py --cpu --out out/features_cpu   # the plumbing (gloo, 2 ranks)
 
 Each launch runs ``examples/pretrain_gpt.py`` through its test harness (``tests/megatron_pretrain_harness.py``,
@@ -11,13 +12,16 @@ the same GPUs. Variants: ``ce`` (Megatron's CE), ``z`` (``--lm-z-loss-coeff 1e-4
 ``fol`` (that with ``--lm-fused-output-layer``, forward) and ``fol_recompute``. Groups, each asserted:
 
 * ``graphs`` (dense, TP2 + SP x DP2, 10 iterations, ``--no-check-for-nan-in-loss-and-grad`` everywhere): each
-  flagged variant eager, with ``--cuda-graph-impl full_iteration`` (the whole step captured after Megatron's
-  3 warm-up steps: a host sync or a foreign stream in it fails the capture) and with ``--cuda-graph-impl local``
+  variant eager, with ``--cuda-graph-impl full_iteration`` (the whole step captured after Megatron's 3 warm-up
+  steps: a host sync or a foreign stream in it fails the capture) and with ``--cuda-graph-impl local``
   (per-layer graphs): ``lm loss``, ``lm_z_loss``, ``lm_lse``, ``lm_lse_max`` equal the eager run's at every
-  iteration (bf16 noise); the capture is logged; median step times side by side.
+  iteration (bf16 noise); Megatron held its graphs; the CUDA memory allocated stays the same over the replayed
+  steps; the run ends (the example releases the graphs, then the process groups; one more launch of
+  Megatron's CE without that release is reported); median step times side by side.
 * ``fsdp`` (dense, untied output layer, DP4; and TP2 x DP2): ``--use-megatron-fsdp`` and ``--use-torch-fsdp2``
   against DDP per variant: iteration 1's losses and grad norm equal DDP's; later iterations (their weights
-  made by the output layer's gradient) within bf16 noise.
+  made by the output layer's gradient) within bf16 noise; the output layer's weight gradient after the
+  gradient sync (iterations 1 and 2, gathered from FSDP's shards) equals DDP's.
 * ``reshard`` (MoE, 4 layers, ``--ckpt-format torch_dist``, saved at iteration 4 of 8): TP2 x PP2 resumed at
   TP4 and TP4 at TP2 x PP2 with the fused layer: iterations 5-8 continue the run that never stopped (the saving
   run), ``lm_lse_max`` included; a checkpoint saved without the flag resumed with it and the reverse.
