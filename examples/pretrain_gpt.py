@@ -232,10 +232,34 @@ def loss_func(loss_mask, output_tensor):
     loss = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
     reporting = torch.cat([loss.clone().detach().view(1), loss_mask.sum().view(1)])
+    _validate_loss(loss)
     if _TUPLE_REPORTS:
         torch.distributed.all_reduce(reporting, group=parallel_state.get_data_parallel_group())
         return loss, num_tokens, {"lm loss": (reporting[0], reporting[1])}
     return loss, num_tokens, {"lm loss": reporting}
+
+
+SPIKY_LOSS_FACTOR = 10
+
+
+def _validate_loss(loss):
+    """Megatron's result validation of the micro-batch's loss (its rerun state machine: NaN and Inf are
+    fatal, a spiky loss is reported; ``--rerun-mode`` decides whether a rejected step is re-run to tell a
+    transient fault from a reproducible one), as Megatron-LM's own GPT script does."""
+    try:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+    except ImportError:  # a Megatron line without the rerun state machine
+        return
+    args = get_args()
+    machine = get_rerun_state_machine()
+    if getattr(args, "check_for_nan_in_loss_and_grad", False):
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(result=loss, rejection_func=reject, fatal=True, tolerance=0.0,
+                                    message=f"found {what} in local forward loss calculation")
+    if getattr(args, "check_for_spiky_loss", False):
+        machine.validate_result(
+            result=loss, message="Spiky loss", tolerance=0.0, fatal=False,
+            rejection_func=partial(machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"))
 
 
 def forward_step(data_iterator, model, return_schedule_plan=False):
@@ -291,6 +315,46 @@ def _skip_dataset_helpers_build_if_prebuilt():
 
 
 # -------------------------------------------------------------------------------------- main
+def _with_inprocess_restart(pretrain_fn):
+    """``(train, extra kwargs)``: with ``--inprocess-restart``, ``pretrain`` wrapped by Megatron's in-process
+    restart (which needs nvidia-resiliency-ext; without it Megatron warns and returns ``pretrain`` as is)
+    and the store it hands ``pretrain``, as Megatron-LM's own GPT script does; else ``pretrain``."""
+    if "--inprocess-restart" not in sys.argv:
+        return pretrain_fn, {}
+    from megatron.training import inprocess_restart
+
+    train, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain_fn)
+    return train, ({"store": store} if "store" in inspect.signature(pretrain_fn).parameters else {})
+
+
+def release_cuda_graphs_and_process_groups():
+    """After ``pretrain``: drop the CUDA graphs Megatron captured (``--cuda-graph-impl full_iteration`` /
+    ``local``: they hold NCCL collectives) and then the process groups, in that order. Left to the interpreter's
+    exit, a full-iteration graph's ranks hang there after training."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        try:
+            from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+        except ImportError:  # a Megatron line without full-iteration graphs
+            FullCudaGraphWrapper = None
+        if FullCudaGraphWrapper is not None:
+            for stage in list(FullCudaGraphWrapper.cuda_graph):
+                FullCudaGraphWrapper.cuda_graph[stage] = FullCudaGraphWrapper.result[stage] = None
+        try:
+            from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+        except ImportError:
+            delete_cuda_graphs = None
+        if delete_cuda_graphs is not None:
+            delete_cuda_graphs()
+        import gc
+
+        gc.collect()
+        torch.cuda.synchronize()
+    torch.distributed.destroy_process_group()
+
+
 def main():
     global _TUPLE_REPORTS
     _TUPLE_REPORTS = _train_step_sums_tuples()
@@ -301,13 +365,15 @@ def main():
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
         from megatron.training.arguments import parse_and_validate_args
 
+        train, extra = _with_inprocess_restart(pretrain)
         args = parse_and_validate_args(extra_args_provider=None, args_defaults=ARGS_DEFAULTS)
         cfg = pretrain_cfg_container_from_args(args)
-        pretrain(  # by keyword: 0.18 and 0.19 order these parameters differently
+        train(  # by keyword: 0.18 and 0.19 order these parameters differently
             cfg, train_valid_test_dataset_provider=train_valid_test_datasets_provider,
             model_provider=model_provider, model_type=ModelType.encoder_or_decoder,
-            forward_step_func=forward_step,
+            forward_step_func=forward_step, **extra,
         )
+        release_cuda_graphs_and_process_groups()
     else:
         # Classic Megatron-LM: pretrain() parses and validates the arguments itself.
         pretrain(

@@ -59,6 +59,12 @@ class _Ledger:
     def __init__(self):
         self.owed, self.dropped = weakref.WeakSet(), []
 
+    def forget(self):
+        """Every forward counted as paid, none as dropped."""
+        for token in list(self.owed):
+            token.paid = True
+        self.dropped.clear()
+
 
 # Global: Megatron's gradient sync (finish_grad_sync) asks without a handle to the forwards that owe.
 _LEDGER = _Ledger()
@@ -89,6 +95,13 @@ def check_forward_gradients(backward_pending_ok=False):
             f"during a forward whose backward has not run ({len(pending)} such forward(s)) before the gradients are "
             "used (Megatron's gradient sync): every training forward of the loss needs its backward. Run other "
             "forwards under torch.no_grad(), or run with " + RECOMPUTE_FIX + ".")
+
+
+def forget_forward_gradients():
+    """Forget every forward that added into ``main_grad`` (their graphs alive or freed): for a training loop
+    that throws the step away and zeroes ``main_grad`` itself (an in-process restart after a fault), so
+    :func:`check_forward_gradients` does not report the abandoned step's forwards. No device work."""
+    _LEDGER.forget()
 
 
 ROW_BLOCK_MIN = 1024

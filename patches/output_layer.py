@@ -25,7 +25,7 @@ import torch
 
 from mindspeed_cez.linear_cross_entropy import (RECOMPUTE, ForwardGradientError, check_forward_gradients,
                                                linear_cross_entropy_zloss)
-from mindspeed_cez.patches import loss_context
+from mindspeed_cez.patches import loss_context, megatron_features
 from mindspeed_cez.patches.pass_through import while_active
 from mindspeed_cez.patches.logit_transform import TransformedLogits
 
@@ -212,6 +212,7 @@ def linear_loss(deferred, target, loss, tp_group, settings, loss_mask, config):
     # into it as the layer would with --gradient-accumulation-fusion (which needs apex / TE, the op not)
     into_main_grad = bool(getattr(layer, "gradient_accumulation_fusion", False)) or (
         hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad"))
+    into_main_grad = into_main_grad and not megatron_features.megatron_fsdp_param(weight)  # Megatron-FSDP: autograd
     # no scale to read where no gradient is made (validation: the op computes the loss alone)
     grad_scale = megatron_grad_scale(config, loss_mask) if forward and torch.is_grad_enabled() else None
     try:

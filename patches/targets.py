@@ -26,7 +26,7 @@ import sys
 from typing import Callable, NamedTuple, Optional, Tuple
 
 from mindspeed_cez.patches import megatron_core as mc
-from mindspeed_cez.patches import mindspeed_llm, output_layer, training_log
+from mindspeed_cez.patches import megatron_features, mindspeed_llm, output_layer, training_log
 
 MOE_LOGGING = "megatron.core.transformer.moe.moe_logging"
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
@@ -117,6 +117,8 @@ TARGETS = [
     Target(MOE_UTILS, "", ("track_moe_metrics",), training_log.moe_metrics_report_wrapper, required=False,
            when=_moe_function),
     Target("megatron.training.training", "", ("training_log",), training_log.training_log_wrapper),
+    Target("megatron.training.training", "", ("destroy_global_state",), megatron_features.destroy_global_state_wrapper,
+           required=False),
 ]
 
 

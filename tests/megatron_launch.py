@@ -94,9 +94,9 @@ def launch_command(out, args, nproc=2, env=None, backend=None):
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
-               CEZ_DUMP_LOGITS_DIR=str(out / "dump"), CEZ_DUMP_ITERATION=str(DUMP_ITERATION),
-               CEZ_TEST_MASK_TAIL="1", **(env or {}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONUNBUFFERED": "1",
+           "CEZ_DUMP_LOGITS_DIR": str(out / "dump"), "CEZ_DUMP_ITERATION": str(DUMP_ITERATION),
+           "CEZ_TEST_MASK_TAIL": "1", **(env or {})}  # env overrides (CEZ_DUMP_LOGITS_DIR="": no dump)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "mindspeed_cez.launch", str(ENTRY), *args, "--distributed-backend", backend]

@@ -11,6 +11,17 @@ wraps three of its functions:
   data-dependent tail of the sequence, so that micro-batches (and data-parallel ranks) count
   different numbers of tokens, as packed sequences do.
 
+With ``CEZ_TEST_NAN_ITERATION=N`` the output layer's input turns NaN in iteration N (Megatron's NaN
+checks and its rerun state machine meet it). ``CEZ_TEST_RERUN_MODE=report_determinism_stats`` puts Megatron's
+rerun state machine in that mode (every step run twice, the loss's variability logged), which
+megatron-core 0.19.2's ``--rerun-mode report_stats`` cannot reach (its enum value differs); each
+re-run micro-batch's loss is then compared with the first run's, exactly, and the result printed. With
+``CEZ_DUMP_OUTPUT_GRAD=DIR`` the output layer's weight gradient of iterations 1 and 2, after Megatron's gradient
+sync, is written to ``DIR`` (DDP's ``main_grad``, an FSDP parameter's gradient gathered). With
+``CEZ_TEST_LOG_MEMORY`` each logged step prints this rank's CUDA memory and the CUDA graphs Megatron holds
+(``cez-memory iteration I ...``); ``CEZ_TEST_SKIP_TEARDOWN`` leaves the example's CUDA graphs and process
+groups to the interpreter's exit.
+
 With ``CEZ_TEST_CP_ATTENTION`` set, Megatron's local layer specs build the test-only
 context-parallel attention of ``tests/context_parallel_attention.py`` (context parallelism without
 Transformer Engine).
@@ -116,12 +127,26 @@ _example_model_provider, _example_get_batch, _example_loss_func = (
     example.model_provider, example.get_batch, example.loss_func)
 
 
+def _nan_into_output_layer(module, args):
+    """``CEZ_TEST_NAN_ITERATION=N``: the output layer's input becomes NaN in every training forward of
+    iteration N (a fault for Megatron's NaN checks to find; a re-run of the step meets it again)."""
+    if module.training and getattr(get_args(), "curr_iteration", -1) == int(os.environ["CEZ_TEST_NAN_ITERATION"]) - 1:
+        return (args[0] * float("nan"), *args[1:])
+    return None
+
+
 @functools.wraps(_example_model_provider)  # the same signature: Megatron reads it
 def model_provider(*args, **kwargs):
     model = _example_model_provider(*args, **kwargs)
     post_process = inspect.signature(_example_model_provider).bind(*args, **kwargs).arguments.get("post_process", True)
     if post_process and os.environ.get("CEZ_DUMP_LOGITS_DIR"):
         model.output_layer.register_forward_hook(_keep_logits_hook)
+    if post_process and os.environ.get("CEZ_TEST_NAN_ITERATION"):
+        model.output_layer.register_forward_pre_hook(_nan_into_output_layer)
+    if os.environ.get("CEZ_TEST_RERUN_MODE"):  # after initialize_megatron made the rerun state machine
+        from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+        get_rerun_state_machine().set_mode(RerunMode(os.environ["CEZ_TEST_RERUN_MODE"]))
     return model
 
 
@@ -129,21 +154,129 @@ def get_batch(data_iterator):
     batch = _example_get_batch(data_iterator)
     if os.environ.get("CEZ_TEST_MASK_TAIL"):
         # the tail of the whole sequence (this rank's share of it under context parallelism)
+        # on the device (no host sync: a full-iteration CUDA graph captures it)
         total = batch["tokens"].sum()
         if parallel_state.get_context_parallel_world_size() > 1:
             torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
-        keep = 4 + int(total) % (get_args().seq_length - 4)
-        batch["loss_mask"][batch["position_ids"] >= keep] = 0.0  # mock data: position_ids = arange(seq)
+        keep = 4 + total % (get_args().seq_length - 4)
+        batch["loss_mask"].masked_fill_(batch["position_ids"] >= keep, 0.0)  # mock data: position_ids = arange(seq)
     _CURRENT_BATCH.update(batch)
     return batch
+
+
+_RERUN_LOSSES = {}  # (iteration, re-run?) -> this rank's micro-batch losses, in order
+
+
+def _compare_rerun(result):
+    """Under ``CEZ_TEST_RERUN_MODE``: each micro-batch's loss sum of a re-run step against the first run's,
+    printed as ``cez-rerun iteration I micro-batch K: identical`` (or both values)."""
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    rerun = machine.state == RerunState.RERUNNING_IN_PLACE
+    losses = _RERUN_LOSSES.setdefault((machine.current_iteration, rerun), [])
+    losses.append(float(result[0]))
+    if rerun:
+        k = len(losses) - 1
+        first = _RERUN_LOSSES.get((machine.current_iteration, False), [])
+        same = k < len(first) and first[k] == losses[k]
+        print(f"cez-rerun iteration {machine.current_iteration} micro-batch {k} rank {torch.distributed.get_rank()}: "
+              + ("identical" if same else f"differs: {first[k] if k < len(first) else None!r} then {losses[k]!r}")
+              + "\n", end="", flush=True)  # one write: the ranks share the log
 
 
 def loss_func(loss_mask, output_tensor):
     pending = _CURRENT_BATCH.pop("logits", None)
     if pending is not None:
         _dump_logits(*pending)
-    return _example_loss_func(loss_mask, output_tensor)
+    result = _example_loss_func(loss_mask, output_tensor)
+    if os.environ.get("CEZ_TEST_RERUN_MODE") and torch.is_grad_enabled():
+        _compare_rerun(result)
+    return result
 
+
+# ------------------------------------------------------------------- the output layer's gradient
+def _whole(grad):
+    """A gradient as this rank's tensor-parallel shard, whole over data parallel (an FSDP DTensor gathered:
+    a collective of the data-parallel ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return grad
+    try:
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
+    except ImportError:
+        return grad.full_tensor()
+    return uneven_dtensor_to_full_tensor(grad)
+
+
+def _dumping_output_grad(finalize):
+    """Megatron's ``finalize_model_grads`` (the gradient sync), then, in iterations 1 and 2, the output layer's
+    weight gradient as the optimizer will read it (DDP: ``main_grad``; FSDP: the parameter's gradient, gathered)
+    to ``$CEZ_DUMP_OUTPUT_GRAD/output_grad_it{i}_tp{t}.pt`` from data-parallel rank 0."""
+
+    @functools.wraps(finalize)
+    def finalize_model_grads(model, *args, **kwargs):
+        result = finalize(model, *args, **kwargs)
+        iteration = getattr(get_args(), "curr_iteration", -1) + 1
+        if iteration in (1, 2):
+            for chunk in model:
+                for name, param in chunk.named_parameters():
+                    if name.endswith("output_layer.weight"):
+                        source = "grad" if param.grad is not None else "main_grad"
+                        grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
+                        grad = None if grad is None else _whole(grad)
+                        if parallel_state.get_data_parallel_rank() == 0:
+                            os.makedirs(os.environ["CEZ_DUMP_OUTPUT_GRAD"], exist_ok=True)
+                            tp = parallel_state.get_tensor_model_parallel_rank()
+                            path = os.path.join(os.environ["CEZ_DUMP_OUTPUT_GRAD"],
+                                                f"output_grad_it{iteration}_tp{tp}.pt")
+                            torch.save({"grad": None if grad is None else grad.detach().float().cpu(), "name": name,
+                                        "tp_rank": tp, "kind": type(param).__name__, "source": source}, path)
+        return result
+
+    return finalize_model_grads
+
+
+def _graphs():
+    """Which CUDA graphs Megatron holds now: ``full`` (the training step, ``--cuda-graph-impl full_iteration``)
+    and ``local`` (per layer, ``--cuda-graph-impl local``)."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+    held = [name for name, on in (("full", FullCudaGraphWrapper.cuda_graph.get("training") is not None),
+                                  ("local", _CudagraphGlobalRecord.cudagraph_created)) if on]
+    return ",".join(held) or "none"
+
+
+def _logging_memory(training_log):
+    """Megatron's ``training_log``, then ``cez-memory iteration I: allocated A reserved R`` (this rank's CUDA
+    memory in bytes after the step: steady across steps replayed from a CUDA graph)."""
+
+    @functools.wraps(training_log)
+    def logged(*args, **kwargs):
+        result = training_log(*args, **kwargs)
+        iteration = inspect.signature(training_log).bind(*args, **kwargs).arguments["iteration"]
+        print(f"cez-memory iteration {iteration} rank {torch.distributed.get_rank()}: allocated "
+              f"{torch.cuda.memory_allocated()} reserved {torch.cuda.memory_reserved()} graphs {_graphs()}\n", end="",
+              flush=True)  # one write: the ranks share the log
+        return result
+
+    return logged
+
+
+if os.environ.get("CEZ_TEST_LOG_MEMORY"):
+    from megatron.training import training as _training
+
+    _training.training_log = _logging_memory(_training.training_log)
+
+if os.environ.get("CEZ_DUMP_OUTPUT_GRAD"):
+    from megatron.training import training as _training
+
+    _training.finalize_model_grads = _dumping_output_grad(_training.finalize_model_grads)
+
+if os.environ.get("CEZ_TEST_SKIP_TEARDOWN"):  # leave the CUDA graphs and process groups to the interpreter's exit
+    example.release_cuda_graphs_and_process_groups = lambda: None
 
 if os.environ.get("CEZ_TEST_CP_ATTENTION"):
     import context_parallel_attention

@@ -7,6 +7,8 @@
 #
 #     bash tests/run_gpu_checks.sh            # all of it
 #     bash tests/run_gpu_checks.sh layouts    # the layouts alone (one device command of its own)
+#     bash tests/run_gpu_checks.sh features   # CUDA graphs, FSDP, resharding resumes, fault tolerance
+#                                             # (tests/gpu_megatron_features.py, 4 GPUs, one command of its own)
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
@@ -25,8 +27,22 @@ layouts() {  # every layout of Megatron's pretrain the GPUs found hold, 4 varian
     fi
     echo "== parallel layouts: skipped (they need four GPUs, this machine has $GPUS)"
 }
+features() {  # the flag under Megatron's CUDA graphs, FSDP, resharding resumes and fault tolerance; asserted
+    if [ "$GPUS" -ge 4 ]; then
+        echo "== Megatron features with the flag over NCCL ($GPUS GPUs)"
+        # shellcheck disable=SC2086  # FEATURES_ARGS: e.g. --only REGEX --timeout-s 150 for part of it
+        timeout 530 python3 tests/gpu_megatron_features.py --out "$OUT/features" --budget-s 290 ${FEATURES_ARGS:-} 2>&1 \
+            | tee "$OUT/features.log"
+        return "${PIPESTATUS[0]}"
+    fi
+    echo "== Megatron features: skipped (they need four GPUs, this machine has $GPUS)"
+}
 if [ "${1:-all}" = layouts ]; then
     layouts
+    exit $?
+fi
+if [ "${1:-all}" = features ]; then
+    features
     exit $?
 fi
 
