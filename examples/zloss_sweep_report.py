@@ -372,6 +372,15 @@ def _label(coeff):
     return "c=0" if coeff == 0 else f"c={coeff:g}"
 
 
+def _learning_rate_axes(axes):
+    """Each axis: the learning rate on a log scale, a light grid, the legend."""
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+
 def tables_md(stats, summaries):
     env = [s.get("environment", {}) for s in summaries]
     lines = ["# The z-loss sweeps: numbers", ""]
@@ -459,11 +468,7 @@ def report(summaries, out_dir):
     axes[0].axhline(0, color="gray", linewidth=1)
     axes[0].set_ylabel("final validation loss, paired difference from c=0 (nats)")
     axes[1].set_ylabel("final validation loss (zoomed)")
-    for ax in axes:
-        ax.set_xscale("log")
-        ax.set_xlabel("learning rate")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    _learning_rate_axes(axes)
     fig.suptitle(f"hidden {cfg['hidden']}, no weight decay: {subtitle}", fontsize=9)
     fig.tight_layout()
     paths["lr_sensitivity"] = os.path.join(out_dir, "lr_sensitivity.png")
@@ -496,11 +501,7 @@ def report(summaries, out_dir):
         errorbar(axes[1], main_lrs, [r.get("lse_last100") for r in rows], shift=i - 1, color=f"C{i}", label=_label(c))
     axes[0].set_ylabel("largest lm_lse_max of the run")
     axes[1].set_ylabel("mean lm_lse, last 100 steps")
-    for ax in axes:
-        ax.set_xscale("log")
-        ax.set_xlabel("learning rate")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    _learning_rate_axes(axes)
     fig.suptitle(f"log-sum-exp of the logits, hidden {cfg['hidden']}: {subtitle}", fontsize=9)
     fig.tight_layout()
     paths["lse"] = os.path.join(out_dir, "lse.png")
@@ -521,11 +522,7 @@ def report(summaries, out_dir):
         axes[0].axhline(0, color="gray", linewidth=1)
         axes[0].set_ylabel("final validation loss, c=1e-4 minus c=0 (paired)")
         axes[1].set_ylabel("final validation loss at c=0")
-        for ax in axes:
-            ax.set_xscale("log")
-            ax.set_xlabel("learning rate")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+        _learning_rate_axes(axes)
         fig.suptitle("wider models (one seed: no bars) and weight decay: " + subtitle, fontsize=9)
         fig.tight_layout()
         paths["widths_wd"] = os.path.join(out_dir, "widths_wd.png")
