@@ -95,8 +95,10 @@ def test_torch_dist_checkpoint_resumes_at_another_layout(tmp_path):
     assert sorted(a) == [3, 4], a
     for key in METRICS:
         assert a[3][key] == pytest.approx(b[3][key], rel=1e-5), (key, a[3], b[3])
-        # Megatron 0.19 prints a run's first iteration without resetting its sums: line 4 averages 3 and 4
-        assert a[4][key] == pytest.approx((b[3][key] + b[4][key]) / 2, rel=1e-5), (key, a[4], b[4])
+        # Megatron 0.19 prints a run's first iteration without resetting its sums: line 4 covers 3 and 4, the
+        # mean of the two for every metric but lm_lse_max, the largest of the two (the interval's maximum)
+        held = max if key == "lm_lse_max" else (lambda x, y: (x + y) / 2)
+        assert a[4][key] == pytest.approx(held(b[3][key], b[4][key]), rel=1e-5), (key, a[4], b[4])
 
 
 def test_inprocess_restart_forgets_the_interrupted_step():
@@ -131,7 +133,6 @@ def test_fused_layer_leaves_megatron_fsdp_main_grad_alone(fsdp):
     gradient of a plain weight; a DDP weight's gradient goes into ``main_grad`` (the control)."""
     from types import SimpleNamespace
 
-    from mindspeed_cez.kernels.loss_spec import loss_spec
     from mindspeed_cez.patches import output_layer
     from mindspeed_cez.patches.settings import Settings
 
@@ -147,8 +148,7 @@ def test_fused_layer_leaves_megatron_fsdp_main_grad_alone(fsdp):
     def weight_grad(weight):
         x = hidden.clone().requires_grad_()
         deferred = output_layer.DeferredLogits(x, weight, layer)
-        loss, _, _ = output_layer.linear_loss(deferred, target, None, loss_spec(z_loss_coeff=1e-2), settings,
-                                              "recompute", mask, config)
+        loss, _, _ = output_layer.linear_loss(deferred, target, settings.loss, None, settings, mask, config)
         (loss.transpose(0, 1) * mask).sum().backward()
         return weight
 
