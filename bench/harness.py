@@ -160,6 +160,41 @@ def kernel_ms(step, steps=3):
     return gemm / 1e3 / steps, other / 1e3 / steps, count / steps
 
 
+def step_timeline(step, steps=5):
+    """Where a synchronized ``step()``'s time goes, from the torch profiler (CPU and CUDA), median over
+    ``steps``: ``kernels`` (sum of kernel durations), ``lead`` (from the step's start on the host to its
+    first kernel on the GPU: host work the GPU waits for), ``gaps`` (idle time between its first and last
+    kernel), ``host`` (the host's time in the call), all ms; and the profiler's table of host self time."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            with record_function(f"cez_step_{i}"):
+                step()
+            torch.cuda.synchronize()
+    events = prof.events()
+    starts = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("cez_step_"))
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0)
+    rows = []
+    for i, (begin, end) in enumerate(starts):
+        until = starts[i + 1][0] if i + 1 < len(starts) else float("inf")
+        mine = [k for k in kernels if begin <= k[0] < until]
+        if not mine:
+            continue
+        busy, reach = 0.0, mine[0][0]  # union of kernel intervals (overlapping streams counted once)
+        for a, b in mine:
+            busy += max(0.0, b - max(a, reach))
+            reach = max(reach, b)
+        rows.append({"kernels": sum(b - a for a, b in mine) / 1e3, "lead": (mine[0][0] - begin) / 1e3,
+                     "gaps": (reach - mine[0][0] - busy) / 1e3, "host": (end - begin) / 1e3, "count": len(mine)})
+    summary = {key: statistics.median(r[key] for r in rows) for key in rows[0]} if rows else {}
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60)
+    return summary, table
+
+
 def copy_bandwidth(device, nbytes=2 << 30, iters=20):
     """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
     nbytes = nbytes if device.type == "cuda" else 64 << 20

@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import kernel_ms, time_and_peak, timed, write_report  # noqa: E402
+from harness import kernel_ms, step_timeline, time_and_peak, timed, write_report  # noqa: E402
 
 Z = 1e-4
 # issue 31's table; the last: a DeepSeek-V3-like vocab slice (V/8)
@@ -159,6 +159,49 @@ def run(args):
     return lines
 
 
+OVERHEAD_IMPLS = ("unfused: cuBLAS + cez op", "cez fused, grads in forward into main_grad (default rows)",
+                  "liger fused linear CE", "CCE default (no z)")
+
+
+def overhead(args):
+    """Each call's time outside its kernels: CUDA events (synchronized, host included) beside the kernel sum
+    and the host's lead and the GPU's idle gaps (profiler timeline, which slows the host: indicative). The
+    bar: the fused layer's events <= 1.05 x (its kernels + the unfused layer's events - its kernels)."""
+    impls = {name: fn for name, fn in implementations(args).items() if name in OVERHEAD_IMPLS}
+    lines = [f"Time outside the kernels, fwd+bwd, bf16; events: median of {args.iters}, synchronized per call; "
+             "kernels / lead / gaps / host: torch profiler (CPU + CUDA), median of 5 steps", "",
+             "| N x h x V | implementation | events ms | kernels ms | outside ms | lead ms | gaps ms | host ms "
+             "| kernels | / unfused | bar (1.05 x (kernels + unfused outside)) |", "|" + "---|" * 11]
+    tables = []
+    for shape in args.shapes:
+        n, hdim, v = dims(shape)
+        unfused_row = None
+        for name, fn in impls.items():
+            hidden, weight, target = inputs(n, hdim, v)
+            step = stepper(fn, hidden.requires_grad_(), weight.requires_grad_(), target)
+            try:
+                ms = timed(step, args.warmup, args.iters)
+                timeline, table = step_timeline(step)
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run a shape is reported
+                lines.append(f"| {shape} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} |" + " |" * 8)
+                print(lines[-1], flush=True)
+                continue
+            outside = ms - timeline["kernels"]
+            if name.startswith("unfused"):
+                unfused_row = (ms, outside)
+            bar = 1.05 * (timeline["kernels"] + unfused_row[1]) if unfused_row else None
+            verdict = f"{bar:.3f} {'ok' if ms <= bar else 'MISSED'}" if bar and not name.startswith("unfused") else ""
+            lines.append(f"| {shape} | {name} | {ms:.3f} | {timeline['kernels']:.3f} | {outside:.3f} | "
+                         f"{timeline['lead']:.3f} | {timeline['gaps']:.3f} | {timeline['host']:.3f} | "
+                         f"{timeline['count']:.0f} | {ms / unfused_row[0]:.3f} | {verdict} |")
+            print(lines[-1], flush=True)
+            if shape == args.shapes[-1] or name.startswith("cez"):
+                tables += ["", f"Host self time, {name} at {shape} (5 steps, profiler)", "", "```", table, "```"]
+            del hidden, weight, target, step
+            torch.cuda.empty_cache()
+    return lines + tables
+
+
 TUNE_ACCUMULATE = [  # block_m, block_n, block_k, group_m, warps, stages, programs per SM, main_grad tile read first
     (128, 256, 64, 8, 8, 3, 1, False), (128, 256, 32, 8, 8, 5, 1, False), (128, 128, 64, 8, 8, 4, 1, False),
     (128, 128, 64, 8, 8, 4, 1, True), (128, 128, 64, 8, 8, 3, 1, True), (128, 128, 32, 8, 8, 5, 1, True),
@@ -263,6 +306,8 @@ def main(argv=None):
     parser.add_argument("--accumulations", action="store_true",
                         help="the default path with each fp32 accumulation forced, and the block dial's curve")
     parser.add_argument("--tune-accumulate", action="store_true", help="the Triton accumulation kernel's tile sweep")
+    parser.add_argument("--overhead", action="store_true",
+                        help="each call's time outside its kernels (events beside the profiler's timeline)")
     parser.add_argument("--tp", action="store_true", help="TP=2 + SP over NCCL (torchrun --nproc-per-node 2): the dial")
     parser.add_argument("--tune-shapes", nargs="+", default=TUNE_SHAPES, help="V x h x rows for --tune-accumulate")
     parser.add_argument("--impls", nargs="*", default=[], help="only the implementations whose names hold one of these")
@@ -272,7 +317,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the op's CPU smoke run: python bench/op.py --smoke)")
-    report = (sweep_tp if args.tp else tune_accumulate if args.tune_accumulate else run)(args)
+    report = (sweep_tp if args.tp else tune_accumulate if args.tune_accumulate else overhead if args.overhead
+              else run)(args)
     if report is not None:
         print(write_report(args.out, report))
 
