@@ -174,10 +174,11 @@ def step_timeline(step, steps=5):
             with record_function(f"cez_step_{i}"):
                 step()
             torch.cuda.synchronize()
-    events = prof.events()
-    starts = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("cez_step_"))
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0)
+    events, cuda = prof.events(), torch.autograd.DeviceType.CUDA
+    starts = sorted((e.time_range.start, e.time_range.end) for e in events
+                    if e.name.startswith("cez_step_") and e.device_type != cuda)
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events  # not the steps' GPU annotations
+                     if e.device_type == cuda and e.device_time > 0 and not e.name.startswith("cez_step_"))
     rows = []
     for i, (begin, end) in enumerate(starts):
         until = starts[i + 1][0] if i + 1 < len(starts) else float("inf")

@@ -47,6 +47,32 @@ def unfused(h, w, t, tp_group=None):
     return vocab_parallel_cross_entropy_zloss(h @ w.t(), t, Z, tp_group=tp_group)[0].sum()
 
 
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """Megatron's linear layer with gradient-accumulation fusion: ``x @ w.T`` forward; backward ``dx = g @ w``
+    and ``g.T @ x`` added into the fp32 ``w.main_grad`` (one GEMM with an fp32 output, as apex / TE do)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        from mindspeed_cez.fp32_accumulation import Accumulator
+
+        x, w = ctx.saved_tensors
+        Accumulator(g.device)(w.main_grad, g.t(), x)
+        return g @ w, None
+
+
+def unfused_into_main_grad(h, w, t):
+    from mindspeed_cez import vocab_parallel_cross_entropy_zloss
+
+    if not hasattr(w, "main_grad"):
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    return vocab_parallel_cross_entropy_zloss(_LinearIntoMainGrad.apply(h, w), t, Z)[0].sum()
+
+
 def liger():
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -61,7 +87,8 @@ def implementations(args):
     """name -> loss(h, w, t). ``--accumulations``: the unfused op, Liger, the default path into main_grad
     with each fp32 accumulation forced (``addmm_out_dtype``: torch >= 2.8; ``triton``: what torch < 2.8
     runs; ``gemm_add``: 16-bit GEMM + fp32 add), and the block dial on the accumulation this torch chooses."""
-    impls = {"unfused: cuBLAS + cez op": unfused}
+    impls = {"unfused: cuBLAS + cez op": unfused,
+             "unfused, weight gradient into fp32 main_grad (Megatron's accumulation fusion)": unfused_into_main_grad}
     if args.accumulations:
         from mindspeed_cez import fp32_accumulation as acc
 
@@ -135,7 +162,7 @@ def run(args):
             try:  # a peer that cannot run a shape is reported
                 ms, extra = time_and_peak(stepper(fn, hidden.requires_grad_(), weight.requires_grad_(), target),
                                           args.warmup, args.iters)
-                unfused_ms = ms if name.startswith("unfused") else unfused_ms
+                unfused_ms = ms if name.startswith("unfused:") else unfused_ms
                 lines.append(f"| {shape} | {name} | {ms:.3f} | {ms / floor:.2f} | "
                              f"{f'{ms / unfused_ms:.3f}' if unfused_ms else '-'} | {extra / (n * v * 2):.2f} |")
             except Exception as exc:  # noqa: BLE001
@@ -159,7 +186,8 @@ def run(args):
     return lines
 
 
-OVERHEAD_IMPLS = ("unfused: cuBLAS + cez op", "cez fused, grads in forward into main_grad (default rows)",
+OVERHEAD_IMPLS = ("unfused: cuBLAS + cez op", "unfused, weight gradient into fp32 main_grad (Megatron's accumulation fusion)",
+                  "cez fused, grads in forward into main_grad (default rows)",
                   "liger fused linear CE", "CCE default (no z)")
 
 
@@ -171,11 +199,11 @@ def overhead(args):
     lines = [f"Time outside the kernels, fwd+bwd, bf16; events: median of {args.iters}, synchronized per call; "
              "kernels / lead / gaps / host: torch profiler (CPU + CUDA), median of 5 steps", "",
              "| N x h x V | implementation | events ms | kernels ms | outside ms | lead ms | gaps ms | host ms "
-             "| kernels | / unfused | bar (1.05 x (kernels + unfused outside)) |", "|" + "---|" * 11]
+             "| kernels | / unfused | / unfused into main_grad | bar (1.05 x (kernels + unfused outside)) |", "|" + "---|" * 12]
     tables = []
     for shape in args.shapes:
         n, hdim, v = dims(shape)
-        unfused_row = None
+        unfused_row = megatron_ms = None
         for name, fn in impls.items():
             hidden, weight, target = inputs(n, hdim, v)
             step = stepper(fn, hidden.requires_grad_(), weight.requires_grad_(), target)
@@ -183,17 +211,20 @@ def overhead(args):
                 ms = timed(step, args.warmup, args.iters)
                 timeline, table = step_timeline(step)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run a shape is reported
-                lines.append(f"| {shape} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} |" + " |" * 8)
+                lines.append(f"| {shape} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} |" + " |" * 9)
                 print(lines[-1], flush=True)
                 continue
             outside = ms - timeline["kernels"]
-            if name.startswith("unfused"):
+            if name.startswith("unfused:"):
                 unfused_row = (ms, outside)
+            elif name.startswith("unfused,"):
+                megatron_ms = ms
             bar = 1.05 * (timeline["kernels"] + unfused_row[1]) if unfused_row else None
             verdict = f"{bar:.3f} {'ok' if ms <= bar else 'MISSED'}" if bar and not name.startswith("unfused") else ""
             lines.append(f"| {shape} | {name} | {ms:.3f} | {timeline['kernels']:.3f} | {outside:.3f} | "
                          f"{timeline['lead']:.3f} | {timeline['gaps']:.3f} | {timeline['host']:.3f} | "
-                         f"{timeline['count']:.0f} | {ms / unfused_row[0]:.3f} | {verdict} |")
+                         f"{timeline['count']:.0f} | {ms / unfused_row[0]:.3f} | "
+                         f"{ms / megatron_ms if megatron_ms else float('nan'):.3f} | {verdict} |")
             print(lines[-1], flush=True)
             if shape == args.shapes[-1] or name.startswith("cez"):
                 tables += ["", f"Host self time, {name} at {shape} (5 steps, profiler)", "", "```", table, "```"]
