@@ -328,30 +328,31 @@ def _with_inprocess_restart(pretrain_fn):
 
 
 def release_cuda_graphs_and_process_groups():
-    """After ``pretrain``: drop the CUDA graphs Megatron captured (``--cuda-graph-impl full_iteration`` /
-    ``local``: they hold NCCL collectives) and then the process groups, in that order. Left to the interpreter's
-    exit, a full-iteration graph's ranks hang there after training."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    """After ``pretrain`` with a full-iteration CUDA graph (``--cuda-graph-impl full_iteration``: it holds NCCL
+    collectives): drop the graphs Megatron captured, then the process groups, in that order; left to the
+    interpreter's exit, such a run's ranks hang there after training. Runs without one (eager, per-layer
+    ``local`` graphs) exit on their own and are left to it (releasing per-layer graphs here hangs instead)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized() and torch.cuda.is_available()):
         return
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        try:
-            from megatron.core.full_cuda_graph import FullCudaGraphWrapper
-        except ImportError:  # a Megatron line without full-iteration graphs
-            FullCudaGraphWrapper = None
-        if FullCudaGraphWrapper is not None:
-            for stage in list(FullCudaGraphWrapper.cuda_graph):
-                FullCudaGraphWrapper.cuda_graph[stage] = FullCudaGraphWrapper.result[stage] = None
-        try:
-            from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
-        except ImportError:
-            delete_cuda_graphs = None
-        if delete_cuda_graphs is not None:
-            delete_cuda_graphs()
-        import gc
+    try:
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    except ImportError:  # a Megatron line without full-iteration graphs
+        return
+    if not any(graph is not None for graph in FullCudaGraphWrapper.cuda_graph.values()):
+        return
+    torch.cuda.synchronize()
+    for stage in list(FullCudaGraphWrapper.cuda_graph):
+        FullCudaGraphWrapper.cuda_graph[stage] = FullCudaGraphWrapper.result[stage] = None
+    try:
+        from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+    except ImportError:
+        delete_cuda_graphs = None
+    if delete_cuda_graphs is not None:
+        delete_cuda_graphs()
+    import gc
 
-        gc.collect()
-        torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.synchronize()
     torch.distributed.destroy_process_group()
 
 

@@ -198,7 +198,8 @@ def loss_func(loss_mask, output_tensor):
 # ------------------------------------------------------------------- the output layer's gradient
 def _whole(grad):
     """A gradient as this rank's tensor-parallel shard, whole over data parallel (an FSDP DTensor gathered:
-    a collective of the data-parallel ranks)."""
+    a collective of the data-parallel ranks; where the gathered tensor spans the tensor-parallel ranks too, as
+    Megatron-FSDP's can, this rank's rows of it)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(grad, DTensor):
@@ -206,8 +207,14 @@ def _whole(grad):
     try:
         from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
     except ImportError:
-        return grad.full_tensor()
-    return uneven_dtensor_to_full_tensor(grad)
+        whole = grad.full_tensor()
+    else:
+        whole = uneven_dtensor_to_full_tensor(grad)
+    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    rows = get_args().padded_vocab_size // tp
+    if tp > 1 and whole.shape[0] == rows * tp:
+        whole = whole[tp_rank * rows:(tp_rank + 1) * rows]
+    return whole
 
 
 def _dumping_output_grad(finalize):
