@@ -382,7 +382,7 @@ def test_a_required_target_that_cannot_attach_is_an_error_naming_it(tmp_path, mo
         with pytest.raises(patches.PatchTargetError, match=r"cannot patch cez_fake_megatron_mod\.loss_fn:"):
             patches.apply(z_loss_coeff=1e-3)
         assert patches.active_settings() is None
-        targets._FAILED.clear()  # as if that module had not been imported
+        targets._REGISTRY.forget_failures()  # as if that module had not been imported
         _settings.set_active(patches.Settings(z_loss_coeff=1e-3))
         with pytest.raises(patches.PatchTargetError, match=r"cez_fake_megatron_late\.loss_fn"):
             import cez_fake_megatron_late  # noqa: F401
