@@ -125,9 +125,9 @@ def activate(settings, *, args=None):
         if explicit:
             record.chose_by_flags(settings)
         applied = record.from_apply
-        if applied is not None and explicit and _differ(settings, applied):
+        if record.apply_chose and explicit and _differ(settings, applied):
             raise ValueError(_conflict(applied, settings))
-        if applied is not None and not explicit:
+        if record.apply_chose and not explicit:
             settings = applied
             mindspeed_llm.check_args(args, _apply_call(settings),
                                      _apply_call(settings, "fused_output_layer") if settings.fused_output_layer else None)

@@ -139,23 +139,23 @@ class AdaptorRecord:
     where the adaptor's import reads the flags (:mod:`mindspeed_cez.megatron_adaptor`)."""
 
     def __init__(self):
-        self.from_apply = None  # the Settings an apply() call chose
-        self.flags_chose = False  # the parsed flags chose explicitly: from_flags (None: the fused kernel off)
-        self.from_flags = None
+        self.apply_chose, self.from_apply = False, None  # an apply() (activate()) call chose these Settings
+        self.flags_chose, self.from_flags = False, None  # the parsed flags chose explicitly (None: kernel off)
         self.warned_unchecked = False  # apply() warned that MindSpeed-LLM's modes could not be checked
         self.feature = None  # our MindSpeed feature, once registered with MindSpeed
         self.on_flags = None  # callable(args): what the feature's validate_args hands the parsed flags to
         self.adaptor_mode = None  # "megatron.training" / "megatron.core": the adaptor import's registration
 
     def chose_by_apply(self, settings):
-        self.from_apply = settings
+        self.apply_chose, self.from_apply = True, settings
 
     def chose_by_flags(self, settings):
         self.flags_chose, self.from_flags = True, settings
 
     def forget_choices(self):
         """``remove()``: neither ``apply()`` nor the flags chose (the registrations stay)."""
-        self.from_apply, self.flags_chose, self.from_flags = None, False, None
+        self.apply_chose, self.from_apply = False, None
+        self.flags_chose, self.from_flags = False, None
 
 
 # Global: Megatron's validate_args and MindSpeed's features manager reach the activation route without a handle.
