@@ -16,7 +16,7 @@ import torch
 
 _FALLBACK_CORES = 16  # interpreter on CPU, or a driver that reports nothing
 LAUNCH_TYPES = ("npu", "cpu")  # what launch_as may force (CUDA's settings compile its target assert)
-# Global (context-local): the kernels launch from the ops with no handle through which a test could pass it.
+# Global: (context-local) the kernels launch from the ops with no handle through which a test could pass it.
 _LAUNCH_AS = contextvars.ContextVar("mindspeed_cez_launch_as", default=None)
 
 

@@ -47,7 +47,8 @@ def direct_launch_supported(version=triton.__version__) -> bool:
     return in_range and _knobs is not None and isinstance(getattr(_CompiledKernel, "run", None), property)
 
 
-_WARNED = []  # global: the warning is given once per process, by whichever launcher meets it first
+# Global: the warning is given once per process, by whichever launcher (one per kernel) meets it first.
+_WARNED = []
 
 
 def warn_triton_launch(version=triton.__version__):

@@ -31,10 +31,9 @@ import sys
 
 from mindspeed_cez import patches
 from mindspeed_cez.patches import arguments, mindspeed_feature, targets
+from mindspeed_cez.patches.settings import RECORD
 
 log = logging.getLogger(__name__)
-
-_REGISTERED = []  # the mode chosen at registration: "megatron.training" or "megatron.core"
 
 
 def configure_from_args(args):
@@ -84,7 +83,7 @@ def _arguments_parsed(args):
 
 def apply_adaptor():
     """What the import does (idempotent; imports nothing of Megatron or MindSpeed). Returns the mode."""
-    if _REGISTERED:
+    if RECORD.adaptor_mode is not None:
         return mode()
     targets.require_megatron_core()
     early = arguments.parse_lm_z_loss_args(sys.argv[1:])  # a bad value: one line, exit 2, now
@@ -96,10 +95,10 @@ def apply_adaptor():
         args = patches.megatron_args()
         if args is not None and (arguments.has_lm_z_loss_args(args) or not mindspeed_feature.registered_with_mindspeed()):
             _arguments_parsed(args)
-        _REGISTERED.append("megatron.training")
+        RECORD.adaptor_mode = "megatron.training"
     else:
         configure_from_args(early)
-        _REGISTERED.append("megatron.core")
+        RECORD.adaptor_mode = "megatron.core"
     return mode()
 
 
@@ -108,7 +107,7 @@ def mode():
     ``"megatron.core"`` (where the flags are read from)."""
     if mindspeed_feature.registered_with_mindspeed():
         return "mindspeed"
-    return _REGISTERED[0] if _REGISTERED else None
+    return RECORD.adaptor_mode
 
 
 def __getattr__(name):

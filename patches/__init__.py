@@ -79,17 +79,15 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
     return activate(settings)
 
 
-_WARNED_UNCHECKED = []
-
-
 def _check_megatron_args(settings):
     args = megatron_args()
     if args is not None:
         output_layer_flag = "mindspeed_cez.patches.apply(fused_output_layer=True)" if settings.fused_output_layer else None
         mindspeed_llm.check_args(args, f"mindspeed_cez.patches.apply(z_loss_coeff={settings.z_loss_coeff})",
                                  output_layer_flag)
-    elif mindspeed_llm.loaded() and not _WARNED_UNCHECKED and "mindspeed_cez.megatron_adaptor" not in sys.modules:
-        _WARNED_UNCHECKED.append(True)
+    elif (mindspeed_llm.loaded() and not _settings.RECORD.warned_unchecked
+          and "mindspeed_cez.megatron_adaptor" not in sys.modules):
+        _settings.RECORD.warned_unchecked = True
         warnings.warn(
             "mindspeed_cez.patches.apply(): MindSpeed-LLM is loaded but Megatron's arguments are not parsed "
             "yet, so its modes that bypass the fused kernel (--loss-compute-mode chunk at TP=1, "
@@ -105,10 +103,6 @@ def megatron_args():
     return getattr(global_vars, "_GLOBAL_ARGS", None)
 
 
-_FROM_APPLY = []  # [Settings] an apply() call chose
-_FROM_FLAGS = []  # [Settings or None] what the parsed --lm-* flags chose explicitly
-
-
 def activate(settings, *, args=None):
     """The one activation route: attach the wrappers (now or when their modules are imported),
     check that every required one could attach, and make ``settings`` active. Returns the active
@@ -120,19 +114,21 @@ def activate(settings, *, args=None):
     nothing keep an earlier ``apply()``; flags and ``apply()`` that disagree are a ``ValueError``
     naming both.
     """
+    record = _settings.RECORD
     if args is None:
-        if _FROM_FLAGS and _differ(_FROM_FLAGS[0], settings):
-            raise ValueError(_conflict(settings, _FROM_FLAGS[0]))
+        if record.flags_chose and _differ(record.from_flags, settings):
+            raise ValueError(_conflict(settings, record.from_flags))
         _check_megatron_args(settings)
-        _FROM_APPLY[:] = [settings]
+        record.chose_by_apply(settings)
     else:
         explicit = settings is not None or getattr(args, "lm_fused_ce", None) is False
         if explicit:
-            _FROM_FLAGS[:] = [settings]
-        if _FROM_APPLY and explicit and _differ(settings, _FROM_APPLY[0]):
-            raise ValueError(_conflict(_FROM_APPLY[0], settings))
-        if _FROM_APPLY and not explicit:
-            settings = _FROM_APPLY[0]
+            record.chose_by_flags(settings)
+        applied = record.from_apply
+        if record.apply_chose and explicit and _differ(settings, applied):
+            raise ValueError(_conflict(applied, settings))
+        if record.apply_chose and not explicit:
+            settings = applied
             mindspeed_llm.check_args(args, _apply_call(settings),
                                      _apply_call(settings, "fused_output_layer") if settings.fused_output_layer else None)
     mindspeed_feature.register(activate_from_flags)  # in a MindSpeed process its patch manager attaches the wrappers
@@ -186,8 +182,7 @@ def remove():
     Patches installed through MindSpeed's patch manager stay in place but pass through to the
     functions they wrap (MindSpeed owns them); only the settings are cleared."""
     _settings.set_active(None)
-    _FROM_APPLY.clear()
-    _FROM_FLAGS.clear()
+    _settings.RECORD.forget_choices()
     uninstall_all()
 
 

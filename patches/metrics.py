@@ -50,18 +50,114 @@ LM_LSE_MAX = "lm_lse_max"
 
 __all__ = ["LM_Z_LOSS", "LM_LSE", "LM_LSE_MAX", "record_lm_z_loss", "reduce_iteration", "report"]
 
-# This iteration's [sum(z * mask), sum(lse * mask), sum(mask)] and [max(lse where mask > 0)]: buffers
-# on the device, updated and cleared in place, so a CUDA graph that captured the loss keeps
-# writing into them on replay.
-_SUMS = None
-_MAX = None
-_REPORTING = [False]  # a caller reports our metrics itself: the MoE report wrapper stays out
-_NAMES = []  # the names reduce_iteration() reports by default (the adaptor's settings)
+
+class IterationMetrics:
+    """This iteration's buffers, the names reported by default, and the one report of the iteration.
+
+    The buffers are this iteration's ``[sum(z * mask), sum(lse * mask), sum(mask)]`` and
+    ``[max(lse where mask > 0)]``, on the device, updated and cleared in place, so a CUDA graph that
+    captured the loss keeps writing into them on replay. Megatron reaches the report by two paths,
+    one inside the other (its ``training_log`` calls its MoE report; MindSpeed-LLM wraps Megatron's
+    ``training_log`` under a second name): :meth:`report_iteration` hands the values to the outermost.
+    """
+
+    def __init__(self):
+        self.sums = None
+        self.max = None
+        self.names = []  # what reduce() reports by default (the adaptor's settings)
+        self.reporting = False  # inside report_iteration(): the values are taken
+
+    def record(self, z_loss_per_token=None, loss_mask=None, lse_per_token=None):
+        given = [t for t in (z_loss_per_token, lse_per_token) if t is not None]
+        if not given:
+            return
+        n = given[0].numel()
+        if loss_mask is None:
+            mask = torch.ones(n, device=given[0].device)
+        else:
+            mask = loss_mask.detach().to(device=given[0].device, dtype=torch.float32).reshape(-1)
+            if mask.numel() != n:
+                raise ValueError(f"loss_mask has {mask.numel()} elements for {n} tokens")
+
+        def masked_sum(t):
+            return mask.new_zeros(()) if t is None else (t.detach().float().reshape(-1) * mask).sum()
+
+        sums = torch.stack([masked_sum(z_loss_per_token), masked_sum(lse_per_token), mask.sum()])
+        if self.sums is None:
+            self.sums = torch.zeros(3, device=sums.device)
+        self.sums.add_(sums)
+        if lse_per_token is not None and n > 0:
+            lse = lse_per_token.detach().float().reshape(-1)
+            largest = torch.where(mask > 0, lse, torch.full_like(lse, -math.inf)).amax().reshape(1)
+            if self.max is None:
+                self.max = torch.full((1,), -math.inf, device=sums.device)
+            torch.maximum(self.max, largest, out=self.max)
+
+    def recorded_tokens(self):
+        """The tokens counted since the last reduction (a host sync: for tests)."""
+        return 0.0 if self.sums is None else float(self.sums[2])
+
+    def take(self):
+        """``(sums, maxima)`` copies of the buffers (None where never written), which are cleared."""
+        sums = maxima = None
+        if self.sums is not None:
+            sums = self.sums.clone()
+            self.sums.zero_()
+        if self.max is not None:
+            maxima = self.max.clone()
+            self.max.fill_(-math.inf)
+        return sums, maxima
+
+    def reduce(self, names=None):
+        """The values of :func:`reduce_iteration`; clears the buffers."""
+        if names is None:
+            names = list(self.names)
+        sums, maxima = self.take()
+        if not names:
+            return {}
+        ps = _parallel_state()
+        if ps is not None:
+            dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+            groups = (dp_cp, ps.get_pipeline_model_parallel_group())
+            if sums is None:
+                sums = torch.zeros(3, device=_collective_device(dp_cp))
+            for group in groups:
+                dist.all_reduce(sums, group=group)
+            if LM_LSE_MAX in names:  # the same names on every rank: the same collectives
+                if maxima is None:
+                    maxima = torch.full((1,), -math.inf, device=sums.device)
+                for group in groups:
+                    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        if sums is None:
+            return {}
+        means = sums[:2] / sums[2].clamp(min=1.0)
+        values = {LM_Z_LOSS: means[0], LM_LSE: means[1]}
+        if maxima is not None:
+            values[LM_LSE_MAX] = maxima[0]
+        return {name: values[name] for name in names if name in values}
+
+    @contextlib.contextmanager
+    def report_iteration(self):
+        """Inside: this iteration's values (:func:`reduce_iteration`, taken on entry) for the outermost
+        caller, who reports them; None for a caller inside it."""
+        if self.reporting:
+            yield None
+            return
+        values = self.reduce()
+        self.reporting = True
+        try:
+            yield values
+        finally:
+            self.reporting = False
+
+
+# Global: the patched loss records and Megatron's training_log / MoE report reduce without a handle.
+_ITERATION = IterationMetrics()
 
 
 def report_names(names):
     """Report ``names`` (of ``LM_Z_LOSS``, ``LM_LSE``, ``LM_LSE_MAX``) by default from now on; ``[]``: none."""
-    _NAMES[:] = names
+    _ITERATION.names = list(names)
 
 
 def record_lm_z_loss(z_loss_per_token=None, loss_mask=None, *, lse_per_token=None):
@@ -74,31 +170,18 @@ def record_lm_z_loss(z_loss_per_token=None, loss_mask=None, *, lse_per_token=Non
         lse_per_token: per-token log-sum-exp (the op's third output), or None; gives the sum
             and the maximum over the counted tokens.
     """
-    global _SUMS, _MAX
-    given = [t for t in (z_loss_per_token, lse_per_token) if t is not None]
-    if not given:
-        return
-    n = given[0].numel()
-    if loss_mask is None:
-        mask = torch.ones(n, device=given[0].device)
-    else:
-        mask = loss_mask.detach().to(device=given[0].device, dtype=torch.float32).reshape(-1)
-        if mask.numel() != n:
-            raise ValueError(f"loss_mask has {mask.numel()} elements for {n} tokens")
+    _ITERATION.record(z_loss_per_token, loss_mask, lse_per_token)
 
-    def masked_sum(t):
-        return mask.new_zeros(()) if t is None else (t.detach().float().reshape(-1) * mask).sum()
 
-    sums = torch.stack([masked_sum(z_loss_per_token), masked_sum(lse_per_token), mask.sum()])
-    if _SUMS is None:
-        _SUMS = torch.zeros(3, device=sums.device)
-    _SUMS.add_(sums)
-    if lse_per_token is not None and n > 0:
-        lse = lse_per_token.detach().float().reshape(-1)
-        largest = torch.where(mask > 0, lse, torch.full_like(lse, -math.inf)).amax().reshape(1)
-        if _MAX is None:
-            _MAX = torch.full((1,), -math.inf, device=sums.device)
-        torch.maximum(_MAX, largest, out=_MAX)
+def recorded_tokens():
+    """The tokens recorded since the last :func:`reduce_iteration` (a host sync: for tests)."""
+    return _ITERATION.recorded_tokens()
+
+
+def report_iteration():
+    """``with report_iteration() as values``: this iteration's values for the outermost report (Megatron's
+    ``training_log``, its MoE report, :func:`report`), None inside it: each iteration is reported once."""
+    return _ITERATION.report_iteration()
 
 
 def _parallel_state():
@@ -126,37 +209,7 @@ def reduce_iteration(names=None):
     maximum likewise with MAX, so every rank returns the last stage's values). ``names`` defaults to
     :func:`report_names`'.
     """
-    if names is None:
-        names = list(_NAMES)
-    sums = maxima = None
-    if _SUMS is not None:
-        sums = _SUMS.clone()
-        _SUMS.zero_()
-    if _MAX is not None:
-        maxima = _MAX.clone()
-        _MAX.fill_(-math.inf)
-    if not names:
-        return {}
-    ps = _parallel_state()
-    if ps is not None:
-        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
-        groups = (dp_cp, ps.get_pipeline_model_parallel_group())
-        if sums is None:
-            sums = torch.zeros(3, device=_collective_device(dp_cp))
-        for group in groups:
-            dist.all_reduce(sums, group=group)
-        if LM_LSE_MAX in names:  # the same names on every rank: the same collectives
-            if maxima is None:
-                maxima = torch.full((1,), -math.inf, device=sums.device)
-            for group in groups:
-                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-    if sums is None:
-        return {}
-    means = sums[:2] / sums[2].clamp(min=1.0)
-    values = {LM_Z_LOSS: means[0], LM_LSE: means[1]}
-    if maxima is not None:
-        values[LM_LSE_MAX] = maxima[0]
-    return {name: values[name] for name in names if name in values}
+    return _ITERATION.reduce(names)
 
 
 def write(values, iteration, writer=None, wandb_writer=None, total_loss_dict=None):
@@ -168,20 +221,6 @@ def write(values, iteration, writer=None, wandb_writer=None, total_loss_dict=Non
             writer.add_scalar(name, value, iteration)
         if wandb_writer:
             wandb_writer.log({name: value}, iteration)
-
-
-@contextlib.contextmanager
-def reported_here():
-    """Inside: the caller reports this iteration's metrics itself (:func:`reporting` is True)."""
-    _REPORTING[0] = True
-    try:
-        yield
-    finally:
-        _REPORTING[0] = False
-
-
-def reporting():
-    return _REPORTING[0]
 
 
 class _CapturingWriter:
@@ -212,12 +251,12 @@ def report(iteration, num_microbatches, num_layers, *, track_names=("load_balanc
     ``lm_lse`` / ``lm_lse_max`` when the adaptor is active. Collective: call it on every rank once per iteration.
     """
     capture = _CapturingWriter(writer)
-    with reported_here():
+    with report_iteration() as values:
         moe_tracker.call_report(
             loss_scale=1.0 / num_microbatches, iteration=iteration, writer=capture,
             wandb_writer=wandb_writer, total_loss_dict=total_loss_dict, per_layer_logging=False,
             force_initialize=False, track_names=list(track_names), num_layers=num_layers,
             moe_layer_freq=moe_layer_freq, mtp_num_layers=mtp_num_layers,
         )
-    write(reduce_iteration(), iteration, capture, wandb_writer, total_loss_dict)
+    write(values or {}, iteration, capture, wandb_writer, total_loss_dict)
     return capture.scalars

@@ -30,11 +30,9 @@ adaptor still runs before anything imports Megatron whichever adaptor is importe
 import sys
 
 from mindspeed_cez.patches import arguments, targets
+from mindspeed_cez.patches.settings import RECORD
 
 FEATURE_NAME = "lm-z-loss"
-
-_REGISTERED = None  # the feature instance once registered with MindSpeed
-_ON_FLAGS = []  # [callable(args)]: what our validate_args hands the parsed flags to
 
 
 def make_feature_class(base):
@@ -55,7 +53,7 @@ def make_feature_class(base):
                 return  # e.g. MindSpeed validating a TransformerConfig
             if not self._patches_registered:  # MindSpeed never applied its features: do it now
                 register_patches_now()
-            _ON_FLAGS[0](args)  # mindspeed_cez.patches.activate_from_flags: the one activation route
+            RECORD.on_flags(args)  # mindspeed_cez.patches.activate_from_flags: the one activation route
 
         def register_patches(self, patch_manager, args):
             self._patches_registered = True
@@ -105,23 +103,22 @@ def register(on_flags):
     before MindSpeed-LLM's, the feature stays in the list MindSpeed-LLM sets. MindSpeed ignores a
     wrapper registered twice, so a later ``apply_features_patches`` is harmless.
     """
-    _ON_FLAGS[:] = [on_flags]
+    RECORD.on_flags = on_flags
     targets.defer_to_mindspeed(registered_with_mindspeed)
     targets.on_import(targets.FEATURES_MANAGER, _join)
-    return _REGISTERED
+    return RECORD.feature
 
 
 def _join(features_manager_module):
     """Add our feature to the features manager that just loaded (or was loaded already)."""
-    global _REGISTERED
     base, features_manager, patch_manager = _mindspeed_api()
-    if _REGISTERED is None:
+    if RECORD.feature is None:
         cls = make_feature_class(base)
         existing = [f for f in features_manager.FEATURES_LIST if type(f).__name__ == cls.__name__]
-        _REGISTERED = existing[0] if existing else cls()
-    if _REGISTERED not in features_manager.FEATURES_LIST:
-        features_manager.FEATURES_LIST.append(_REGISTERED)
-    _stay_in_features_list(features_manager, _REGISTERED)
+        RECORD.feature = existing[0] if existing else cls()
+    if RECORD.feature not in features_manager.FEATURES_LIST:
+        features_manager.FEATURES_LIST.append(RECORD.feature)
+    _stay_in_features_list(features_manager, RECORD.feature)
     if "megatron.core" in sys.modules:  # MindSpeed applied its features already: ours now
         register_patches_now()
 
@@ -129,9 +126,9 @@ def _join(features_manager_module):
 def register_patches_now():
     """(Re)register and apply our wrappers through MindSpeed's patch manager."""
     _, _, patch_manager = _mindspeed_api()
-    _REGISTERED.register_patches(patch_manager, None)
+    RECORD.feature.register_patches(patch_manager, None)
     patch_manager.apply_patches()
 
 
 def registered_with_mindspeed():
-    return _REGISTERED is not None and targets.FEATURES_MANAGER in sys.modules
+    return RECORD.feature is not None and targets.FEATURES_MANAGER in sys.modules

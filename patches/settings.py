@@ -3,6 +3,8 @@
 The patched functions read :data:`ACTIVE` on every call: ``None`` means "behave exactly like
 Megatron" (the original function runs), a :class:`Settings` means "use the fused op with these
 settings". :func:`mindspeed_cez.patches.apply` and the argument hooks set it; ``remove`` clears it.
+:data:`RECORD` (an :class:`AdaptorRecord`) keeps how they got there: what ``apply()`` and the flags
+chose, the MindSpeed feature, the adaptor import's mode.
 
 :func:`backends_from_environment` is the one place that reads the launch script's overrides of the
 kernels (``MINDSPEED_CEZ_BACKEND``, ``MINDSPEED_CEZ_LINEAR_BACKEND``), for the flags' settings.
@@ -129,6 +131,35 @@ def backends_from_environment(environ=os.environ):
                          "does not import here: unset it (automatic) or choose triton or torch")
     return chosen
 
+
+class AdaptorRecord:
+    """How this process reaches its active settings: what ``apply()`` and the ``--lm-*`` flags chose
+    (:func:`mindspeed_cez.patches.activate` reconciles them), the MindSpeed feature once it joined
+    MindSpeed's list and the route its validation hands the flags to (:mod:`.mindspeed_feature`), and
+    where the adaptor's import reads the flags (:mod:`mindspeed_cez.megatron_adaptor`)."""
+
+    def __init__(self):
+        self.apply_chose, self.from_apply = False, None  # an apply() (activate()) call chose these Settings
+        self.flags_chose, self.from_flags = False, None  # the parsed flags chose explicitly (None: kernel off)
+        self.warned_unchecked = False  # apply() warned that MindSpeed-LLM's modes could not be checked
+        self.feature = None  # our MindSpeed feature, once registered with MindSpeed
+        self.on_flags = None  # callable(args): what the feature's validate_args hands the parsed flags to
+        self.adaptor_mode = None  # "megatron.training" / "megatron.core": the adaptor import's registration
+
+    def chose_by_apply(self, settings):
+        self.apply_chose, self.from_apply = True, settings
+
+    def chose_by_flags(self, settings):
+        self.flags_chose, self.from_flags = True, settings
+
+    def forget_choices(self):
+        """``remove()``: neither ``apply()`` nor the flags chose (the registrations stay)."""
+        self.apply_chose, self.from_apply = False, None
+        self.flags_chose, self.from_flags = False, None
+
+
+# Global: Megatron's validate_args and MindSpeed's features manager reach the activation route without a handle.
+RECORD = AdaptorRecord()
 
 # Global: Megatron calls the patched functions without a handle to the adaptor, so they read it here.
 ACTIVE: Optional[Settings] = None

@@ -183,93 +183,146 @@ def _missing_error(labels):
 # direct installation (no MindSpeed): attach now or when the module is first imported
 # ---------------------------------------------------------------------------------------------
 
-# path -> (owner, attr, original, replacement, [(module, attr) copies replaced])
-_APPLIED = {}
-_EXTRA = []  # targets added by install_target (the argument hooks of mindspeed_cez.megatron_adaptor)
-_FAILED = {}  # label -> module name: required targets whose module ran without them
-_CALLBACKS = {}  # module name -> [callable(module)], run once the module's code ran
-_DEFER_TO_MINDSPEED = []  # a callable: True while MindSpeed's patch manager attaches the targets
 
+class PatchRegistry:
+    """The functions installed directly, the targets and callbacks watched, and the post-import hook
+    that attaches them (:class:`_PostImportFinder`, first on ``sys.meta_path`` while armed)."""
 
-def _install(owner, attr, wrapper):
-    path = _path(owner, attr)
-    if path in _APPLIED:
+    def __init__(self):
+        self.applied = {}  # path -> (owner, attr, original, replacement, [(module, attr) copies replaced])
+        self.extra = []  # targets added by install_target (the argument hooks of mindspeed_cez.megatron_adaptor)
+        self.failed = {}  # label -> module name: required targets whose module ran without them
+        self.callbacks = {}  # module name -> [callable(module)], run once the module's code ran
+        self.defer = None  # a callable: True while MindSpeed's patch manager attaches the targets
+        self.finder = _PostImportFinder(self)
+
+    def deferred(self):
+        return self.defer is not None and self.defer()
+
+    def install(self, owner, attr, wrapper):
+        path = _path(owner, attr)
+        if path in self.applied:
+            return True
+        is_class = isinstance(owner, type)
+        original = owner.__dict__.get(attr) if is_class else getattr(owner, attr)
+        replacement = wrapper(original)
+        setattr(owner, attr, replacement)
+        copies = []
+        if not is_class and original is not None:
+            for modname, module in list(sys.modules.items()):
+                if module is None or module is owner or modname.startswith("mindspeed_cez"):
+                    continue
+                for name, value in list(getattr(module, "__dict__", {}).items()):
+                    if value is original:
+                        setattr(module, name, replacement)
+                        copies.append((module, name))
+        self.applied[path] = (owner, attr, original, replacement, copies)
         return True
-    is_class = isinstance(owner, type)
-    original = owner.__dict__.get(attr) if is_class else getattr(owner, attr)
-    replacement = wrapper(original)
-    setattr(owner, attr, replacement)
-    copies = []
-    if not is_class and original is not None:
-        for modname, module in list(sys.modules.items()):
-            if module is None or module is owner or modname.startswith("mindspeed_cez"):
-                continue
-            for name, value in list(getattr(module, "__dict__", {}).items()):
-                if value is original:
-                    setattr(module, name, replacement)
-                    copies.append((module, name))
-    _APPLIED[path] = (owner, attr, original, replacement, copies)
-    return True
 
+    def uninstall(self, path):
+        owner, attr, original, replacement, copies = self.applied.pop(path)
+        if (owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)) is replacement:
+            setattr(owner, attr, original)
+        for module, name in copies:
+            if getattr(module, name, None) is replacement:
+                setattr(module, name, original)
+        # modules imported while patched bound the replacement: restore those too
+        if not isinstance(owner, type) and original is not None:
+            for modname, module in list(sys.modules.items()):
+                if module is None or modname.startswith("mindspeed_cez"):
+                    continue
+                for name, value in list(getattr(module, "__dict__", {}).items()):
+                    if value is replacement:
+                        setattr(module, name, original)
 
-def _uninstall(path):
-    owner, attr, original, replacement, copies = _APPLIED.pop(path)
-    if (owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)) is replacement:
-        setattr(owner, attr, original)
-    for module, name in copies:
-        if getattr(module, name, None) is replacement:
-            setattr(module, name, original)
-    # modules imported while patched bound the replacement: restore those too
-    if not isinstance(owner, type) and original is not None:
-        for modname, module in list(sys.modules.items()):
-            if module is None or modname.startswith("mindspeed_cez"):
-                continue
-            for name, value in list(getattr(module, "__dict__", {}).items()):
-                if value is replacement:
-                    setattr(module, name, original)
+    def attach(self, target, module):
+        """Attach ``target`` in its freshly executed (or already loaded) ``module``."""
+        if self.deferred():
+            return  # MindSpeed's patch manager attaches it (patch_targets)
+        picked = _pick(target, module)
+        if picked is None:
+            if target.required:
+                self.failed[target.label] = target.module
+                from mindspeed_cez.patches import settings
 
+                if settings.get_active() is not None:  # active already: the import itself fails
+                    raise _missing_error([target.label])
+            return
+        self.failed.pop(target.label, None)
+        self.install(*picked, target.wrapper)
 
-def _attach(target, module):
-    """Attach ``target`` in its freshly executed (or already loaded) ``module``."""
-    if _DEFER_TO_MINDSPEED and _DEFER_TO_MINDSPEED[0]():
-        return  # MindSpeed's patch manager attaches it (patch_targets)
-    picked = _pick(target, module)
-    if picked is None:
-        if target.required:
-            _FAILED[target.label] = target.module
-            from mindspeed_cez.patches import settings
+    def watched(self):
+        return [*TARGETS, *self.extra]
 
-            if settings.get_active() is not None:  # active already: the import itself fails
-                raise _missing_error([target.label])
-        return
-    _FAILED.pop(target.label, None)
-    _install(*picked, target.wrapper)
+    def watches(self, name):
+        return name in self.callbacks or any(t.module == name for t in self.watched())
 
+    def on_executed(self, name, module):
+        for target in self.watched():
+            if target.module == name:
+                self.attach(target, module)
+        for callback in self.callbacks.get(name, ()):
+            callback(module)
 
-def _watched():
-    return [*TARGETS, *_EXTRA]
+    def arm(self):
+        if self.finder not in sys.meta_path:
+            sys.meta_path.insert(0, self.finder)
 
+    def disarm(self):
+        while self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
 
-def _on_executed(name, module):
-    for target in _watched():
-        if target.module == name:
-            _attach(target, module)
-    for callback in _CALLBACKS.get(name, ()):
-        callback(module)
+    def on_import(self, module_name, callback):
+        callbacks = self.callbacks.setdefault(module_name, [])
+        if callback not in callbacks:
+            callbacks.append(callback)
+        self.arm()
+        if sys.modules.get(module_name) is not None:
+            callback(sys.modules[module_name])
+
+    def install_target(self, target):
+        if target not in self.extra:
+            self.extra.append(target)
+        self.arm()
+        if sys.modules.get(target.module) is not None:
+            self.attach(target, sys.modules[target.module])
+
+    def install_patches(self):
+        self.arm()
+        for target in self.watched():
+            if sys.modules.get(target.module) is not None:
+                self.attach(target, sys.modules[target.module])
+        return sorted(self.applied)
+
+    def check_attached(self):
+        if self.failed and not self.deferred():
+            raise _missing_error(sorted(self.failed))
+
+    def forget_failures(self):
+        """Forget the required targets that could not attach (as if their modules were not imported)."""
+        self.failed.clear()
+
+    def uninstall_all(self):
+        for path in list(self.applied):
+            self.uninstall(path)
+        self.extra.clear()
+        self.failed.clear()
+        if not self.callbacks:
+            self.disarm()
 
 
 class _PostImportLoader(importlib.abc.Loader):
     """The loader of a watched module: its own loader runs the module, then the patches attach."""
 
-    def __init__(self, loader, name):
-        self._loader, self._name = loader, name
+    def __init__(self, loader, name, registry):
+        self._loader, self._name, self._registry = loader, name, registry
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        _on_executed(self._name, sys.modules.get(self._name, module))
+        self._registry.on_executed(self._name, sys.modules.get(self._name, module))
 
     def __getattr__(self, name):  # get_source, get_filename, is_package, ... of the real loader
         return getattr(self._loader, name)
@@ -278,85 +331,59 @@ class _PostImportLoader(importlib.abc.Loader):
 class _PostImportFinder(importlib.abc.MetaPathFinder):
     """First on ``sys.meta_path`` while armed; answers only for watched modules, with their own spec."""
 
+    def __init__(self, registry):
+        self._registry = registry
+
     def find_spec(self, name, path, target=None):
-        if name in sys.modules or not (name in _CALLBACKS or any(t.module == name for t in _watched())):
+        if name in sys.modules or not self._registry.watches(name):
             return None
         spec = _find_spec(name, path, skip=self)
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PostImportLoader(spec.loader, name)
+            spec.loader = _PostImportLoader(spec.loader, name, self._registry)
         return spec
 
 
-_FINDER = _PostImportFinder()
-
-
-def _arm():
-    if _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
-
-
-def _disarm():
-    while _FINDER in sys.meta_path:
-        sys.meta_path.remove(_FINDER)
+# Global: the import system (the post-import hook) and Megatron's modules reach the patches without a handle.
+_REGISTRY = PatchRegistry()
 
 
 def on_import(module_name, callback):
     """Run ``callback(module)`` once ``module_name`` is imported (now, if it is already)."""
-    _CALLBACKS.setdefault(module_name, [])
-    if callback not in _CALLBACKS[module_name]:
-        _CALLBACKS[module_name].append(callback)
-    _arm()
-    if sys.modules.get(module_name) is not None:
-        callback(sys.modules[module_name])
+    _REGISTRY.on_import(module_name, callback)
 
 
 def defer_to_mindspeed(predicate):
     """``predicate()`` True: MindSpeed's patch manager attaches the targets, not this module."""
-    _DEFER_TO_MINDSPEED[:] = [predicate]
+    _REGISTRY.defer = predicate
 
 
 def install_target(path, wrapper):
     """Attach one extra wrapper (``module.function`` or ``module.Class.method``; the argument hooks
     of ``mindspeed_cez.megatron_adaptor``) now or when its module is imported."""
     module, _, name = path.rpartition(".")
-    target = Target(module, "", (name,), wrapper)
-    if target not in _EXTRA:
-        _EXTRA.append(target)
-    _arm()
-    if sys.modules.get(module) is not None:
-        _attach(target, sys.modules[module])
+    _REGISTRY.install_target(Target(module, "", (name,), wrapper))
     return True
 
 
 def install_patches():
     """Attach every wrapper whose module is loaded and arm the hook for the others (idempotent;
     imports nothing). They pass through until settings are active. Returns the attached paths."""
-    _arm()
-    for target in _watched():
-        if sys.modules.get(target.module) is not None:
-            _attach(target, sys.modules[target.module])
-    return sorted(_APPLIED)
+    return _REGISTRY.install_patches()
 
 
 def check_attached():
     """Raise :class:`PatchTargetError` naming the required targets that could not attach."""
-    if _FAILED and not (_DEFER_TO_MINDSPEED and _DEFER_TO_MINDSPEED[0]()):
-        raise _missing_error(sorted(_FAILED))
+    _REGISTRY.check_attached()
 
 
 def uninstall_all():
     """Restore every function installed here and disarm the hook (idempotent)."""
-    for path in list(_APPLIED):
-        _uninstall(path)
-    _EXTRA.clear()
-    _FAILED.clear()
-    if not _CALLBACKS:
-        _disarm()
+    _REGISTRY.uninstall_all()
 
 
 def installed_targets():
     """The patch targets currently installed directly (not through MindSpeed)."""
-    return sorted(_APPLIED)
+    return sorted(_REGISTRY.applied)
 
 
 class MegatronCoreMissing(SystemExit):

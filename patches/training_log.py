@@ -27,11 +27,14 @@ def moe_metrics_report_wrapper(fn):
 
     @functools.wraps(fn)
     def report_(*args, **kwargs):
-        result = fn(*args, **kwargs)
-        if not metrics.reporting() and _settings.ACTIVE is not None:
-            a = signature.bind(*args, **kwargs).arguments
-            metrics.write(metrics.reduce_iteration(), a.get("iteration"), a.get("writer"), a.get("wandb_writer"),
-                          a.get("total_loss_dict"))
+        if _settings.ACTIVE is None:
+            return fn(*args, **kwargs)
+        with metrics.report_iteration() as values:  # None: Megatron's training_log (or report()) reports them
+            result = fn(*args, **kwargs)
+            if values is not None:
+                a = signature.bind(*args, **kwargs).arguments
+                metrics.write(values, a.get("iteration"), a.get("writer"), a.get("wandb_writer"),
+                              a.get("total_loss_dict"))
         return result
 
     report_.__cez_wraps__ = fn
@@ -70,24 +73,21 @@ def training_log_wrapper(fn):
     can_hold_max = {"total_loss_dict", "skipped_iter"} <= set(signature.parameters)
 
     def training_log(settings, *args, **kwargs):
-        # reporting(): an outer wrapper already added our values (the same function wrapped under two
-        # names: MindSpeed-LLM 2.2.0 re-exports Megatron's training_log)
-        if metrics.reporting():
-            return fn(*args, **kwargs)
-        values = metrics.reduce_iteration()
-        bound = signature.bind(*args, **kwargs)
-        loss_dict = bound.arguments["loss_dict"]
-        if values and loss_dict:  # the last pipeline stage holds the iteration's losses
-            bound.arguments["loss_dict"] = {**loss_dict, **values}
-            total = bound.arguments.get("total_loss_dict")
-            if can_hold_max and metrics.LM_LSE_MAX in values and total is not None:
-                skipped = bool(bound.arguments.get("skipped_iter"))
-                if not skipped:  # the zeros Megatron would start from, so the log line keeps loss_dict's order
-                    for key, value in bound.arguments["loss_dict"].items():
-                        if key not in total and isinstance(value, torch.Tensor):
-                            total[key] = torch.zeros(1, dtype=torch.float, device=value.device)
-                interval_maximum(total, values[metrics.LM_LSE_MAX], skipped)
-        with metrics.reported_here():
+        with metrics.report_iteration() as values:
+            if values is None:  # an outer wrapper added our values (the same function wrapped under two
+                return fn(*args, **kwargs)  # names: MindSpeed-LLM 2.2.0 re-exports Megatron's training_log)
+            bound = signature.bind(*args, **kwargs)
+            loss_dict = bound.arguments["loss_dict"]
+            if values and loss_dict:  # the last pipeline stage holds the iteration's losses
+                bound.arguments["loss_dict"] = {**loss_dict, **values}
+                total = bound.arguments.get("total_loss_dict")
+                if can_hold_max and metrics.LM_LSE_MAX in values and total is not None:
+                    skipped = bool(bound.arguments.get("skipped_iter"))
+                    if not skipped:  # the zeros Megatron would start from, so the log line keeps loss_dict's order
+                        for key, value in bound.arguments["loss_dict"].items():
+                            if key not in total and isinstance(value, torch.Tensor):
+                                total[key] = torch.zeros(1, dtype=torch.float, device=value.device)
+                    interval_maximum(total, values[metrics.LM_LSE_MAX], skipped)
             return fn(*bound.args, **bound.kwargs)
 
     return while_active(fn, training_log)

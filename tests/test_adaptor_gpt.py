@@ -211,7 +211,7 @@ def _gpt_worker(rank, world_size, tp):
         position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
         loss = model(tokens, position_ids, shims.causal_attention_mask(SEQ), labels=labels, loss_mask=loss_mask)
     torch.testing.assert_close(loss.double(), ref[0]["ce"], rtol=1e-5, atol=1e-5)
-    assert metrics._SUMS is None or float(metrics._SUMS[2]) == 0, "an eval forward must not record"
+    assert metrics.recorded_tokens() == 0, "an eval forward must not record"
     model.train()
 
     # a caller that hands no loss mask (no GPTModel around the loss): every token counts, said once

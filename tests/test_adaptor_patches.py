@@ -188,10 +188,8 @@ def fake_mindspeed(monkeypatch):
     mods["mindspeed.patch_utils"].MindSpeedPatchesManager = _RecordingPatchManager
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    from mindspeed_cez.patches import mindspeed_feature
-
     patches.remove()
-    monkeypatch.setattr(mindspeed_feature, "_REGISTERED", None)
+    monkeypatch.setattr(_settings.RECORD, "feature", None)
     yield FeaturesManager
     _RecordingPatchManager.remove_patches()
     _settings.set_active(None)
@@ -299,7 +297,7 @@ def test_apply_warns_once_where_it_cannot_check(monkeypatch):
         package.__path__ = []
         monkeypatch.setitem(sys.modules, name, package)
     monkeypatch.delitem(sys.modules, "megatron.training.global_vars", raising=False)
-    monkeypatch.setattr(patches, "_WARNED_UNCHECKED", [])
+    monkeypatch.setattr(_settings.RECORD, "warned_unchecked", False)
     try:
         with pytest.warns(UserWarning, match="--loss-compute-mode chunk at TP=1.*could not be checked"):
             patches.apply(z_loss_coeff=1e-4)
@@ -382,7 +380,7 @@ def test_a_required_target_that_cannot_attach_is_an_error_naming_it(tmp_path, mo
         with pytest.raises(patches.PatchTargetError, match=r"cannot patch cez_fake_megatron_mod\.loss_fn:"):
             patches.apply(z_loss_coeff=1e-3)
         assert patches.active_settings() is None
-        targets._FAILED.clear()  # as if that module had not been imported
+        targets._REGISTRY.forget_failures()  # as if that module had not been imported
         _settings.set_active(patches.Settings(z_loss_coeff=1e-3))
         with pytest.raises(patches.PatchTargetError, match=r"cez_fake_megatron_late\.loss_fn"):
             import cez_fake_megatron_late  # noqa: F401
