@@ -7,13 +7,16 @@ runs the same and more on four GPUs):
 * a NaN put into the output layer's input at iteration 3 gets Megatron's verdict with the flag, word for word
   (``validate_results``: re-run, reproducible, checkpoint, exit status 16);
 * a ``torch_dist`` checkpoint saved at TP=2 (with SP) resumes at PP=2: the resumed run continues the run that
-  never stopped (the saving one), ``lm_z_loss``, ``lm_lse`` and ``lm_lse_max`` included.
+  never stopped (the saving one), ``lm_z_loss``, ``lm_lse`` and ``lm_lse_max`` included;
+* the output layer's weight gradient after Megatron's gradient sync equals the float64 gradient made from what the
+  run fed the output layer (DDP at DP2 and TP2 + SP, Megatron-FSDP at DP2 where einops is installed; the fused
+  layer forward with the z-loss, and Megatron's own CE).
 
 An in-process restart (nvidia-resiliency-ext, absent here) calls Megatron's ``destroy_global_state`` between a
 fault and the next attempt: the adaptor forgets the interrupted step there (its metric sums, the fused layer's
 forwards whose backward never came), checked by calling Megatron's own restart finalizer.
 
-Run by ``.ci/leg_py312.sh``; four launches, about two minutes on two cores.
+Run by ``.ci/leg_py312.sh``; eight launches (seven without einops), about three minutes on two cores.
 """
 
 import subprocess
@@ -104,13 +107,14 @@ def test_torch_dist_checkpoint_resumes_at_another_layout(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo): the GPU script runs it on GPUs")
-@pytest.mark.parametrize("layout", ["dp2-ddp", "tp2-sp-ddp", "dp2-megatron-fsdp"])
+@pytest.mark.parametrize("layout", ["dp2-ddp", "tp2-sp-ddp", "dp2-megatron-fsdp", "tp2-sp-ddp-megatron-ce"])
 def test_output_layer_gradient_equals_the_float64_reference(tmp_path, layout):
     """The fused layer (forward: the weight gradient made in the forward, into DDP's ``main_grad``; under
     Megatron-FSDP through autograd) with the z-loss: the output layer's weight gradient of iteration 1 after
     Megatron's gradient sync equals the float64 gradient made from what the run fed the output layer (every
     micro-batch's input, weight, labels and loss mask; ``tests/output_grad_reference.py``), two micro-batches per
-    rank counting different tokens. Megatron-FSDP needs einops; over gloo, its gradient scaling unfused (gloo has
+    rank counting different tokens; Megatron's own CE (c = 0, its logits made from the dumped input and weight) the
+    reference's control. Megatron-FSDP needs einops; over gloo, its gradient scaling unfused (gloo has
     no PREMUL_SUM). torch FSDP2 is not run here: Megatron's wrapper wants the parameters on a CUDA device."""
     from gpu_megatron_features import grad_difference, output_grads
     from output_grad_reference import reference_output_grad
@@ -120,20 +124,28 @@ def test_output_layer_gradient_equals_the_float64_reference(tmp_path, layout):
     if fsdp:
         pytest.importorskip("einops")  # Megatron-FSDP imports it
         parallel = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--no-gradient-reduce-div-fusion"]
+    megatron_ce = layout.endswith("megatron-ce")
     args = with_args(TINY_GPT, global_batch_size=4 if layout.startswith("tp2") else 8, train_iters=1, eval_iters=0,
-                     eval_interval=1000) + ["--untie-embeddings-and-output-weights"] + parallel + FOL
+                     eval_interval=1000) + ["--untie-embeddings-and-output-weights"] + parallel + ([] if megatron_ce
+                                                                                                  else FOL)
     env = {"CEZ_DUMP_OUTPUT_GRAD": str(tmp_path / "grad"), "CEZ_DUMP_OUTPUT_INPUTS": str(tmp_path / "inputs"),
            "CUDA_DEVICE_MAX_CONNECTIONS": "8" if fsdp else "1"}
     launched = run(tmp_path, args, env)
     assert launched.rc == 0, launched.log_path.read_text()[-4000:]
     reference, facts = reference_output_grad(tmp_path / "inputs")
     assert (facts["dp"], facts["tp"], facts["micro_batches"]) == ((1, 2) if layout.startswith("tp2") else (2, 1)) + (2,)
-    assert facts["deferred"] and facts["z_loss_coeff"] == 1e-2 and facts["loss_scale"] == 1.0, facts
+    if megatron_ce:  # Megatron's logits = the dumped input @ weight.T: the dump holds what the layer used
+        assert not facts["deferred"] and facts["z_loss_coeff"] == 0.0 and facts["weight_check"] <= 1e-6, facts
+    else:
+        assert facts["deferred"] and facts["z_loss_coeff"] == 1e-2, facts
+    assert facts["loss_scale"] == 1.0, facts
     dumped = output_grads(SimpleNamespace(env=env), 1)
     where = "DTensor.grad" if fsdp else "Parameter.main_grad"  # Megatron-FSDP's sharded gradient, gathered
     assert sorted(dumped) == sorted(reference) and all(w == where for _, w in dumped.values()), dumped
     diff = grad_difference(dumped, {t: (g, "float64") for t, g in reference.items()})
     assert diff <= 1e-5, diff  # fp32 GEMMs against float64
+    if megatron_ce:
+        return
     without_z = grad_difference(dumped, {t: (g, "") for t, g in _without_z_loss(tmp_path / "inputs").items()})
     assert without_z > 100 * diff, (without_z, diff)  # the z-loss term is seen
 
