@@ -265,7 +265,8 @@ def reference_check(checks, name, spec):
     want_c = 0.0 if spec.variant == "ce" else Z_COEFF
     c_ok = facts["z_loss_coeff"] == want_c
     return checks.add(what, diff <= GRAD_REF_REL and weight_ok and c_ok, diff, GRAD_REF_REL,
-                      ("" if c_ok else f"the run's c is not {want_c:g}; ") + f"read from {sorted({w for _, w in dumped.values()})}; DP {facts['dp']} x TP {facts['tp']}, "
+                      ("" if c_ok else f"the run's c is not {want_c:g}; ")
+                      + f"read from {sorted({w for _, w in dumped.values()})}; DP {facts['dp']} x TP {facts['tp']}, "
                       f"{facts['micro_batches']} micro-batches, c = {facts['z_loss_coeff']:g}, loss scale "
                       f"{facts['loss_scale']:g}, " + ("the fused layer's deferred call" if facts["deferred"] else
                       f"logits = input @ weight.T within {fmt(facts['weight_check'], 2)} (limit {WEIGHT_CHECK_REL:g})"))

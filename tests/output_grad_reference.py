@@ -53,8 +53,9 @@ def reference_output_grad(folder):
                                   "no label smoothing")
     expected = {(dp, mb) for dp in range(dp_size) for mb in range(m)}
     if set(found) != expected or any(sorted(shards) != list(range(tp_size)) for shards in found.values()):
-        raise ValueError(f"{folder}: dumps of {sorted(found)} (tp ranks {sorted({t for s in found.values() for t in s})})"
-                         f", expected every micro-batch of {dp_size} data-parallel x {tp_size} tensor-parallel ranks")
+        tp_ranks = sorted({t for shards in found.values() for t in shards})
+        raise ValueError(f"{folder}: dumps of {sorted(found)} (tp ranks {tp_ranks}), expected every micro-batch of "
+                         f"{dp_size} data-parallel x {tp_size} tensor-parallel ranks")
     weights = {t: found[(0, 0)][t]["weight"].double() for t in range(tp_size)}
     for dp in range(1, dp_size):
         if any(not torch.equal(found[(dp, 0)][t]["weight"], found[(0, 0)][t]["weight"]) for t in range(tp_size)):
