@@ -17,7 +17,11 @@ rerun state machine in that mode (every step run twice, the loss's variability l
 megatron-core 0.19.2's ``--rerun-mode report_stats`` cannot reach (its enum value differs); each
 re-run micro-batch's loss is then compared with the first run's, exactly, and the result printed. With
 ``CEZ_DUMP_OUTPUT_GRAD=DIR`` the output layer's weight gradient of iterations 1 and 2, after Megatron's gradient
-sync, is written to ``DIR`` (DDP's ``main_grad``, an FSDP parameter's gradient gathered). With
+sync, is written to ``DIR`` (DDP's ``main_grad``, an FSDP parameter's gradient gathered), with what Megatron
+scales it by (the loss scale, the micro-batch count, the data-parallel size). With ``CEZ_DUMP_OUTPUT_INPUTS=DIR``
+every rank writes, for each micro-batch of iteration 1, what the output layer's loss saw: the layer's input (the
+whole sequence), its weight (this rank's vocab rows), the labels and the loss mask, to
+``DIR/inputs_dp{d}_tp{t}_mb{k}.pt`` (``tests/output_grad_reference.py`` makes the float64 gradient from them). With
 ``CEZ_TEST_LOG_MEMORY`` each logged step prints this rank's CUDA memory and the CUDA graphs Megatron holds
 (``cez-memory iteration I ...``); ``CEZ_TEST_SKIP_TEARDOWN`` leaves the example's CUDA graphs and process
 groups to the interpreter's exit.
@@ -122,6 +126,60 @@ def _dump_logits(name, logits):
     _DUMPED[kind] += 1
 
 
+# ------------------------------------------------------------------ dump the output layer's inputs
+def _dump_output_inputs_hook(module, args, kwargs, output):
+    """Iteration 1 (training): this micro-batch's output layer input (gathered over the sequence-parallel ranks),
+    weight (in micro-batch 0; an FSDP parameter gathered over data parallel), labels and loss mask, to
+    ``$CEZ_DUMP_OUTPUT_INPUTS/inputs_dp{d}_tp{t}_mb{k}.pt``. The fused layer's deferred call holds the hidden
+    states and weight the op takes; Megatron's layer made its logits from them, which the dump checks
+    (``weight_check``: ``|hidden @ weight.T - logits| / |logits|``)."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    if not (module.training and torch.is_grad_enabled() and getattr(get_args(), "curr_iteration", -1) == 0):
+        return
+    result = output[0] if isinstance(output, tuple) else output
+    deferred = type(result).__name__ == "DeferredLogits"
+    hidden = result.hidden if deferred else args[0]
+    weight = result.weight if deferred else (kwargs.get("weight") if kwargs.get("weight") is not None
+                                             else (args[1] if len(args) > 1 else module.weight))
+    with torch.no_grad():
+        weight = _whole(weight.detach())  # a collective of the data-parallel ranks where it is a DTensor
+        if module.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden)
+        check = None
+        if not deferred:
+            made = hidden.float() @ weight.float().t()
+            check = float((made - result.float()).norm() / result.float().norm().clamp(min=1e-30))
+    config, args_ = module.config, get_args()
+    scale_func = getattr(config, "grad_scale_func", None)
+    loss_scale = float(scale_func(torch.ones(1, device=hidden.device))) if scale_func is not None else 1.0
+    dp, tp = parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    k = _DUMPED.setdefault("inputs", 0)
+    _DUMPED["inputs"] += 1
+    out_dir = os.environ["CEZ_DUMP_OUTPUT_INPUTS"]
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save(
+        {
+            "hidden": hidden.detach().to("cpu", copy=True),  # [s, b, h], as the layer got it (bf16 under --bf16)
+            "weight": weight.to("cpu", copy=True) if k == 0 else None,  # [vocab / tp, h], this rank's rows
+            "labels": _CURRENT_BATCH["labels"].detach().cpu(),  # [b, s]
+            "loss_mask": _CURRENT_BATCH["loss_mask"].detach().float().cpu(),  # [b, s]
+            "dp_rank": dp, "dp_size": parallel_state.get_data_parallel_world_size(),
+            "tp_rank": tp, "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "cp_size": parallel_state.get_context_parallel_world_size(),
+            "micro_batch": k, "num_microbatches": get_num_microbatches(),
+            "lm_z_loss_coeff": getattr(args_, "lm_z_loss_coeff", None) or 0.0,
+            "label_smoothing": getattr(args_, "label_smoothing_factor", 0.0) or 0.0,
+            "calculate_per_token_loss": bool(getattr(config, "calculate_per_token_loss", False)),
+            "loss_scale": loss_scale,
+            "deferred": deferred, "weight_check": check,
+        },
+        os.path.join(out_dir, f"inputs_dp{dp}_tp{tp}_mb{k}.pt"),
+    )
+
+
 # ------------------------------------------------------------------------- the example, wrapped
 _example_model_provider, _example_get_batch, _example_loss_func = (
     example.model_provider, example.get_batch, example.loss_func)
@@ -141,6 +199,8 @@ def model_provider(*args, **kwargs):
     post_process = inspect.signature(_example_model_provider).bind(*args, **kwargs).arguments.get("post_process", True)
     if post_process and os.environ.get("CEZ_DUMP_LOGITS_DIR"):
         model.output_layer.register_forward_hook(_keep_logits_hook)
+    if post_process and os.environ.get("CEZ_DUMP_OUTPUT_INPUTS"):
+        model.output_layer.register_forward_hook(_dump_output_inputs_hook, with_kwargs=True)
     if post_process and os.environ.get("CEZ_TEST_NAN_ITERATION"):
         model.output_layer.register_forward_pre_hook(_nan_into_output_layer)
     if os.environ.get("CEZ_TEST_RERUN_MODE"):  # after initialize_megatron made the rerun state machine
@@ -196,24 +256,30 @@ def loss_func(loss_mask, output_tensor):
 
 
 # ------------------------------------------------------------------- the output layer's gradient
-def _whole(grad):
-    """A gradient as this rank's tensor-parallel shard, whole over data parallel (an FSDP DTensor gathered:
-    a collective of the data-parallel ranks; where the gathered tensor spans the tensor-parallel ranks too, as
-    Megatron-FSDP's can, this rank's rows of it)."""
+def _whole(grad, param=None):
+    """A gradient (or weight) as this rank's tensor-parallel shard, whole over data parallel, in fp32. An FSDP
+    DTensor's local rows (torch FSDP2: even chunks; Megatron-FSDP: uneven, of this rank's tensor-parallel shard,
+    however its global shape counts the tensor-parallel ranks) are put in place in data-parallel rank order and
+    summed over the data-parallel group (collectives of the data-parallel ranks, which all call this). Megatron-FSDP
+    leaves no gradient on a rank whose shard of ``param`` is empty: that rank joins with no rows."""
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(grad, DTensor):
-        return grad
-    try:
-        from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
-    except ImportError:
-        whole = grad.full_tensor()
+    if grad is None and isinstance(param, DTensor):
+        grad = param.to_local().new_zeros(param.to_local().shape)
+    elif isinstance(grad, DTensor):
+        grad = grad.to_local()
     else:
-        whole = uneven_dtensor_to_full_tensor(grad)
-    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    rows = get_args().padded_vocab_size // tp
-    if tp > 1 and whole.shape[0] == rows * tp:
-        whole = whole[tp_rank * rows:(tp_rank + 1) * rows]
+        return grad
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    rows = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(rows, grad.shape[0], group=group)
+    start = sum(rows[:torch.distributed.get_rank(group)])
+    whole = torch.zeros((sum(rows), *grad.shape[1:]), dtype=torch.float32, device=grad.device)
+    whole[start:start + grad.shape[0]] = grad.float()
+    torch.distributed.all_reduce(whole, group=group)
+    expected = get_args().padded_vocab_size // parallel_state.get_tensor_model_parallel_world_size()
+    if whole.shape[0] != expected:
+        raise RuntimeError(f"the output layer's FSDP shards hold {whole.shape[0]} rows in all, not {expected}")
     return whole
 
 
@@ -230,9 +296,10 @@ def _dumping_output_grad(finalize):
             for chunk in model:
                 for name, param in chunk.named_parameters():
                     if name.endswith("output_layer.weight"):
-                        source = "grad" if param.grad is not None else "main_grad"
+                        fsdp = type(param).__name__ == "DTensor"  # its gradient is .grad (absent where its shard is)
+                        source = "grad" if param.grad is not None or fsdp else "main_grad"
                         grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
-                        grad = None if grad is None else _whole(grad)
+                        grad = _whole(grad, param)
                         if parallel_state.get_data_parallel_rank() == 0:
                             os.makedirs(os.environ["CEZ_DUMP_OUTPUT_GRAD"], exist_ok=True)
                             tp = parallel_state.get_tensor_model_parallel_rank()

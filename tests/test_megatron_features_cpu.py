@@ -7,16 +7,20 @@ runs the same and more on four GPUs):
 * a NaN put into the output layer's input at iteration 3 gets Megatron's verdict with the flag, word for word
   (``validate_results``: re-run, reproducible, checkpoint, exit status 16);
 * a ``torch_dist`` checkpoint saved at TP=2 (with SP) resumes at PP=2: the resumed run continues the run that
-  never stopped (the saving one), ``lm_z_loss``, ``lm_lse`` and ``lm_lse_max`` included.
+  never stopped (the saving one), ``lm_z_loss``, ``lm_lse`` and ``lm_lse_max`` included;
+* the output layer's weight gradient after Megatron's gradient sync equals the float64 gradient made from what the
+  run fed the output layer (DDP at DP2 and TP2 + SP, Megatron-FSDP at DP2 where einops is installed; the fused
+  layer forward with the z-loss, and Megatron's own CE).
 
 An in-process restart (nvidia-resiliency-ext, absent here) calls Megatron's ``destroy_global_state`` between a
 fault and the next attempt: the adaptor forgets the interrupted step there (its metric sums, the fused layer's
 forwards whose backward never came), checked by calling Megatron's own restart finalizer.
 
-Run by ``.ci/leg_py312.sh``; four launches, about two minutes on two cores.
+Run by ``.ci/leg_py312.sh``; eight launches (seven without einops), about three minutes on two cores.
 """
 
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -101,6 +105,66 @@ def test_torch_dist_checkpoint_resumes_at_another_layout(tmp_path):
         assert a[4][key] == pytest.approx(held(b[3][key], b[4][key]), rel=1e-5), (key, a[4], b[4])
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo): the GPU script runs it on GPUs")
+@pytest.mark.parametrize("layout", ["dp2-ddp", "tp2-sp-ddp", "dp2-megatron-fsdp", "tp2-sp-ddp-megatron-ce"])
+def test_output_layer_gradient_equals_the_float64_reference(tmp_path, layout):
+    """The fused layer (forward: the weight gradient made in the forward, into DDP's ``main_grad``; under
+    Megatron-FSDP through autograd) with the z-loss: the output layer's weight gradient of iteration 1 after
+    Megatron's gradient sync equals the float64 gradient made from what the run fed the output layer (every
+    micro-batch's input, weight, labels and loss mask; ``tests/output_grad_reference.py``), two micro-batches per
+    rank counting different tokens; Megatron's own CE (c = 0, its logits made from the dumped input and weight) the
+    reference's control. Megatron-FSDP needs einops; over gloo, its gradient scaling unfused (gloo has
+    no PREMUL_SUM). torch FSDP2 is not run here: Megatron's wrapper wants the parameters on a CUDA device."""
+    from gpu_megatron_features import grad_difference, output_grads
+    from output_grad_reference import reference_output_grad
+
+    parallel = ["--tensor-model-parallel-size", "2", "--sequence-parallel"] if layout.startswith("tp2") else []
+    fsdp = layout.endswith("megatron-fsdp")
+    if fsdp:
+        pytest.importorskip("einops")  # Megatron-FSDP imports it
+        parallel = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--no-gradient-reduce-div-fusion"]
+    megatron_ce = layout.endswith("megatron-ce")
+    args = with_args(TINY_GPT, global_batch_size=4 if layout.startswith("tp2") else 8, train_iters=1, eval_iters=0,
+                     eval_interval=1000) + ["--untie-embeddings-and-output-weights"] + parallel + ([] if megatron_ce
+                                                                                                  else FOL)
+    env = {"CEZ_DUMP_OUTPUT_GRAD": str(tmp_path / "grad"), "CEZ_DUMP_OUTPUT_INPUTS": str(tmp_path / "inputs"),
+           "CUDA_DEVICE_MAX_CONNECTIONS": "8" if fsdp else "1"}
+    launched = run(tmp_path, args, env)
+    assert launched.rc == 0, launched.log_path.read_text()[-4000:]
+    reference, facts = reference_output_grad(tmp_path / "inputs")
+    assert (facts["dp"], facts["tp"], facts["micro_batches"]) == ((1, 2) if layout.startswith("tp2") else (2, 1)) + (2,)
+    if megatron_ce:  # Megatron's logits = the dumped input @ weight.T: the dump holds what the layer used
+        assert not facts["deferred"] and facts["z_loss_coeff"] == 0.0 and facts["weight_check"] <= 1e-6, facts
+    else:
+        assert facts["deferred"] and facts["z_loss_coeff"] == 1e-2, facts
+    assert facts["loss_scale"] == 1.0, facts
+    dumped = output_grads(SimpleNamespace(env=env), 1)
+    where = "DTensor.grad" if fsdp else "Parameter.main_grad"  # Megatron-FSDP's sharded gradient, gathered
+    assert sorted(dumped) == sorted(reference) and all(w == where for _, w in dumped.values()), dumped
+    diff = grad_difference(dumped, {t: (g, "float64") for t, g in reference.items()})
+    assert diff <= 1e-5, diff  # fp32 GEMMs against float64
+    if megatron_ce:
+        return
+    without_z = grad_difference(dumped, {t: (g, "") for t, g in _without_z_loss(tmp_path / "inputs").items()})
+    assert without_z > 100 * diff, (without_z, diff)  # the z-loss term is seen
+
+
+def _without_z_loss(folder):
+    """The reference of ``folder`` with the z-loss coefficient set to 0 (the check's control)."""
+    import shutil
+
+    from output_grad_reference import reference_output_grad
+
+    copy = folder.parent / (folder.name + "_c0")
+    shutil.copytree(folder, copy)
+    for path in copy.glob("*.pt"):
+        dump = torch.load(path)
+        dump["lm_z_loss_coeff"] = 0.0
+        torch.save(dump, path)
+    return reference_output_grad(copy)[0]
+
+
 def test_inprocess_restart_forgets_the_interrupted_step():
     """Megatron's restart finalizer (``inprocess_restart.destroy_state``), called with the adaptor active after a
     step that recorded metric sums and dropped a fused-layer forward: the next step starts clean."""
@@ -131,8 +195,6 @@ def test_fused_layer_leaves_megatron_fsdp_main_grad_alone(fsdp):
     """A weight Megatron-FSDP manages (``__fsdp_param__``) keeps last iteration's ``main_grad`` view in forward;
     the fused layer hands its gradient back through autograd (Megatron-FSDP's hook puts it into the bucket), the
     gradient of a plain weight; a DDP weight's gradient goes into ``main_grad`` (the control)."""
-    from types import SimpleNamespace
-
     from mindspeed_cez.patches import output_layer
     from mindspeed_cez.patches.settings import Settings
 
