@@ -534,15 +534,22 @@ def main(argv=None):
                     for name, (lay, runs, _) in results.items()},
         "not_run": {lay.name: reason for lay, reason in not_run},
         "checks": all_checks}, indent=1))
-    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
-        for log in sorted(work.glob("*/*/train.log")):
-            tar.add(log, arcname=str(log.relative_to(work)))
-    if not args.work:
-        shutil.rmtree(work, ignore_errors=True)
-    failed = [c for c in all_checks if not c["ok"]]
-    say(f"{len(all_checks) - len(failed)}/{len(all_checks)} checks ok; {len(results)} layouts run, "
-        f"{len(not_run)} not run; results in {out}")
+    failed = finish(out, work, "*/*/train.log", not args.work, all_checks,
+                    f"{len(results)} layouts run, {len(not_run)} not run", say)
     return 1 if failed or not results else 0
+
+
+def finish(out, work, logs, remove_work, all_checks, counts, say):
+    """The end of a GPU script's run: the launches' ``logs`` (a glob under ``work``) packed into
+    ``out/logs.tar.gz``, ``work`` removed where asked, the count of checks said; the number that failed."""
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        for log in sorted(work.glob(logs)):
+            tar.add(log, arcname=str(log.relative_to(work)))
+    if remove_work:
+        shutil.rmtree(work, ignore_errors=True)
+    failed = sum(not c["ok"] for c in all_checks)
+    say(f"{len(all_checks) - failed}/{len(all_checks)} checks ok; {counts}; results in {out}")
+    return failed
 
 
 if __name__ == "__main__":

@@ -42,9 +42,7 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -52,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_layouts import (  # noqa: E402
-    CROSS_LAYOUT_REL, GRAD_NORM_ABS, GRAD_NORM_REL, ITER1_REL, LATER_REL, Checks, Row, Run, _parallel, fmt, poll,
+    CROSS_LAYOUT_REL, GRAD_NORM_ABS, GRAD_NORM_REL, ITER1_REL, LATER_REL, Checks, Row, Run, _parallel, finish, fmt, poll,
     rel, start_run, step_ms,
 )
 from megatron_launch import MOE, TINY_GPT, with_args  # noqa: E402
@@ -525,14 +523,8 @@ def main(argv=None):
         "launches": {n: {"args": by_name[n].args, "env": by_name[n].env, "rc": r.rc, "wall_s": r.wall_s,
                          "timed_out": r.timed_out, "step_ms": step_ms(r), "rows": r.rows} for n, r in runs.items()},
         "not_run": not_run, "checks": all_checks}, indent=1))
-    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
-        for log in sorted(work.glob("*/train.log")):
-            tar.add(log, arcname=str(log.relative_to(work)))
-    if not args.work:
-        shutil.rmtree(work, ignore_errors=True)
-    failed = [c for c in all_checks if not c["ok"]]
-    say(f"{len(all_checks) - len(failed)}/{len(all_checks)} checks ok; {len(runs)} launches, {len(not_run)} not run; "
-        f"results in {out}")
+    failed = finish(out, work, "*/train.log", not args.work, all_checks,
+                    f"{len(runs)} launches, {len(not_run)} not run", say)
     return 1 if failed or not runs else 0
 
 
