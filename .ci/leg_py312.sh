@@ -32,7 +32,9 @@ stamp "install torch==$TORCH_VERSION megatron-core==$MEGATRON_CORE_VERSION, the 
 "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
 # psutil: Megatron's torch_dist checkpoint save starts a worker that needs it
 # tokenizers, tensorboard, matplotlib: the z-loss sweep's CPU smoke run (tests/test_zloss_sweep.py, about 2 min)
-"$VENV/bin/python" -m pip install -q "megatron-core==$MEGATRON_CORE_VERSION" pytest psutil tokenizers tensorboard matplotlib
+# einops: Megatron-FSDP imports it (tests/test_megatron_features_cpu.py's Megatron-FSDP gradient against float64)
+"$VENV/bin/python" -m pip install -q "megatron-core==$MEGATRON_CORE_VERSION" pytest psutil tokenizers tensorboard matplotlib \
+    einops
 # --no-deps: the pins above stay as they are (the extras would re-resolve megatron-core)
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 "$VENV/bin/python" - <<EOF

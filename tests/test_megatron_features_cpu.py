@@ -16,7 +16,7 @@ An in-process restart (nvidia-resiliency-ext, absent here) calls Megatron's ``de
 fault and the next attempt: the adaptor forgets the interrupted step there (its metric sums, the fused layer's
 forwards whose backward never came), checked by calling Megatron's own restart finalizer.
 
-Run by ``.ci/leg_py312.sh``; eight launches (seven without einops), about three minutes on two cores.
+Run by ``.ci/leg_py312.sh``; eight launches (seven without einops: CI installs it), about three minutes on two cores.
 """
 
 import subprocess
