@@ -439,11 +439,16 @@ def table(results, not_run, across, gaf_checks):
         lines.append(f"| {layout.name} | {layout.ranks} | - | not run: {reason} |||||||| - |")
     lines.append("")
     for checks in (across, gaf_checks):
-        for c in (checks.items if checks else []):
-            lines.append(f"- {'ok' if c['ok'] else 'FAILED'}: {c['layout']}: {c['check']}"
-                         + (f" (largest relative difference {fmt(c['value'], 2)}, limit {c['limit']:g})"
-                            if c["value"] is not None else "") + (f"; {c['detail']}" if c["detail"] else ""))
+        lines += [check_line(c) for c in (checks.items if checks else [])]
     return "\n".join(lines)
+
+
+def check_line(c):
+    """One check of a results table: ``- ok|FAILED: where: what (largest relative difference, limit); detail``."""
+    return (f"- {'ok' if c['ok'] else 'FAILED'}: {c['layout']}: {c['check']}"
+            + (f" (largest relative difference {fmt(c['value'], 2)}, limit {c['limit']:g})"
+               if c["value"] is not None and c["limit"] is not None else "")
+            + (f"; {c['detail']}" if c["detail"] else ""))
 
 
 # -------------------------------------------------------------------------------------- main

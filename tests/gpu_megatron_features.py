@@ -50,8 +50,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_layouts import (  # noqa: E402
-    CROSS_LAYOUT_REL, GRAD_NORM_ABS, GRAD_NORM_REL, ITER1_REL, LATER_REL, Checks, Row, Run, _parallel, finish, fmt, poll,
-    rel, start_run, step_ms,
+    CROSS_LAYOUT_REL, GRAD_NORM_ABS, GRAD_NORM_REL, ITER1_REL, LATER_REL, Checks, Row, Run, _parallel, check_line,
+    finish, fmt, poll, rel, start_run, step_ms,
 )
 from megatron_launch import MOE, TINY_GPT, with_args  # noqa: E402
 
@@ -439,11 +439,7 @@ def table(groups, runs, not_run):
         lines.append(f"| {name} | not run: {why} ||||||")
     lines.append("")
     for checks in groups.values():
-        for c in checks.items:
-            lines.append(f"- {'ok' if c['ok'] else 'FAILED'}: {c['layout']}: {c['check']}"
-                         + (f" (largest relative difference {fmt(c['value'], 2)}, limit {c['limit']:g})"
-                            if c["value"] is not None and c["limit"] is not None else "")
-                         + (f"; {c['detail']}" if c["detail"] else ""))
+        lines += [check_line(c) for c in checks.items]
     return "\n".join(lines)
 
 
