@@ -30,12 +30,18 @@ def fused_loss(h, w, t, **options):
     return linear_cross_entropy_zloss(h, w, t, Z, **options)[0].sum()
 
 
+def with_main_grad(w):
+    """``w`` with an fp32 ``main_grad`` (made once, counted with the inputs' gradients, as Megatron's grad buffer)."""
+    if not hasattr(w, "main_grad"):
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    return w
+
+
 def into_main_grad(h, w, t, **options):
     """The gradients-in-forward path as Megatron runs it: the upstream gradient known in forward
     (``grad_scale``; here 1 per counted token, the benchmark's ``sum``), ``dweight`` added into an fp32
     ``weight.main_grad`` (made once, counted with the inputs' gradients, as Megatron's grad buffer)."""
-    if not hasattr(w, "main_grad"):
-        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    with_main_grad(w)
     if options.get("token_weights") is None:
         options["token_weights"] = (t != -100).float()
     return fused_loss(h, w, t, grad_scale=1.0, gradient_accumulation_fusion=True, grads="forward", **options)
@@ -68,9 +74,7 @@ class _LinearIntoMainGrad(torch.autograd.Function):
 def unfused_into_main_grad(h, w, t):
     from mindspeed_cez import vocab_parallel_cross_entropy_zloss
 
-    if not hasattr(w, "main_grad"):
-        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-    return vocab_parallel_cross_entropy_zloss(_LinearIntoMainGrad.apply(h, w), t, Z)[0].sum()
+    return vocab_parallel_cross_entropy_zloss(_LinearIntoMainGrad.apply(h, with_main_grad(w)), t, Z)[0].sum()
 
 
 def liger():
@@ -310,7 +314,7 @@ def sweep_tp(args):
         base = time_and_peak(stepper(lambda h, w, t: unfused(torch.cat(all_gather(h, group=group)), w, t, group), h, w,
                                      target), args.warmup, args.iters)
         results = [("unfused: all-gather + cuBLAS + cez op", "", base)]
-        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
+        with_main_grad(w)
         for fraction in FRACTIONS:
             label = "default path, fraction 0.5" if fraction == 0.5 else f"dial: fraction {fraction}"
             results.append((label, default_row_block(n, v // tp, fraction), time_and_peak(stepper(

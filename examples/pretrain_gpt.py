@@ -16,6 +16,7 @@ steer Megatron's hard-coded CUDA calls to the CPU. See ``examples/run_megatron_l
 """
 
 import dataclasses
+import gc
 import inspect
 import os
 import sys
@@ -349,8 +350,6 @@ def release_cuda_graphs_and_process_groups():
         delete_cuda_graphs = None
     if delete_cuda_graphs is not None:
         delete_cuda_graphs()
-    import gc
-
     gc.collect()
     torch.cuda.synchronize()
     torch.distributed.destroy_process_group()
