@@ -184,12 +184,23 @@ def _missing_error(labels):
 # ---------------------------------------------------------------------------------------------
 
 
+def _rebind(old, new, skip=None):
+    """Every module-level name bound to ``old`` in the loaded modules (this package's and ``skip`` aside)
+    bound to ``new``."""
+    for modname, module in list(sys.modules.items()):
+        if module is None or module is skip or modname.startswith("mindspeed_cez"):
+            continue
+        for name, value in list(getattr(module, "__dict__", {}).items()):
+            if value is old:
+                setattr(module, name, new)
+
+
 class PatchRegistry:
     """The functions installed directly, the targets and callbacks watched, and the post-import hook
     that attaches them (:class:`_PostImportFinder`, first on ``sys.meta_path`` while armed)."""
 
     def __init__(self):
-        self.applied = {}  # path -> (owner, attr, original, replacement, [(module, attr) copies replaced])
+        self.applied = {}  # path -> (owner, attr, original, replacement)
         self.extra = []  # targets added by install_target (the argument hooks of mindspeed_cez.megatron_adaptor)
         self.failed = {}  # label -> module name: required targets whose module ran without them
         self.callbacks = {}  # module name -> [callable(module)], run once the module's code ran
@@ -207,33 +218,17 @@ class PatchRegistry:
         original = owner.__dict__.get(attr) if is_class else getattr(owner, attr)
         replacement = wrapper(original)
         setattr(owner, attr, replacement)
-        copies = []
-        if not is_class and original is not None:
-            for modname, module in list(sys.modules.items()):
-                if module is None or module is owner or modname.startswith("mindspeed_cez"):
-                    continue
-                for name, value in list(getattr(module, "__dict__", {}).items()):
-                    if value is original:
-                        setattr(module, name, replacement)
-                        copies.append((module, name))
-        self.applied[path] = (owner, attr, original, replacement, copies)
+        if not is_class and original is not None:  # copies bound earlier (``from x import f``)
+            _rebind(original, replacement, skip=owner)
+        self.applied[path] = (owner, attr, original, replacement)
         return True
 
     def uninstall(self, path):
-        owner, attr, original, replacement, copies = self.applied.pop(path)
+        owner, attr, original, replacement = self.applied.pop(path)
         if (owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)) is replacement:
             setattr(owner, attr, original)
-        for module, name in copies:
-            if getattr(module, name, None) is replacement:
-                setattr(module, name, original)
-        # modules imported while patched bound the replacement: restore those too
-        if not isinstance(owner, type) and original is not None:
-            for modname, module in list(sys.modules.items()):
-                if module is None or modname.startswith("mindspeed_cez"):
-                    continue
-                for name, value in list(getattr(module, "__dict__", {}).items()):
-                    if value is replacement:
-                        setattr(module, name, original)
+        if not isinstance(owner, type) and original is not None:  # copies bound while patched, or before
+            _rebind(replacement, original)
 
     def attach(self, target, module):
         """Attach ``target`` in its freshly executed (or already loaded) ``module``."""
