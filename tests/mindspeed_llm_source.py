@@ -19,6 +19,7 @@ scipy`` installed (``peft``, imported by master's LoRA feature, is stubbed).
 import importlib.abc
 import importlib.machinery
 import os
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -74,7 +75,26 @@ TRIPLES = {
     "v2.2.0": ("megatron-lm-core_v0.12.1", "mindspeed-2.2.0_core_r0.12.1", "mindspeed-llm-v2.2.0"),
 }
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-THIRD_PARTY = os.environ.get("CEZ_THIRD_PARTY") or os.path.join(os.path.dirname(REPO), "shared", "third_party")
+
+
+def _third_party():
+    """``CEZ_THIRD_PARTY``, else ``shared/third_party`` beside the checkout, or, for a clone of a local
+    checkout made elsewhere (``git clone . $(mktemp -d)``), beside the checkout it was cloned from."""
+    if os.environ.get("CEZ_THIRD_PARTY"):
+        return os.environ["CEZ_THIRD_PARTY"]
+    beside = os.path.join(os.path.dirname(REPO), "shared", "third_party")
+    try:
+        origin = subprocess.run(["git", "-C", REPO, "config", "--get", "remote.origin.url"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        origin = ""
+    origin = origin[len("file://"):] if origin.startswith("file://") else origin
+    if not os.path.isdir(beside) and origin and os.path.isdir(origin):
+        return os.path.join(os.path.dirname(os.path.abspath(origin)), "shared", "third_party")
+    return beside
+
+
+THIRD_PARTY = _third_party()
 
 
 def sources(triple=None):
@@ -82,7 +102,8 @@ def sources(triple=None):
 
     ``CEZ_MINDSPEED_LLM_SOURCES=<Megatron-LM>:<MindSpeed>:<MindSpeed-LLM>`` names unpacked trees;
     else the archives of ``triple`` (``CEZ_MINDSPEED_LLM_TRIPLE``, default v26.0.0) in
-    ``CEZ_THIRD_PARTY`` (default ``../shared/third_party`` beside the checkout) are unpacked once
+    ``CEZ_THIRD_PARTY`` (default ``../shared/third_party`` beside the checkout, or beside the local
+    checkout it was cloned from) are unpacked once
     into the temporary folder. In CI (``CI=true``) missing archives are an error, not a skip."""
     given = os.environ.get("CEZ_MINDSPEED_LLM_SOURCES")
     if given:
