@@ -6,7 +6,7 @@
 # the op and import the adaptor; from the checkout root import it again (the source folder there must
 # work too); then the README's test suite and the main job's quick mode against that install; then
 # MindSpeed-LLM's real sources (../shared/third_party, CEZ_THIRD_PARTY to override): the suite ran
-# tests/test_mindspeed_llm_source.py on the v26.0.0 triple (its default), and it runs again on the
+# tests/mindspeed_stack/test_mindspeed_llm_source.py on the v26.0.0 triple (its default), and it runs again on the
 # master and v2.2.0 triples. Missing archives fail this leg (CI=true). Measured 2026-11-27 on this
 # 2-core machine under other load (wall, CPU): v26.0.0 258 s / 166 s, master 159 s, v2.2.0 92 s / 131 s;
 # the stand-in file it no longer runs here (nor on leg 1's 0.13-0.15 lines) 287 s / 152 s.
@@ -49,11 +49,11 @@ stamp "the installed wheel, from the checkout root (its source folder first on s
 export CI="${CI:-true}"  # real-source archives missing: an error here, not a skip
 stamp "pytest -q tests (the README's test command; MindSpeed-LLM v26.0.0's real sources among them)"
 # the stand-in of MindSpeed / MindSpeed-LLM is for the other megatron-core lines: here the real sources run
-"$VENV/bin/pytest" -q tests --ignore=tests/test_mindspeed_llm_stand_in.py
+"$VENV/bin/pytest" -q tests --ignore=tests/mindspeed_stack/test_mindspeed_llm_stand_in.py
 
 for triple in master v2.2.0; do
-    stamp "MindSpeed-LLM $triple's real sources: tests/test_mindspeed_llm_source.py"
-    CEZ_MINDSPEED_LLM_TRIPLE=$triple "$VENV/bin/pytest" -q -rs tests/test_mindspeed_llm_source.py
+    stamp "MindSpeed-LLM $triple's real sources: tests/mindspeed_stack/test_mindspeed_llm_source.py"
+    CEZ_MINDSPEED_LLM_TRIPLE=$triple "$VENV/bin/pytest" -q -rs tests/mindspeed_stack/test_mindspeed_llm_source.py
 done
 
 stamp "the main job, quick mode"

@@ -17,8 +17,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import REPO, run_info  # noqa: E402
-from support import free_port  # noqa: E402  (tests/support.py, on the path by harness)
+from harness import REPO, free_port, run_info  # noqa: E402
 
 VOCAB = 151936
 Z_COEFF = 1e-4

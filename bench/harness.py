@@ -9,20 +9,40 @@ import importlib.metadata
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
-import sys
 import time
 
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests"))
-from support import capture_cuda_graph  # noqa: E402
 
 PRE_DELAY_MS = 2.0  # GPU busy-wait before each timed region so the host queues it whole
 L2_FLUSH_BYTES = 256 << 20
 GEMM_KERNELS = ("gemm", "sm90", "cutlass", "xmma", "nvjet")
+
+
+def free_port():
+    """A TCP port free on 127.0.0.1 now (one benchmark at a time runs on a machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def capture_cuda_graph(step, warmup=2):
+    """(graph, what ``step()`` returned while captured): warm-up calls on a side stream (kernels
+    compiled, lazy state made), then one call captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
 
 
 def short(exc, limit=160):

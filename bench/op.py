@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import (Timer, cleanup, copy_bandwidth, graph_replay_ms, is_oom, log, short, version,
+from harness import (Timer, cleanup, copy_bandwidth, free_port, graph_replay_ms, is_oom, log, short, version,
                      write_report)
-from support import free_port  # tests/support.py, on the path by harness
 
 BACKEND = os.environ.get("MINDSPEED_CEZ_BACKEND") or None  # the benchmark's choice of the op's backend
 LOGIT_SCALE = 3.0  # logits ~ N(0, 3^2): a spread like a language model's output layer
@@ -202,7 +201,7 @@ def run_single(args, device):
               "floor: forward = 1 pass over the logits, forward+backward = 3 passes (read, read + write)",
               "- implementations: " + "; ".join(f"{name} ({note or 'ok'})" if fn else f"{name}: unavailable ({note})"
                                                 for name, fn, note in impls)]
-    report += ["", "### Time (median ms) and memory beyond the inputs (error against float64: tests/test_op.py)", "",
+    report += ["", "### Time (median ms) and memory beyond the inputs (error against float64: tests/ops/test_op.py)", "",
                "| N x V | impl | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor | fwd+bwd graph replay ms (/ floor) "
                "| held after fwd GiB (x logits) | peak fwd+bwd GiB (x logits) | peak bytes / token |",
                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -12,7 +12,7 @@ GPU: ``torchrun --nproc-per-node 2 -m mindspeed_cez.launch examples/pretrain_gpt
 (NCCL). CPU (CI): the same with ``--distributed-backend gloo``; without a GPU the CPU shims
 (``examples/megatron_cpu_shims.py`` if present, then ``examples/megatron_training_cpu_shims.py``)
 steer Megatron's hard-coded CUDA calls to the CPU. See ``examples/run_megatron_lm_moe.sh``.
-(The end-to-end tests run it through ``tests/megatron_pretrain_harness.py``, which adds their hooks.)
+(The end-to-end tests run it through ``tests/support/megatron_pretrain_harness.py``, which adds their hooks.)
 """
 
 import dataclasses

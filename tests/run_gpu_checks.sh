@@ -3,12 +3,12 @@
 # bench/README.md): the op's test suite on CUDA (incl. TP=2 over NCCL), the main job on GPUs,
 # the Megatron-LM style launch (megatron.training, TP=2, NCCL), the self-check users run (one GPU;
 # TP=2 through torchrun where two GPUs are present), and, where four GPUs or more are, the parallel
-# layouts of Megatron's pretrain (tests/gpu_layouts.py, ~5-7 minutes on 4 H100s). Logs land in $OUT.
+# layouts of Megatron's pretrain (tests/gpu/gpu_layouts.py, ~5-7 minutes on 4 H100s). Logs land in $OUT.
 #
 #     bash tests/run_gpu_checks.sh            # all of it
 #     bash tests/run_gpu_checks.sh layouts    # the layouts alone (one device command of its own)
 #     bash tests/run_gpu_checks.sh features   # CUDA graphs, FSDP, resharding resumes, fault tolerance
-#                                             # (tests/gpu_megatron_features.py, 4 GPUs, one command of its own)
+#                                             # (tests/gpu/gpu_megatron_features.py, 4 GPUs, one command of its own)
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
@@ -22,7 +22,7 @@ GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 layouts() {  # every layout of Megatron's pretrain the GPUs found hold, 4 variants each; asserted
     if [ "$GPUS" -ge 4 ]; then
         echo "== parallel layouts of Megatron's pretrain over NCCL ($GPUS GPUs)"
-        timeout 560 python3 tests/gpu_layouts.py --out "$OUT/layouts" --budget-s 420 2>&1 | tee "$OUT/layouts.log"
+        timeout 560 python3 tests/gpu/gpu_layouts.py --out "$OUT/layouts" --budget-s 420 2>&1 | tee "$OUT/layouts.log"
         return "${PIPESTATUS[0]}"
     fi
     echo "== parallel layouts: skipped (they need four GPUs, this machine has $GPUS)"
@@ -31,7 +31,7 @@ features() {  # the flag under Megatron's CUDA graphs, FSDP, resharding resumes 
     if [ "$GPUS" -ge 4 ]; then
         echo "== Megatron features with the flag over NCCL ($GPUS GPUs)"
         # shellcheck disable=SC2086  # FEATURES_ARGS: e.g. --only REGEX --timeout-s 150 for part of it
-        timeout 530 python3 tests/gpu_megatron_features.py --out "$OUT/features" --budget-s 290 ${FEATURES_ARGS:-} 2>&1 \
+        timeout 530 python3 tests/gpu/gpu_megatron_features.py --out "$OUT/features" --budget-s 290 ${FEATURES_ARGS:-} 2>&1 \
             | tee "$OUT/features.log"
         return "${PIPESTATUS[0]}"
     fi
@@ -56,12 +56,13 @@ fi
 # test_fp32_accumulation.py and test_linear_cross_entropy.py run on the CPU (gloo, the interpreter);
 # test_linear_cross_entropy_gpu.py forces each CUDA accumulation of the weight gradient in turn.
 # test_op_properties.py and test_linear_properties.py run on the CPU (gloo, the interpreter).
-GPU_TEST_FILES=(test_op.py test_op_errors.py test_op_autograd.py test_gpu.py test_launch_configs.py
-                test_linear_cross_entropy_gpu.py)
+GPU_TEST_FILES=(ops/test_op.py ops/test_op_errors.py ops/test_op_autograd.py gpu/test_gpu.py kernels/test_launch_configs.py
+                gpu/test_linear_cross_entropy_gpu.py)
 echo "== op tests on CUDA"
 (cd tests && timeout 480 python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" "${GPU_TEST_FILES[@]}" 2>&1) \
     | tee "$OUT/gpu_tests.log" | tail -15
 python3 - "$OUT/gpu_tests.xml" "${GPU_TEST_FILES[@]}" <<'PY' || exit 1
+import os
 import sys
 import xml.etree.ElementTree as ET
 
@@ -70,8 +71,9 @@ for case in ET.parse(sys.argv[1]).iter("testcase"):
     if not any(child.tag in ("failure", "error", "skipped") for child in case):
         module = next((part for part in case.get("classname", "").split(".") if part.startswith("test_")), "")
         passed[module] = passed.get(module, 0) + 1
-idle = [f for f in sys.argv[2:] if passed.get(f[: -len(".py")], 0) == 0]
-print("passed per file:", {f: passed.get(f[: -len(".py")], 0) for f in sys.argv[2:]})
+count = {f: passed.get(os.path.basename(f)[: -len(".py")], 0) for f in sys.argv[2:]}
+idle = [f for f, n in count.items() if n == 0]
+print("passed per file:", count)
 sys.exit(f"no test passed in: {' '.join(idle)}" if idle else 0)
 PY
 

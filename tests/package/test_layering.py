@@ -1,0 +1,195 @@
+"""The package's layers, read from its source with ``ast`` (imports inside functions count too):
+
+    kernels/  <-  mindspeed_cez/ (ops, TP steps)  <-  patches/ (Megatron, MindSpeed, MindSpeed-LLM)
+
+``kernels/`` imports nothing of the package outside ``kernels/`` and never reads the environment;
+``mindspeed_cez/``'s modules import no ``patches/`` module, except the entry points
+(:data:`ENTRY_POINTS`); no module finds one of the package's modules through ``sys.modules`` (so
+these import statements are the whole graph); and no two modules import each other through any
+chain (a lazy import that closes a cycle fails)."""
+
+import ast
+import importlib
+import os
+import pkgutil
+
+import mindspeed_cez
+
+PACKAGE = "mindspeed_cez"
+KERNELS = f"{PACKAGE}.kernels"
+PATCHES = f"{PACKAGE}.patches"
+# What a user imports or runs to patch Megatron: the only modules of mindspeed_cez/ above patches/.
+ENTRY_POINTS = {f"{PACKAGE}.megatron_adaptor", f"{PACKAGE}.launch"}
+
+
+def _inside(name, package):
+    return name == package or name.startswith(package + ".")
+
+
+def _modules():
+    """{module name: source file} of every module of the package (kernels/ and patches/ included)."""
+    found, packages = {PACKAGE: mindspeed_cez.__file__}, [(PACKAGE, mindspeed_cez.__path__)]
+    while packages:
+        package, path = packages.pop()
+        for info in pkgutil.iter_modules(path, prefix=f"{package}."):
+            if info.name == f"{PACKAGE}.{PACKAGE}":
+                continue  # a source checkout's __path__ holds the checkout (for kernels/, patches/)
+            spec = importlib.util.find_spec(info.name)
+            found[info.name] = spec.origin
+            if info.ispkg:
+                packages.append((info.name, spec.submodule_search_locations))
+    return found
+
+
+def _imports(name, path, modules):
+    """The package's modules that ``name`` imports anywhere in its source: ``import a.b`` -> a.b,
+    ``from a import b`` -> a.b when that is a module, else a; relative imports resolved."""
+    package = name if os.path.basename(path) == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in modules else base)
+    return {m for m in out if m == PACKAGE or m.startswith(PACKAGE + ".")}
+
+
+def _graph():
+    modules = _modules()
+    return modules, {name: _imports(name, path, modules) - {name} for name, path in modules.items()}
+
+
+def test_every_module_imports():
+    modules, _ = _graph()
+    for name in modules:
+        if name != f"{PACKAGE}.megatron_adaptor":  # importing it patches Megatron: its own tests do that
+            importlib.import_module(name)
+    assert {f"{PACKAGE}.tensor_parallel", f"{KERNELS}.chunked_linear", f"{PACKAGE}.patches.training_log"} <= set(modules)
+
+
+def test_kernels_import_nothing_of_the_package_outside_kernels():
+    _, graph = _graph()
+    for name, imported in graph.items():
+        if name == KERNELS or name.startswith(KERNELS + "."):
+            outside = {m for m in imported if not (m == KERNELS or m.startswith(KERNELS + "."))}
+            assert not outside, f"{name} imports {sorted(outside)}"
+
+
+def test_kernels_never_read_the_environment():
+    modules, _ = _graph()
+    for name, path in modules.items():
+        if name == KERNELS or name.startswith(KERNELS + "."):
+            source = open(path).read()
+            for word in ("os.environ", "getenv", "environ.get"):
+                assert word not in source, f"{name} mentions {word}"
+
+
+def test_ops_import_nothing_of_patches():
+    _, graph = _graph()
+    for name, imported in graph.items():
+        if _inside(name, PATCHES) or _inside(name, KERNELS) or name in ENTRY_POINTS:
+            continue
+        upward = sorted(m for m in imported if _inside(m, PATCHES))
+        assert not upward, f"{name} imports {upward}: Megatron's side belongs in patches/"
+
+
+def test_entry_points_exist():
+    modules, _ = _graph()
+    assert ENTRY_POINTS <= set(modules)
+    assert {f"{PATCHES}.arguments", f"{PATCHES}.metrics", f"{PATCHES}.moe_tracker",
+            f"{PATCHES}.mindspeed_feature"} <= set(modules)
+
+
+def _reaches_up(path):
+    """``sys.modules[...]`` / ``sys.modules.get(...)`` with a literal naming one of the package's modules."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        key = None
+        if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.modules":
+            key = node.slice
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.modules.get", "sys.modules.pop"):
+            key = node.args[0] if node.args else None
+        if isinstance(key, ast.Constant) and isinstance(key.value, str) and _inside(key.value, PACKAGE):
+            found.append(key.value)
+    return found
+
+
+def test_no_sys_modules_reach_up():
+    modules, _ = _graph()
+    for name, path in modules.items():
+        assert not _reaches_up(path), f"{name} looks up {_reaches_up(path)} in sys.modules: import it"
+
+
+def test_a_reach_up_is_found(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text("import sys\nf = sys.modules.get('mindspeed_cez.patches.x')\ng = sys.modules['megatron.core']\n")
+    assert _reaches_up(str(a)) == ["mindspeed_cez.patches.x"]
+
+
+def test_no_import_cycle():
+    """Depth-first search for a back edge. Edges are the import statements (a module's parent
+    package runs first too, which no statement says: not an edge)."""
+    _, graph = _graph()
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
+    """The checker itself: an import inside a function that closes a cycle counts."""
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("import mindspeed_cez.b\n")
+    b.write_text("def f():\n    from mindspeed_cez import a\n")
+    modules = {f"{PACKAGE}.a": str(a), f"{PACKAGE}.b": str(b)}
+    assert _imports(f"{PACKAGE}.b", str(b), modules) == {f"{PACKAGE}.a"}
+    assert _imports(f"{PACKAGE}.a", str(a), modules) == {f"{PACKAGE}.b"}
+
+
+ARCHITECTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "docs", "architecture.md")
+
+
+def _architecture_layers():
+    """{section title: [module names]} of docs/architecture.md's module tables (first column, in backticks)."""
+    layers, title = {}, None
+    for line in open(ARCHITECTURE).read().splitlines():
+        if line and not line.startswith("|") and not line.startswith(" "):
+            title = line
+        elif line.startswith("| `") and title is not None:
+            layers.setdefault(title, []).append(line.split("`")[1])
+    return layers
+
+
+def test_architecture_page_names_every_module_in_its_layer():
+    """docs/architecture.md stays true: its tables name each module once, every one of them, in its layer,
+    and its entry points are the layering's."""
+    modules, _ = _graph()
+    layers = _architecture_layers()
+    named = [m for names in layers.values() for m in names]
+    assert len(named) == len(set(named)), "a module named twice in docs/architecture.md"
+    assert set(named) == set(modules), (f"docs/architecture.md lacks {sorted(set(modules) - set(named))}, "
+                                        f"names what is gone: {sorted(set(named) - set(modules))}")
+    entry, patches, ops, kernels = (next(names for title, names in layers.items() if title.startswith(prefix))
+                                    for prefix in ("Entry points", "`patches/`", "`mindspeed_cez/`", "`kernels/`"))
+    assert set(entry) == ENTRY_POINTS
+    assert all(_inside(m, PATCHES) for m in patches)
+    assert all(_inside(m, KERNELS) for m in kernels)
+    assert not any(_inside(m, PATCHES) or _inside(m, KERNELS) or m in ENTRY_POINTS for m in ops)
