@@ -22,7 +22,7 @@ LAUNCH_CONFIG = {
                  "bwd_block_v": 16384, "bwd_warps": 32, "bwd_per_core": 64}),
         # Narrow slices: as many programs as rows up to 128 per SM (one row each at the shapes
         # measured) and 4096-column forward tiles (56 registers): fwd+bwd 1.10-1.13x of the
-        # floor instead of 1.20x at 32 programs per SM and 8192 columns (bench/NOTES.md 10-12).
+        # floor instead of 1.20x at 32 programs per SM and 8192 columns (bench/results/kernel_tuning.md, steps 10-12).
         (0, {"fwd_block_v": 4096, "slot_width": 8, "fwd_warps": 4, "fwd_per_core": 128,
              "bwd_block_v": 16384, "bwd_warps": 4, "bwd_per_core": 128}),
     ],
