@@ -2,8 +2,8 @@
 
 The suite is grouped by layer (kernels/, ops/, adaptor/, megatron_loop/, mindspeed_stack/, gpu/, examples/, package/);
 what the groups share is the package ``support`` (tests/support/). pytest puts this folder, tests/, on
-``sys.path`` (its rootdir conftest, the default ``prepend`` import mode), so ``from support import ...``
-works in every test file without a path edit of its own; scripts run on their own add tests/ once. A folder
+``sys.path`` (``pythonpath`` in pyproject.toml), so ``from support import ...`` works in every test file
+without a path edit of its own; scripts run on their own add tests/ once. A folder
 here must not take the name of a package the tests import (``megatron``, ``mindspeed``, ``mindspeed_llm``):
 on ``sys.path`` it would answer as that package where the package is absent.
 
