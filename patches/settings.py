@@ -11,8 +11,7 @@ kernels (``MINDSPEED_CEZ_BACKEND``, ``MINDSPEED_CEZ_LINEAR_BACKEND``), for the f
 """
 
 import os
-from dataclasses import InitVar, dataclass, field
-from typing import Mapping, Optional
+from typing import Optional
 
 from mindspeed_cez import cann, kernels
 from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
@@ -26,10 +25,11 @@ BACKEND_ENV = "MINDSPEED_CEZ_BACKEND"
 LINEAR_BACKEND_ENV = "MINDSPEED_CEZ_LINEAR_BACKEND"
 
 
-@dataclass(frozen=True)
 class Settings:
-    """What the patched loss computes.
+    """What the patched loss computes: built once per process (from the parsed ``--lm-*`` flags, or by
+    ``apply()``), checked field by field as it is built, then handed on as it is.
 
+    Arguments:
     z_loss_coeff: ``c >= 0``; training follows the gradient of ``CE + c * lse**2`` per token, while
         the loss value Megatron logs stays the CE.
     label_smoothing: in *Megatron's* convention (``tensor_parallel.vocab_parallel_cross_entropy``);
@@ -48,62 +48,100 @@ class Settings:
     logit_transform: the :class:`~mindspeed_cez.kernels.logit_transform.LogitTransform` the model
         applies to the main head's logits with torch ops before the loss (MindSpeed-LLM's
         ``--output-multiplier-scale`` / ``--output-logit-softcapping``), or None (no transform).
-        Those ops are recorded, checked against it and computed in the kernels instead
-        (:mod:`.logit_transform`).
+        Those ops are recorded, checked against it and computed in the kernels instead.
     backend: the ops' cross-entropy backend, ``"triton"`` / ``"torch"``, None: automatic per device;
         ``"cann"``: torch_npu's fused op (TP = 1, no fused output layer, no logit transform).
     linear_backend: the fused output layer's, ``"gemm"`` / ``"triton"``, None: automatic.
-    names: the caller's name per field for errors (the flags' names, :func:`.arguments.settings_from_args`);
-        by default the fields' own. Each field is checked here, once.
+    names: the caller's name per field for errors (the flags' names, :func:`.arguments.validate`);
+        by default the fields' own.
 
-    Made from the fields, once, and handed to the ops as they are:
-    loss: the :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` of the main head (its z-loss, the
-        logit transform, ``label_smoothing`` in Megatron's convention, 0 for None); the patched loss
-        derives each call's with :meth:`LossSpec.replace` (:func:`.megatron_core.call_loss`).
+    What it holds (read-only), each value in one place:
+    loss: the :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` of the main head: the coefficient,
+        label smoothing (0 for None) and logit transform live here and nowhere else (``z_loss_coeff``,
+        ``label_smoothing`` and ``logit_transform`` read it); the patched loss derives each call's with
+        :meth:`LossSpec.replace`.
     gradient_path: the :class:`~mindspeed_cez.linear_cross_entropy.GradientPath` of ``grads`` and
-        ``block_fraction``, the fused output layer's ``path``.
+        ``block_fraction`` (which read it), the fused output layer's ``path``.
+    label_smoothing_from_config, log_z_loss, log_lse, fused_output_layer, backend, linear_backend.
     """
 
-    z_loss_coeff: float = 0.0
-    label_smoothing: Optional[float] = None
-    log_z_loss: bool = True
-    log_lse: bool = False
-    fused_output_layer: bool = False
-    grads: str = "forward"
-    block_fraction: Optional[float] = None
-    logit_transform: Optional[LogitTransform] = None
-    backend: Optional[str] = None
-    linear_backend: Optional[str] = None
-    names: InitVar[Optional[Mapping[str, str]]] = None
-    loss: LossSpec = field(init=False, repr=False, compare=False)
-    gradient_path: GradientPath = field(init=False, repr=False, compare=False)
+    __slots__ = ("loss", "gradient_path", "label_smoothing_from_config", "log_z_loss", "log_lse",
+                 "fused_output_layer", "backend", "linear_backend")
 
-    def __post_init__(self, names):
+    def __init__(self, z_loss_coeff=0.0, label_smoothing=None, log_z_loss=True, log_lse=False,
+                 fused_output_layer=False, grads="forward", block_fraction=None, logit_transform=None,
+                 backend=None, linear_backend=None, names=None):
         name = (lambda field: names.get(field, field)) if names else (lambda field: field)
-        if self.logit_transform is not None and not isinstance(self.logit_transform, LogitTransform):
-            raise TypeError(f"{name('logit_transform')} must be None or a LogitTransform, got {self.logit_transform!r}")
-        loss = LossSpec(z_loss_coeff=self.z_loss_coeff,
-                        label_smoothing=0.0 if self.label_smoothing is None else self.label_smoothing,
-                        logit_transform=self.logit_transform or IDENTITY, names=names)
-        object.__setattr__(self, "loss", loss)
-        object.__setattr__(self, "z_loss_coeff", loss.z_loss_coeff)
-        if self.label_smoothing is not None:
-            object.__setattr__(self, "label_smoothing", loss.label_smoothing)
-        path = GradientPath(self.grads, self.block_fraction, names=names)
-        object.__setattr__(self, "gradient_path", path)
-        object.__setattr__(self, "block_fraction", path.block_fraction)
-        if self.backend not in (None, *BACKENDS):
-            raise ValueError(f"backend must be None or one of {BACKENDS}, got {self.backend!r}")
-        if self.backend == cann.NAME and self.fused_output_layer:
+        if logit_transform is not None and not isinstance(logit_transform, LogitTransform):
+            raise TypeError(f"{name('logit_transform')} must be None or a LogitTransform, got {logit_transform!r}")
+        loss = LossSpec(z_loss_coeff=z_loss_coeff, label_smoothing=0.0 if label_smoothing is None else label_smoothing,
+                        logit_transform=logit_transform or IDENTITY, names=names)
+        if backend not in (None, *BACKENDS):
+            raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
+        if backend == cann.NAME and fused_output_layer:
             raise ValueError("backend='cann' (MINDSPEED_CEZ_BACKEND=cann) needs logits, and the fused output layer "
                              "(--lm-fused-output-layer) makes none: drop one of the two")
-        if self.backend == cann.NAME and self.logit_transform:
+        if backend == cann.NAME and not loss.logit_transform.is_identity:
             raise ValueError("backend='cann' (MINDSPEED_CEZ_BACKEND=cann) computes the loss of the logits as given; "
                              "--output-multiplier-scale / --output-logit-softcapping need MINDSPEED_CEZ_BACKEND=triton "
                              "or unset")
-        if self.linear_backend not in (None, *kernels.LINEAR_BACKENDS):
+        if linear_backend not in (None, *kernels.LINEAR_BACKENDS):
             raise ValueError(f"linear_backend must be None or one of {tuple(kernels.LINEAR_BACKENDS)}, "
-                             f"got {self.linear_backend!r}")
+                             f"got {linear_backend!r}")
+        values = {"loss": loss, "gradient_path": GradientPath(grads, block_fraction, names=names),
+                  "label_smoothing_from_config": label_smoothing is None, "log_z_loss": bool(log_z_loss),
+                  "log_lse": bool(log_lse), "fused_output_layer": bool(fused_output_layer), "backend": backend,
+                  "linear_backend": linear_backend}
+        for slot, value in values.items():
+            object.__setattr__(self, slot, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Settings are frozen: make new ones (settings.replace({name}=...))")
+
+    @property
+    def z_loss_coeff(self):
+        return self.loss.z_loss_coeff
+
+    @property
+    def label_smoothing(self):
+        """Megatron's convention; None: the model config's."""
+        return None if self.label_smoothing_from_config else self.loss.label_smoothing
+
+    @property
+    def logit_transform(self):
+        """The model's logit transform, None for none."""
+        transform = self.loss.logit_transform
+        return None if transform.is_identity else transform
+
+    @property
+    def grads(self):
+        return self.gradient_path.grads
+
+    @property
+    def block_fraction(self):
+        return self.gradient_path.block_fraction
+
+    def _arguments(self):
+        return {"z_loss_coeff": self.z_loss_coeff, "label_smoothing": self.label_smoothing,
+                "log_z_loss": self.log_z_loss, "log_lse": self.log_lse, "fused_output_layer": self.fused_output_layer,
+                "grads": self.grads, "block_fraction": self.block_fraction, "logit_transform": self.logit_transform,
+                "backend": self.backend, "linear_backend": self.linear_backend}
+
+    def replace(self, **changes):
+        """New settings: these with the arguments in ``changes``."""
+        return Settings(**{**self._arguments(), **changes})
+
+    def _key(self):
+        return tuple(getattr(self, slot) for slot in self.__slots__)
+
+    def __eq__(self, other):
+        return isinstance(other, Settings) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in self._arguments().items()) + ")"
 
     def metric_names(self):
         """The tracker names this run reports; identical on every rank (collectives depend on it)."""
