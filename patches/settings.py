@@ -1,26 +1,32 @@
-"""The adaptor's run-time settings, shared by the patched Megatron functions.
+"""The adaptor's run-time settings: one :class:`Settings` per process, and the slot the patched
+functions read it from.
 
-The patched functions read :data:`ACTIVE` on every call: ``None`` means "behave exactly like
-Megatron" (the original function runs), a :class:`Settings` means "use the fused op with these
-settings". :func:`mindspeed_cez.patches.apply` and the argument hooks set it; ``remove`` clears it.
-:data:`RECORD` (an :class:`AdaptorRecord`) keeps how they got there: what ``apply()`` and the flags
-chose, the MindSpeed feature, the adaptor import's mode.
+:class:`Settings` is built once, from the parsed ``--lm-*`` flags (:func:`.arguments.validate`) or by
+``apply()``, and handed on as it is (:mod:`.activation` makes it active). Every patched function is
+made by :func:`while_active`: it reads :data:`ACTIVE` on each call; ``None`` means "behave exactly like
+Megatron" (the original function runs), a :class:`Settings` "use the fused op with these settings",
+handed to the wrapper as its first argument.
 
 :func:`backends_from_environment` is the one place that reads the launch script's overrides of the
 kernels (``MINDSPEED_CEZ_BACKEND``, ``MINDSPEED_CEZ_LINEAR_BACKEND``), for the flags' settings.
 """
 
+import functools
 import os
 from typing import Optional
 
-from mindspeed_cez import cann, kernels
+from mindspeed_cez import kernels
+from mindspeed_cez.kernels import cann
 from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
 from mindspeed_cez.kernels.loss_spec import LossSpec
 from mindspeed_cez.linear_cross_entropy import GradientPath
-from mindspeed_cez.patches import metrics
-from mindspeed_cez.patches.metrics import LM_LSE, LM_LSE_MAX, LM_Z_LOSS
 
-BACKENDS = (*kernels.BACKENDS, cann.NAME)  # "cann": torch_npu's op, where the vocab is not sharded
+# The metrics the settings choose (reported by .reporting).
+LM_Z_LOSS = "lm_z_loss"
+LM_LSE = "lm_lse"
+LM_LSE_MAX = "lm_lse_max"
+
+BACKENDS = kernels.BACKENDS  # "cann": torch_npu's op, where the vocab is not sharded
 BACKEND_ENV = "MINDSPEED_CEZ_BACKEND"
 LINEAR_BACKEND_ENV = "MINDSPEED_CEZ_LINEAR_BACKEND"
 
@@ -170,45 +176,37 @@ def backends_from_environment(environ=os.environ):
     return chosen
 
 
-class AdaptorRecord:
-    """How this process reaches its active settings: what ``apply()`` and the ``--lm-*`` flags chose
-    (:func:`mindspeed_cez.patches.activate` reconciles them), the MindSpeed feature once it joined
-    MindSpeed's list and the route its validation hands the flags to (:mod:`.mindspeed_feature`), and
-    where the adaptor's import reads the flags (:mod:`mindspeed_cez.megatron_adaptor`)."""
-
-    def __init__(self):
-        self.apply_chose, self.from_apply = False, None  # an apply() (activate()) call chose these Settings
-        self.flags_chose, self.from_flags = False, None  # the parsed flags chose explicitly (None: kernel off)
-        self.warned_unchecked = False  # apply() warned that MindSpeed-LLM's modes could not be checked
-        self.feature = None  # our MindSpeed feature, once registered with MindSpeed
-        self.on_flags = None  # callable(args): what the feature's validate_args hands the parsed flags to
-        self.adaptor_mode = None  # "megatron.training" / "megatron.core": the adaptor import's registration
-
-    def chose_by_apply(self, settings):
-        self.apply_chose, self.from_apply = True, settings
-
-    def chose_by_flags(self, settings):
-        self.flags_chose, self.from_flags = True, settings
-
-    def forget_choices(self):
-        """``remove()``: neither ``apply()`` nor the flags chose (the registrations stay)."""
-        self.apply_chose, self.from_apply = False, None
-        self.flags_chose, self.from_flags = False, None
-
-
-# Global: Megatron's validate_args and MindSpeed's features manager reach the activation route without a handle.
-RECORD = AdaptorRecord()
-
 # Global: Megatron calls the patched functions without a handle to the adaptor, so they read it here.
 ACTIVE: Optional[Settings] = None
 
 
 def set_active(settings: Optional[Settings]):
-    """Activate ``settings`` (None: Megatron's own loss again); the metrics report its names."""
+    """Make ``settings`` the ones the patched functions use (None: Megatron's own functions again).
+    Only :mod:`.activation` calls it."""
     global ACTIVE
     ACTIVE = settings
-    metrics.report_names(settings.metric_names() if settings is not None else [])
 
 
 def get_active() -> Optional[Settings]:
     return ACTIVE
+
+
+def while_active(fn, active, inactive=None):
+    """The replacement of ``fn``: ``active(settings, *args, **kwargs)`` while :data:`ACTIVE` is set,
+    else ``inactive(*args, **kwargs)`` (default ``fn``, unchanged). ``inactive`` serves a name Megatron
+    binds to None (e.g. ``te_parallel_cross_entropy`` without Transformer Engine). ``__cez_wraps__``
+    holds ``fn``, for the patch manager to restore it."""
+    inactive = fn if inactive is None else inactive
+
+    def replacement(*args, **kwargs):
+        settings = ACTIVE
+        if settings is None:
+            return inactive(*args, **kwargs)
+        return active(settings, *args, **kwargs)
+
+    if fn is not None:
+        functools.update_wrapper(replacement, fn)
+    else:
+        replacement.__name__ = replacement.__qualname__ = active.__name__
+    replacement.__cez_wraps__ = fn
+    return replacement

@@ -14,7 +14,8 @@ import torch
 from support import cross_entropy_zloss_float64, loss_and_grad_float64, relative_error
 
 import mindspeed_cez.cross_entropy_zloss as op_module
-from mindspeed_cez import cann, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez.kernels import cann
 from mindspeed_cez.kernels import LogitTransform
 from mindspeed_cez.patches import settings
 
@@ -144,12 +145,12 @@ def test_flag_path_takes_it_where_the_vocab_is_not_sharded(torch_npu, monkeypatc
 def test_flag_paths_loss_is_the_ce_value_with_the_z_loss_gradient(torch_npu):
     """What the patched Megatron loss calls with MINDSPEED_CEZ_BACKEND=cann: the value of ``lm loss`` is
     the CE, the gradient that of CE + z-loss (Megatron's convention for auxiliary losses)."""
-    from mindspeed_cez.patches import megatron_core
+    from mindspeed_cez.patches import loss_wrappers
     from mindspeed_cez.patches.settings import Settings
 
     logits, target, upstream = _inputs(torch.float32, seed=8)
     x = logits.clone().requires_grad_(True)
-    loss, z_loss, lse = megatron_core.megatron_cross_entropy(Settings(z_loss_coeff=1e-3, backend="cann"), x, target,
+    loss, z_loss, lse = loss_wrappers.megatron_cross_entropy(Settings(z_loss_coeff=1e-3, backend="cann"), x, target,
                                                              None, 0.0)
     (loss * upstream).sum().backward()
     ce64, _, _ = cross_entropy_zloss_float64(logits, target)

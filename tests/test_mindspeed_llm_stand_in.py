@@ -32,7 +32,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
 import test_adaptor_gpt as gpt  # noqa: E402
 from support import run_on_ranks  # noqa: E402
-from mindspeed_cez.patches.logit_transform import TransformedLogits  # noqa: E402
+from mindspeed_cez.patches.model_context import TransformedLogits  # noqa: E402
 
 STAND_INS = os.path.join(TESTS, "stand_ins")
 COEFF = 3e-2
