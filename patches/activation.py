@@ -138,8 +138,8 @@ def _check_megatron_args(settings):
     args = megatron_args()
     if args is not None:
         output_layer_flag = "mindspeed_cez.patches.apply(fused_output_layer=True)" if settings.fused_output_layer else None
-        arguments.check_mindspeed_llm_args(args, f"mindspeed_cez.patches.apply(z_loss_coeff={settings.z_loss_coeff})",
-                                 output_layer_flag)
+        arguments.check_mindspeed_llm_args(
+            args, f"mindspeed_cez.patches.apply(z_loss_coeff={settings.z_loss_coeff})", output_layer_flag)
     elif ("mindspeed_llm" in sys.modules and not RECORD.warned_unchecked
           and RECORD.adaptor_mode is None):
         RECORD.warned_unchecked = True

@@ -16,7 +16,7 @@ Metrics
     micro-batch, data-parallel x context-parallel rank and pipeline stage: the token whose logits
     drift furthest, which the mean hides. ``-inf`` when the iteration counts no token. Megatron's
     log line shows the largest of its logging interval (``training_log`` would print the interval's
-    mean: the wrapper in :mod:`mindspeed_cez.patches.training_log` keeps the maximum instead);
+    mean: :func:`training_log_wrapper` keeps the maximum instead);
     TensorBoard and W&B get each iteration's own value at the iterations they write.
 
 Recording adds three sums and a running maximum to small device tensors (no host sync). Reporting

@@ -44,7 +44,7 @@ class Settings:
     log_lse: also record the mean log-sum-exp as ``lm_lse`` and its maximum over the iteration's
         tokens as ``lm_lse_max`` (the op's own lse: no extra pass).
     fused_output_layer: GPT's output layer and LM loss as one op, without the logits tensor
-        (``--lm-fused-output-layer``, :mod:`mindspeed_cez.patches.output_layer`).
+        (``--lm-fused-output-layer``, :mod:`mindspeed_cez.patches.model_context`).
     grads: the fused output layer's path, the op's ``grads``: ``"forward"`` (default: gradients made
         in the forward with the loss mask as token weights and Megatron's upstream gradient, where
         both are known; else as ``"recompute"``) or ``"recompute"`` (logits recomputed in backward).

@@ -179,7 +179,7 @@ def test_flags_in_megatron_parser_help(monkeypatch):
     (megatron-core 0.19.2's full ``--help`` output itself crashes on one of Megatron's own help
     strings, so the help of our argument group is rendered with the parser's own formatter.)"""
     A = pytest.importorskip("megatron.training.arguments")
-    from mindspeed_cez.megatron_adaptor import parse_args_wrapper
+    from mindspeed_cez.patches.activation import parse_args_wrapper
 
     captured = {}
 
