@@ -5,6 +5,8 @@ For scripts built on megatron-core alone::
     import mindspeed_cez.patches
     mindspeed_cez.patches.apply(z_loss_coeff=1e-4)   # before or after building the model
     ...
+    mindspeed_cez.patches.report(iteration, num_microbatches, num_layers)  # once per iteration: lm_z_loss
+    ...
     mindspeed_cez.patches.remove()                   # Megatron's own functions again
 
 Both are idempotent; calling ``apply`` again only changes the settings. Neither imports Megatron:
@@ -28,12 +30,13 @@ It builds on the ops of :mod:`mindspeed_cez`, never the other way round.
 from mindspeed_cez.patches import patch_points
 from mindspeed_cez.patches.activation import activate, active_settings, apply, remove
 from mindspeed_cez.patches.import_hook import HOOK, PatchTargetError
+from mindspeed_cez.patches.reporting import report
 from mindspeed_cez.patches.settings import Settings
 
 HOOK.table = patch_points.TARGETS  # what the hook attaches: the one table
 
-__all__ = ["apply", "activate", "remove", "active_settings", "installed_targets", "patch_targets", "Settings",
-           "PatchTargetError"]
+__all__ = ["apply", "activate", "remove", "active_settings", "report", "installed_targets", "patch_targets",
+           "Settings", "PatchTargetError"]
 
 
 def installed_targets():

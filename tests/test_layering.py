@@ -236,3 +236,18 @@ def test_architecture_page_names_every_module_in_its_layer():
     assert all(_inside(m, PATCHES) for m in patches)
     assert all(_inside(m, KERNELS) for m in kernels)
     assert not any(_inside(m, PATCHES) or _inside(m, KERNELS) or m in ENTRY_POINTS for m in ops)
+
+
+def test_kernel_launches_take_the_loss_whole():
+    """Every Triton launch in kernels/ gets the loss through ``LossSpec.kernel_args``: no ``bind`` call
+    passes a field of the loss (``loss.z_loss_coeff``, ...) as a loose keyword."""
+    modules, _ = _graph()
+    loose = []
+    for name, path in modules.items():
+        if not _inside(name, KERNELS):
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "bind":
+                loose += [f"{name}: {k.arg}={ast.unparse(k.value)}" for k in node.keywords
+                          if isinstance(k.value, ast.Attribute) and ast.unparse(k.value.value) == "loss"]
+    assert not loose, loose
