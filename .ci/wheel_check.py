@@ -1,8 +1,8 @@
 """The package as a user gets it: every public module imports, one op call, the adaptor import.
 
 ``--installed``: run from a folder outside the checkout; the package must come from site-packages.
-``--checkout``: run from the checkout root, where its source folder ``mindspeed_cez/`` comes first on
-``sys.path``: the subpackages must still be found (beside it, in ``kernels/`` and ``patches/``).
+(From the checkout root a plain ``python`` finds the source folder ``mindspeed_cez/`` first, whose
+``kernels`` / ``patches`` subpackages only an editable install maps: ``tests/test_layering.py``.)
 """
 
 import importlib
@@ -13,29 +13,26 @@ import torch
 import torch.nn.functional as F
 
 where = sys.argv[1]
-if where == "--checkout":
-    sys.path.insert(0, os.getcwd())
+assert where == "--installed", where
 
 import mindspeed_cez  # noqa: E402
 
 MODULES = [
     "mindspeed_cez.patches.arguments", "mindspeed_cez.cross_entropy_zloss", "mindspeed_cez.launch",
-    "mindspeed_cez.linear_cross_entropy", "mindspeed_cez.patches.metrics", "mindspeed_cez.patches.mindspeed_feature",
+    "mindspeed_cez.linear_cross_entropy", "mindspeed_cez.patches.reporting", "mindspeed_cez.patches.activation",
     "mindspeed_cez.kernels", "mindspeed_cez.kernels.torch_reference", "mindspeed_cez.kernels.triton_cross_entropy",
     "mindspeed_cez.kernels.triton_linear_cross_entropy", "mindspeed_cez.kernels.chunked_linear",
-    "mindspeed_cez.patches", "mindspeed_cez.patches.megatron_core", "mindspeed_cez.patches.output_layer",
-    "mindspeed_cez.patches.mindspeed_llm",
+    "mindspeed_cez.patches", "mindspeed_cez.patches.loss_wrappers", "mindspeed_cez.patches.model_context",
+    "mindspeed_cez.patches.patch_points", "mindspeed_cez.patches.import_hook",
 ]
-MODULES += ["mindspeed_cez.selfcheck", "mindspeed_cez.cann"]  # the self-check users run, the vendor backend
+MODULES += ["mindspeed_cez.selfcheck", "mindspeed_cez.kernels.cann"]  # the self-check users run, the vendor backend
 for name in MODULES:
     importlib.import_module(name)
 
 package_dir = os.path.dirname(mindspeed_cez.__file__)
-if where == "--installed":
-    assert "site-packages" in package_dir, f"mindspeed_cez came from {package_dir}, not the installed wheel"
-    assert "site-packages" in mindspeed_cez.kernels.__file__, mindspeed_cez.kernels.__file__
-else:
-    assert package_dir == os.path.join(os.getcwd(), "mindspeed_cez"), package_dir
+assert "site-packages" in package_dir, f"mindspeed_cez came from {package_dir}, not the installed wheel"
+assert "site-packages" in mindspeed_cez.kernels.__file__, mindspeed_cez.kernels.__file__
+assert mindspeed_cez.__path__ == [package_dir], mindspeed_cez.__path__  # nothing added at import
 
 gen = torch.Generator().manual_seed(0)
 logits = torch.randn(8, 100, generator=gen, requires_grad=True)

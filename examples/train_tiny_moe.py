@@ -94,7 +94,7 @@ def train_one(rank, world_size, coeff, iters, out_json):
 
     import megatron_cpu_shims as shims
     import mindspeed_cez.patches as patches
-    from mindspeed_cez.patches import metrics
+    from mindspeed_cez.patches import reporting as metrics
 
     use_cpu = not torch.cuda.is_available()
     device = torch.device("cpu") if use_cpu else torch.device("cuda", torch.cuda.current_device())

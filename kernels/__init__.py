@@ -6,6 +6,10 @@ CPU under ``TRITON_INTERPRET=1``; ``"torch"`` (``torch_reference``) runs anywher
 ``backend_for(device, name)`` returns the named one, or for ``name=None`` Triton on accelerators
 where it imports, else torch.
 
+Whole-loss backends (:class:`.backends.WholeLossBackend`, a vendor's op with its own autograd, one
+rank holding the whole vocab): ``"cann"`` (``cann``: torch_npu's ``npu_cross_entropy_loss``);
+:func:`whole_loss_backend` returns it by name; ``backend_for`` refuses it.
+
 Linear backends (:class:`.backends.LinearBackend`, the loss of ``rows @ weight.T`` without its
 logits): ``"triton"`` (``triton_linear_cross_entropy``, ``tl.dot`` tiles) and ``"gemm"``
 (``chunked_linear.ChunkedLinear``: GEMMs on vocab chunks reduced by a cross-entropy backend);
@@ -25,7 +29,8 @@ from .logit_transform import IDENTITY, LogitTransform  # noqa: F401  (public: th
 from .loss_spec import LossSpec, VocabShard  # noqa: F401  (public: what every backend takes)
 from .device_cores import launch_as  # noqa: F401 - public: kernels.launch_as("npu")
 
-BACKENDS = ("torch", "triton")
+WHOLE_LOSS_BACKENDS = {"cann": ".cann"}
+BACKENDS = ("torch", "triton", *WHOLE_LOSS_BACKENDS)
 LINEAR_BACKENDS = {"gemm": ".chunked_linear", "triton": ".triton_linear_cross_entropy"}
 
 
@@ -55,11 +60,18 @@ def get_backend(name: str):
         if module is None:
             raise RuntimeError(f"backend='triton' but Triton failed to import: {_triton_import()[1]}")
         return module
-    if name == "cann":
-        raise ValueError("backend='cann' (torch_npu's npu_cross_entropy_loss) serves vocab_parallel_cross_entropy_zloss "
-                         "at tensor-parallel size 1 only; the fused output layer (linear_cross_entropy_zloss) and the "
-                         "vocab-sharded steps need backend='triton' or 'torch' (or None: automatic)")
+    if name in WHOLE_LOSS_BACKENDS:
+        raise ValueError(f"backend={name!r} (a vendor's whole op) serves "
+                         "vocab_parallel_cross_entropy_zloss at tensor-parallel size 1 only; the fused output layer "
+                         "(linear_cross_entropy_zloss) and the vocab-sharded steps need backend='triton' or 'torch' "
+                         "(or None: automatic)")
     raise ValueError(f"unknown backend {name!r}; backend must be one of {BACKENDS} or None (automatic)")
+
+
+def whole_loss_backend(name):
+    """The :class:`.backends.WholeLossBackend` module called ``name`` (``"cann"``), None for another name."""
+    module = WHOLE_LOSS_BACKENDS.get(name) if isinstance(name, str) else None
+    return None if module is None else importlib.import_module(module, __name__)
 
 
 def backend_for(device, name=None):

@@ -59,7 +59,7 @@ class LinearBackend(Protocol):
 @runtime_checkable
 class WholeLossBackend(Protocol):
     """A vendor's whole op with its own autograd, one rank holding the whole vocab: ``"cann"``
-    (``mindspeed_cez.cann``, torch_npu's ``npu_cross_entropy_loss``)."""
+    (``cann``, torch_npu's ``npu_cross_entropy_loss``)."""
 
     def available(self) -> bool:
         """Whether the vendor's op imports here."""

@@ -11,7 +11,7 @@ Triton kernels get its two fp32 numbers and the ``TRANSFORM`` constexpr
 
 A new transform touches this module (fields, :attr:`kind`, :meth:`apply`, :meth:`slope`), the
 kernels that switch on ``TRANSFORM`` (``triton_loss_steps.transform_logits`` /
-``transform_logits_with_slope``, used by both Triton kernel files), ``variants.py``'s compiled
+``transform_logits_with_slope``, used by both Triton kernel files), ``tests/kernel_variants.py``'s compiled
 list, and the tests (``tests/test_op.py``'s transforms, ``tests/test_logit_transform.py``).
 """
 

@@ -82,20 +82,21 @@ class LossSpec:
             made = self._replaced[key] = dataclasses.replace(self, **changes)
         return made
 
-    def kernel_args(self, global_vocab):
+    def kernel_args(self, global_vocab=None):
         """The Triton kernels' loss arguments by parameter name (read-only, made once per global
-        vocab): ``ignore_index``, ``global_vocab``, ``z_loss_coeff``, ``target_weight = 1-a``,
-        ``smoothing_per_col = a/V``, ``logit_scale``, ``logit_softcap``, and the constexprs
-        ``TRANSFORM`` and ``WITH_LOGIT_SUM`` (``a > 0``)."""
+        vocab): ``ignore_index``, ``z_loss_coeff``, ``logit_scale``, ``logit_softcap``, the constexpr
+        ``TRANSFORM``, and for a ``global_vocab`` also ``global_vocab``, ``target_weight = 1-a``,
+        ``smoothing_per_col = a/V`` and the constexpr ``WITH_LOGIT_SUM`` (``a > 0``); ``None``: a
+        kernel that merges partials, which took those into account already."""
         made = self._kernel_args.get(global_vocab)
         if made is None:
             a, transform = self.label_smoothing, self.logit_transform
-            made = self._kernel_args[global_vocab] = MappingProxyType({
-                "ignore_index": self.ignore_index, "global_vocab": global_vocab, "z_loss_coeff": self.z_loss_coeff,
-                "target_weight": 1.0 - a, "smoothing_per_col": a / global_vocab,
-                "logit_scale": transform.scale, "logit_softcap": transform.cap,
-                "TRANSFORM": transform.kind, "WITH_LOGIT_SUM": a > 0,
-            })
+            args = {"ignore_index": self.ignore_index, "z_loss_coeff": self.z_loss_coeff,
+                    "logit_scale": transform.scale, "logit_softcap": transform.cap, "TRANSFORM": transform.kind}
+            if global_vocab is not None:
+                args.update(global_vocab=global_vocab, target_weight=1.0 - a, smoothing_per_col=a / global_vocab,
+                            WITH_LOGIT_SUM=a > 0)
+            made = self._kernel_args[global_vocab] = MappingProxyType(args)
         return made
 
 

@@ -281,7 +281,7 @@ def loss_from_partials(gathered, target, loss, out=None):
     if n_rows or ranks > 1:  # no tokens: the widths are still checked
         check = ranks > 1 and launch_type(gathered.device) == "cuda"
         args = _launch_loss_from_partials.bind(
-            ignore_index=loss.ignore_index, z_loss_coeff=loss.z_loss_coeff, partials_ptr=gathered,
+            loss.kernel_args(), partials_ptr=gathered,
             rank_stride=gathered.stride(0), n_ranks=ranks, target_ptr=target, out_ptr=out, out_stride=out.stride(0),
             n_rows=n_rows, BLOCK=VECTOR_BLOCK, CHECK_WIDTHS=check)
         _launch_loss_from_partials((max(1, triton.cdiv(n_rows, VECTOR_BLOCK)),), args, ASSERT_OPTIONS if check else ())

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mindspeed_cez import cann, kernels
+from mindspeed_cez import kernels
 from mindspeed_cez.first_order import first_order_input, first_order_only
 from mindspeed_cez.kernels.backends import CrossEntropyBackend
 from mindspeed_cez.kernels.loss_spec import LossSpec, loss_spec
@@ -162,7 +162,7 @@ def vocab_parallel_cross_entropy_zloss(
         backend: ``"triton"`` or ``"torch"`` (the pure-torch reference); ``None`` (default): Triton on
             accelerators where it imports, else torch (``mindspeed_cez.kernels.backend_for``);
             ``"cann"``: torch_npu's ``npu_cross_entropy_loss`` on Ascend, tensor-parallel size 1, no
-            scale / soft cap (:mod:`mindspeed_cez.cann`; its gradient is not written in place).
+            scale / soft cap (:mod:`mindspeed_cez.kernels.cann`; its gradient is not written in place).
         return_lse: also return the per-token log-sum-exp the op computed anyway (detached, fp32,
             of the transformed logits): the adaptor logs its mean as ``lm_lse`` without another pass.
         loss: the whole loss as one :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` (made and
@@ -183,10 +183,11 @@ def vocab_parallel_cross_entropy_zloss(
     _check_tensors(logits, target)
     loss = loss_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
     tp_group = resolve_tp_group(tp_group)
-    if backend == cann.NAME:  # the vendor op (torch_npu), TP = 1: its own autograd
-        cann.check_applies(group_rank_and_size(tp_group)[1], loss.logit_transform)
+    whole = kernels.whole_loss_backend(backend)
+    if whole is not None:  # a vendor's op (torch_npu), TP = 1: its own autograd
+        whole.check_applies(group_rank_and_size(tp_group)[1], loss.logit_transform)
         VocabParallel(None, logits.shape[-1], loss, kernels.torch_reference).check_targets(target.reshape(-1))
-        total, z_loss, lse = cann.cross_entropy_zloss(
+        total, z_loss, lse = whole.cross_entropy_zloss(
             first_order_input(logits, "vocab_parallel_cross_entropy_zloss"), target, loss)
     else:
         options = CrossEntropyOptions(loss, tp_group, kernels.backend_for(logits.device, backend))

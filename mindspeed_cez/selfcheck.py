@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mindspeed_cez import cann, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez.kernels import cann
 from mindspeed_cez.selfcheck_cases import REAL_VOCAB, absent_backends, ce_backends, linear_variants, sizes
 from mindspeed_cez.selfcheck_report import environment, table
 

@@ -3,7 +3,8 @@
 
 import os
 
-from mindspeed_cez import cann, kernels
+from mindspeed_cez import kernels
+from mindspeed_cez.kernels import cann
 from mindspeed_cez.kernels.chunked_linear import ChunkedLinear
 
 REAL_VOCAB = 151936

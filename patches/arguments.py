@@ -21,21 +21,22 @@ Flags (one argument group, shown in ``--help``):
     ``forward``'s memory/time dial: each block of token rows takes the share F of the tokens, so
     the loss works in F x the logits' memory; fewer blocks, less time (0.125: the lean setting).
 
-Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider`` and
-:func:`validate_lm_z_loss_args` as a validation hook (it raises ``ValueError`` naming the flag).
-Megatron's and MindSpeed's hooks call :func:`validate_flags`: a bad value there ends the run as an
-argument error, one line naming the flag and exit status 2, as argparse's own errors do. The parser
-takes any text for the flags' values (an unparsable number is kept as text), so that validation, not
-the parser's usage dump, reports it; with the fused kernel on, validation also checks the launch
-environment's ``MINDSPEED_CEZ_BACKEND`` / ``MINDSPEED_CEZ_LINEAR_BACKEND`` the same way.
+Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider``. :func:`validate` is
+the one validation: it checks every flag once and builds the run's :class:`.settings.Settings` from
+them (None: the fused kernel off); a bad value is an argument error, one line naming the flag and exit
+status 2, as argparse's own errors do (a :class:`FlagValueError`, which is also a ``ValueError``). The
+parser takes any text for the flags' values (an unparsable number is kept as text), so that
+validation, not the parser's usage dump, reports it; with the fused kernel on, validation also checks
+the launch environment's ``MINDSPEED_CEZ_BACKEND`` / ``MINDSPEED_CEZ_LINEAR_BACKEND`` the same way, and
+MindSpeed-LLM's flags (:func:`check_mindspeed_llm_args`, :func:`mindspeed_llm_logit_transform`).
 """
 
 import argparse
 import os
 import sys
 
+from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.linear_cross_entropy import GRADS
-from mindspeed_cez.patches import mindspeed_llm
 from mindspeed_cez.patches.settings import Settings, backends_from_environment
 
 FLAG_COEFF = "--lm-z-loss-coeff"
@@ -47,13 +48,13 @@ OUTPUT_LAYER_GRADS = GRADS
 FLAG_BLOCK_FRACTION = "--lm-fused-output-layer-block-fraction"
 GROUP_TITLE = "mindspeed_cez: fused LM cross entropy + z-loss"
 
-__all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate_lm_z_loss_args", "validate_flags",
-           "settings_from_args", "has_lm_z_loss_args", "FlagValueError"]
+__all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate", "parse_command_line", "has_lm_z_loss_args",
+           "FlagValueError"]
 
 
 class FlagValueError(SystemExit, ValueError):
     """A bad flag value: a ``ValueError`` to code that catches one; uncaught, the process exits with
-    status 2 and no traceback (a ``SystemExit``), after :func:`validate_flags` printed the one line."""
+    status 2 and no traceback (a ``SystemExit``), after :func:`validate` printed the one line."""
 
     def __init__(self, message):
         super().__init__(2)
@@ -158,26 +159,15 @@ def has_lm_z_loss_args(args):
     return hasattr(args, "lm_z_loss_coeff")
 
 
-def validate_lm_z_loss_args(args, defaults=None):
-    """Check the flags; raise ``ValueError`` naming the offending flag. Returns ``args``.
-
-    Usable as a validation hook (``validate(args)`` or ``validate(args, defaults)``); objects
-    without the flags (e.g. a TransformerConfig handed to MindSpeed's feature hooks) pass through.
-    """
-    if has_lm_z_loss_args(args):
-        _validated_settings(args)
-    return args
-
-
 # The Settings fields the flags set, by the flag's name (what a bad value's error names).
 FLAG_NAMES = {"z_loss_coeff": FLAG_COEFF, "label_smoothing": "--label-smoothing", "grads": FLAG_OUTPUT_LAYER,
               "block_fraction": FLAG_BLOCK_FRACTION,
               "logit_transform": "--output-multiplier-scale / --output-logit-softcapping"}
 
 
-def _validated_settings(args):
+def _check_flags(args):
     """The flags checked, each value once (:class:`Settings` with the flags' names): the Settings when
-    the fused kernel is on, else None."""
+    the fused kernel is on, else None; a bad value is a ``ValueError`` naming the flag."""
     fused = getattr(args, "lm_fused_ce", None)
     on = fused_ce_enabled(args, checked=False)
     mode = getattr(args, "lm_fused_output_layer", None)
@@ -189,7 +179,7 @@ def _validated_settings(args):
         fused_output_layer=bool(mode),
         grads=mode if mode in OUTPUT_LAYER_GRADS or mode not in (None, False, True) else "forward",
         block_fraction=getattr(args, "lm_fused_output_layer_block_fraction", None),
-        logit_transform=mindspeed_llm.logit_transform(args) if on else None,
+        logit_transform=mindspeed_llm_logit_transform(args) if on else None,
         **(backends_from_environment() if on else {}),
         names=FLAG_NAMES,
     )
@@ -214,24 +204,19 @@ def _validated_settings(args):
                 raise ValueError(f"{FLAG_OUTPUT_LAYER} does not serve {flag}; drop one of them")
     if not on:
         return None
-    mindspeed_llm.check_args(args, _flag_turning_fused_on(args), FLAG_OUTPUT_LAYER if mode else None)
+    check_mindspeed_llm_args(args, _flag_turning_fused_on(args), FLAG_OUTPUT_LAYER if mode else None)
     return settings
 
 
-def validate_flags(args, defaults=None):
-    """:func:`validate_lm_z_loss_args` for the command line: a bad value prints
-    ``SCRIPT: error: <the message naming the flag>`` and raises :class:`FlagValueError` (exit status 2)."""
-    flag_settings(args)
-    return args
-
-
-def flag_settings(args):
-    """The flags' :class:`Settings` (None: the fused kernel off), each value checked once; a bad value
-    is an argument error as in :func:`validate_flags`. Objects without the flags give None."""
+def validate(args):
+    """The one validation of the flags: the run's :class:`Settings` from Megatron's (or MindSpeed's)
+    parsed ``args``, each value checked once, or None where the fused kernel is off (and for objects
+    without the flags, e.g. a TransformerConfig). A bad value prints ``SCRIPT: error: <the message
+    naming the flag>`` and raises :class:`FlagValueError` (exit status 2 where uncaught)."""
     if not has_lm_z_loss_args(args):
         return None
     try:
-        return _validated_settings(args)
+        return _check_flags(args)
     except FlagValueError:
         raise
     except ValueError as err:
@@ -266,13 +251,6 @@ def fused_ce_enabled(args, checked=True):
             or bool(getattr(args, "lm_fused_output_layer", False)))
 
 
-def settings_from_args(args):
-    """``mindspeed_cez.patches.Settings`` for validated ``args``, or None when the kernel is off. The
-    kernels' backends come from the environment (``MINDSPEED_CEZ_BACKEND``,
-    ``MINDSPEED_CEZ_LINEAR_BACKEND``), unset: automatic."""
-    return _validated_settings(args)
-
-
 class _OneLineErrorParser(argparse.ArgumentParser):
     """argparse's errors as one line (``PROG: error: ...``, exit status 2), without the usage dump."""
 
@@ -281,9 +259,60 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         raise FlagValueError(message)
 
 
-def parse_lm_z_loss_args(argv):
-    """Parse only these flags from ``argv`` (unknown ones ignored); for tools without Megatron. A bad
-    value is an argument error, one line (:func:`validate_flags`)."""
+def parse_command_line(argv):
+    """Only these flags of ``argv`` (unknown ones ignored), as a Namespace; for tools without Megatron's
+    parser (megatron-core alone) and the adaptor's check of the command line at its import. A value the
+    parser refuses is an argument error, one line; :func:`validate` checks the values."""
     parser = add_lm_z_loss_args(_OneLineErrorParser(add_help=False, allow_abbrev=False))
     args, _ = parser.parse_known_args(argv)
-    return validate_flags(args) if isinstance(args, argparse.Namespace) else args
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# MindSpeed-LLM's flags (read at Ascend/MindSpeed-LLM 4a035628, v26.0.0, and c77308a1, master)
+# ---------------------------------------------------------------------------------------------
+# * ``--output-multiplier-scale`` / ``--output-logit-softcapping``: its GPTModel forward scales and
+#   soft-caps the logits; with the fused loss those ops are recorded and computed in the loss kernels
+#   (``Settings.logit_transform``, :mod:`.model_context`).
+# * ``--loss-compute-mode chunk`` at TP=1 and CP=1 computes the loss with ``F.cross_entropy`` per chunk
+#   of hidden states, never through ``compute_language_model_loss``; ``--is-instruction-dataset``
+#   shifts the labels inside the forward, into a tensor the adaptor cannot tell from an MTP head's.
+#   Both are refused with the fused kernel on rather than silently trained without z-loss.
+# * ``--add-output-layer-bias`` changes the output layer itself: refused with ``--lm-fused-output-layer``.
+#   (``--output-layer-slice-num`` needs no check: MindSpeed-LLM's own validation resets it to 1.)
+
+
+def mindspeed_llm_logit_transform(args):
+    """The ``LogitTransform`` MindSpeed-LLM's forward applies to the logits before the loss (its
+    ``--output-multiplier-scale`` / ``--output-logit-softcapping``), or None for neither."""
+    scale = getattr(args, "output_multiplier_scale", None)
+    cap = getattr(args, "output_logit_softcapping", None)
+    if not (scale or cap):
+        return None
+    return LogitTransform(scale=scale or 1.0, cap=cap or 0.0)
+
+
+def check_mindspeed_llm_args(args, fused_flag, output_layer_flag=None):
+    """Raise ``ValueError`` for MindSpeed-LLM modes the fused kernel cannot serve. ``fused_flag`` names
+    what turned the kernel on; ``output_layer_flag`` what turned the fused output layer on (None:
+    off). Arguments without MindSpeed-LLM's flags pass."""
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if getattr(args, "loss_compute_mode", "default") == "chunk" and tp == 1 and cp == 1:
+        raise ValueError(
+            f"{fused_flag} and MindSpeed-LLM's --loss-compute-mode chunk: at TP=1 and CP=1 the chunked loss "
+            "is plain F.cross_entropy and never reaches the fused kernel (no z-loss would be trained); "
+            "drop one of them (chunk mode at TP>1 falls back to the regular loss, which is served)"
+        )
+    if output_layer_flag:
+        # its GPTModel forward swaps the output layer for one the fused op does not stand in for
+        # (its scaling and soft cap of the logits are served: .logit_transform)
+        if getattr(args, "add_output_layer_bias", False):
+            raise ValueError(
+                f"{output_layer_flag} and MindSpeed-LLM's --add-output-layer-bias: the fused op computes the "
+                "logits of hidden @ weight.T itself, so the bias would be lost; drop one of them")
+    if getattr(args, "is_instruction_dataset", False):
+        raise ValueError(
+            f"{fused_flag} and MindSpeed-LLM's --is-instruction-dataset: that path shifts the labels inside "
+            "the model's forward, which this adaptor does not serve; drop one of them"
+        )

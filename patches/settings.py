@@ -1,35 +1,41 @@
-"""The adaptor's run-time settings, shared by the patched Megatron functions.
+"""The adaptor's run-time settings: one :class:`Settings` per process, and the slot the patched
+functions read it from.
 
-The patched functions read :data:`ACTIVE` on every call: ``None`` means "behave exactly like
-Megatron" (the original function runs), a :class:`Settings` means "use the fused op with these
-settings". :func:`mindspeed_cez.patches.apply` and the argument hooks set it; ``remove`` clears it.
-:data:`RECORD` (an :class:`AdaptorRecord`) keeps how they got there: what ``apply()`` and the flags
-chose, the MindSpeed feature, the adaptor import's mode.
+:class:`Settings` is built once, from the parsed ``--lm-*`` flags (:func:`.arguments.validate`) or by
+``apply()``, and handed on as it is (:mod:`.activation` makes it active). Every patched function is
+made by :func:`while_active`: it reads :data:`ACTIVE` on each call; ``None`` means "behave exactly like
+Megatron" (the original function runs), a :class:`Settings` "use the fused op with these settings",
+handed to the wrapper as its first argument.
 
 :func:`backends_from_environment` is the one place that reads the launch script's overrides of the
 kernels (``MINDSPEED_CEZ_BACKEND``, ``MINDSPEED_CEZ_LINEAR_BACKEND``), for the flags' settings.
 """
 
+import functools
 import os
-from dataclasses import InitVar, dataclass, field
-from typing import Mapping, Optional
+from typing import Optional
 
-from mindspeed_cez import cann, kernels
+from mindspeed_cez import kernels
+from mindspeed_cez.kernels import cann
 from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
 from mindspeed_cez.kernels.loss_spec import LossSpec
 from mindspeed_cez.linear_cross_entropy import GradientPath
-from mindspeed_cez.patches import metrics
-from mindspeed_cez.patches.metrics import LM_LSE, LM_LSE_MAX, LM_Z_LOSS
 
-BACKENDS = (*kernels.BACKENDS, cann.NAME)  # "cann": torch_npu's op, where the vocab is not sharded
+# The metrics the settings choose (reported by .reporting).
+LM_Z_LOSS = "lm_z_loss"
+LM_LSE = "lm_lse"
+LM_LSE_MAX = "lm_lse_max"
+
+BACKENDS = kernels.BACKENDS  # "cann": torch_npu's op, where the vocab is not sharded
 BACKEND_ENV = "MINDSPEED_CEZ_BACKEND"
 LINEAR_BACKEND_ENV = "MINDSPEED_CEZ_LINEAR_BACKEND"
 
 
-@dataclass(frozen=True)
 class Settings:
-    """What the patched loss computes.
+    """What the patched loss computes: built once per process (from the parsed ``--lm-*`` flags, or by
+    ``apply()``), checked field by field as it is built, then handed on as it is.
 
+    Arguments:
     z_loss_coeff: ``c >= 0``; training follows the gradient of ``CE + c * lse**2`` per token, while
         the loss value Megatron logs stays the CE.
     label_smoothing: in *Megatron's* convention (``tensor_parallel.vocab_parallel_cross_entropy``);
@@ -38,7 +44,7 @@ class Settings:
     log_lse: also record the mean log-sum-exp as ``lm_lse`` and its maximum over the iteration's
         tokens as ``lm_lse_max`` (the op's own lse: no extra pass).
     fused_output_layer: GPT's output layer and LM loss as one op, without the logits tensor
-        (``--lm-fused-output-layer``, :mod:`mindspeed_cez.patches.output_layer`).
+        (``--lm-fused-output-layer``, :mod:`mindspeed_cez.patches.model_context`).
     grads: the fused output layer's path, the op's ``grads``: ``"forward"`` (default: gradients made
         in the forward with the loss mask as token weights and Megatron's upstream gradient, where
         both are known; else as ``"recompute"``) or ``"recompute"`` (logits recomputed in backward).
@@ -48,62 +54,100 @@ class Settings:
     logit_transform: the :class:`~mindspeed_cez.kernels.logit_transform.LogitTransform` the model
         applies to the main head's logits with torch ops before the loss (MindSpeed-LLM's
         ``--output-multiplier-scale`` / ``--output-logit-softcapping``), or None (no transform).
-        Those ops are recorded, checked against it and computed in the kernels instead
-        (:mod:`.logit_transform`).
+        Those ops are recorded, checked against it and computed in the kernels instead.
     backend: the ops' cross-entropy backend, ``"triton"`` / ``"torch"``, None: automatic per device;
         ``"cann"``: torch_npu's fused op (TP = 1, no fused output layer, no logit transform).
     linear_backend: the fused output layer's, ``"gemm"`` / ``"triton"``, None: automatic.
-    names: the caller's name per field for errors (the flags' names, :func:`.arguments.settings_from_args`);
-        by default the fields' own. Each field is checked here, once.
+    names: the caller's name per field for errors (the flags' names, :func:`.arguments.validate`);
+        by default the fields' own.
 
-    Made from the fields, once, and handed to the ops as they are:
-    loss: the :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` of the main head (its z-loss, the
-        logit transform, ``label_smoothing`` in Megatron's convention, 0 for None); the patched loss
-        derives each call's with :meth:`LossSpec.replace` (:func:`.megatron_core.call_loss`).
+    What it holds (read-only), each value in one place:
+    loss: the :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` of the main head: the coefficient,
+        label smoothing (0 for None) and logit transform live here and nowhere else (``z_loss_coeff``,
+        ``label_smoothing`` and ``logit_transform`` read it); the patched loss derives each call's with
+        :meth:`LossSpec.replace`.
     gradient_path: the :class:`~mindspeed_cez.linear_cross_entropy.GradientPath` of ``grads`` and
-        ``block_fraction``, the fused output layer's ``path``.
+        ``block_fraction`` (which read it), the fused output layer's ``path``.
+    label_smoothing_from_config, log_z_loss, log_lse, fused_output_layer, backend, linear_backend.
     """
 
-    z_loss_coeff: float = 0.0
-    label_smoothing: Optional[float] = None
-    log_z_loss: bool = True
-    log_lse: bool = False
-    fused_output_layer: bool = False
-    grads: str = "forward"
-    block_fraction: Optional[float] = None
-    logit_transform: Optional[LogitTransform] = None
-    backend: Optional[str] = None
-    linear_backend: Optional[str] = None
-    names: InitVar[Optional[Mapping[str, str]]] = None
-    loss: LossSpec = field(init=False, repr=False, compare=False)
-    gradient_path: GradientPath = field(init=False, repr=False, compare=False)
+    __slots__ = ("loss", "gradient_path", "label_smoothing_from_config", "log_z_loss", "log_lse",
+                 "fused_output_layer", "backend", "linear_backend")
 
-    def __post_init__(self, names):
+    def __init__(self, z_loss_coeff=0.0, label_smoothing=None, log_z_loss=True, log_lse=False,
+                 fused_output_layer=False, grads="forward", block_fraction=None, logit_transform=None,
+                 backend=None, linear_backend=None, names=None):
         name = (lambda field: names.get(field, field)) if names else (lambda field: field)
-        if self.logit_transform is not None and not isinstance(self.logit_transform, LogitTransform):
-            raise TypeError(f"{name('logit_transform')} must be None or a LogitTransform, got {self.logit_transform!r}")
-        loss = LossSpec(z_loss_coeff=self.z_loss_coeff,
-                        label_smoothing=0.0 if self.label_smoothing is None else self.label_smoothing,
-                        logit_transform=self.logit_transform or IDENTITY, names=names)
-        object.__setattr__(self, "loss", loss)
-        object.__setattr__(self, "z_loss_coeff", loss.z_loss_coeff)
-        if self.label_smoothing is not None:
-            object.__setattr__(self, "label_smoothing", loss.label_smoothing)
-        path = GradientPath(self.grads, self.block_fraction, names=names)
-        object.__setattr__(self, "gradient_path", path)
-        object.__setattr__(self, "block_fraction", path.block_fraction)
-        if self.backend not in (None, *BACKENDS):
-            raise ValueError(f"backend must be None or one of {BACKENDS}, got {self.backend!r}")
-        if self.backend == cann.NAME and self.fused_output_layer:
+        if logit_transform is not None and not isinstance(logit_transform, LogitTransform):
+            raise TypeError(f"{name('logit_transform')} must be None or a LogitTransform, got {logit_transform!r}")
+        loss = LossSpec(z_loss_coeff=z_loss_coeff, label_smoothing=0.0 if label_smoothing is None else label_smoothing,
+                        logit_transform=logit_transform or IDENTITY, names=names)
+        if backend not in (None, *BACKENDS):
+            raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
+        if backend == cann.NAME and fused_output_layer:
             raise ValueError("backend='cann' (MINDSPEED_CEZ_BACKEND=cann) needs logits, and the fused output layer "
                              "(--lm-fused-output-layer) makes none: drop one of the two")
-        if self.backend == cann.NAME and self.logit_transform:
+        if backend == cann.NAME and not loss.logit_transform.is_identity:
             raise ValueError("backend='cann' (MINDSPEED_CEZ_BACKEND=cann) computes the loss of the logits as given; "
                              "--output-multiplier-scale / --output-logit-softcapping need MINDSPEED_CEZ_BACKEND=triton "
                              "or unset")
-        if self.linear_backend not in (None, *kernels.LINEAR_BACKENDS):
+        if linear_backend not in (None, *kernels.LINEAR_BACKENDS):
             raise ValueError(f"linear_backend must be None or one of {tuple(kernels.LINEAR_BACKENDS)}, "
-                             f"got {self.linear_backend!r}")
+                             f"got {linear_backend!r}")
+        values = {"loss": loss, "gradient_path": GradientPath(grads, block_fraction, names=names),
+                  "label_smoothing_from_config": label_smoothing is None, "log_z_loss": bool(log_z_loss),
+                  "log_lse": bool(log_lse), "fused_output_layer": bool(fused_output_layer), "backend": backend,
+                  "linear_backend": linear_backend}
+        for slot, value in values.items():
+            object.__setattr__(self, slot, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Settings are frozen: make new ones (settings.replace({name}=...))")
+
+    @property
+    def z_loss_coeff(self):
+        return self.loss.z_loss_coeff
+
+    @property
+    def label_smoothing(self):
+        """Megatron's convention; None: the model config's."""
+        return None if self.label_smoothing_from_config else self.loss.label_smoothing
+
+    @property
+    def logit_transform(self):
+        """The model's logit transform, None for none."""
+        transform = self.loss.logit_transform
+        return None if transform.is_identity else transform
+
+    @property
+    def grads(self):
+        return self.gradient_path.grads
+
+    @property
+    def block_fraction(self):
+        return self.gradient_path.block_fraction
+
+    def _arguments(self):
+        return {"z_loss_coeff": self.z_loss_coeff, "label_smoothing": self.label_smoothing,
+                "log_z_loss": self.log_z_loss, "log_lse": self.log_lse, "fused_output_layer": self.fused_output_layer,
+                "grads": self.grads, "block_fraction": self.block_fraction, "logit_transform": self.logit_transform,
+                "backend": self.backend, "linear_backend": self.linear_backend}
+
+    def replace(self, **changes):
+        """New settings: these with the arguments in ``changes``."""
+        return Settings(**{**self._arguments(), **changes})
+
+    def _key(self):
+        return tuple(getattr(self, slot) for slot in self.__slots__)
+
+    def __eq__(self, other):
+        return isinstance(other, Settings) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in self._arguments().items()) + ")"
 
     def metric_names(self):
         """The tracker names this run reports; identical on every rank (collectives depend on it)."""
@@ -132,45 +176,37 @@ def backends_from_environment(environ=os.environ):
     return chosen
 
 
-class AdaptorRecord:
-    """How this process reaches its active settings: what ``apply()`` and the ``--lm-*`` flags chose
-    (:func:`mindspeed_cez.patches.activate` reconciles them), the MindSpeed feature once it joined
-    MindSpeed's list and the route its validation hands the flags to (:mod:`.mindspeed_feature`), and
-    where the adaptor's import reads the flags (:mod:`mindspeed_cez.megatron_adaptor`)."""
-
-    def __init__(self):
-        self.apply_chose, self.from_apply = False, None  # an apply() (activate()) call chose these Settings
-        self.flags_chose, self.from_flags = False, None  # the parsed flags chose explicitly (None: kernel off)
-        self.warned_unchecked = False  # apply() warned that MindSpeed-LLM's modes could not be checked
-        self.feature = None  # our MindSpeed feature, once registered with MindSpeed
-        self.on_flags = None  # callable(args): what the feature's validate_args hands the parsed flags to
-        self.adaptor_mode = None  # "megatron.training" / "megatron.core": the adaptor import's registration
-
-    def chose_by_apply(self, settings):
-        self.apply_chose, self.from_apply = True, settings
-
-    def chose_by_flags(self, settings):
-        self.flags_chose, self.from_flags = True, settings
-
-    def forget_choices(self):
-        """``remove()``: neither ``apply()`` nor the flags chose (the registrations stay)."""
-        self.apply_chose, self.from_apply = False, None
-        self.flags_chose, self.from_flags = False, None
-
-
-# Global: Megatron's validate_args and MindSpeed's features manager reach the activation route without a handle.
-RECORD = AdaptorRecord()
-
 # Global: Megatron calls the patched functions without a handle to the adaptor, so they read it here.
 ACTIVE: Optional[Settings] = None
 
 
 def set_active(settings: Optional[Settings]):
-    """Activate ``settings`` (None: Megatron's own loss again); the metrics report its names."""
+    """Make ``settings`` the ones the patched functions use (None: Megatron's own functions again).
+    Only :mod:`.activation` calls it."""
     global ACTIVE
     ACTIVE = settings
-    metrics.report_names(settings.metric_names() if settings is not None else [])
 
 
 def get_active() -> Optional[Settings]:
     return ACTIVE
+
+
+def while_active(fn, active, inactive=None):
+    """The replacement of ``fn``: ``active(settings, *args, **kwargs)`` while :data:`ACTIVE` is set,
+    else ``inactive(*args, **kwargs)`` (default ``fn``, unchanged). ``inactive`` serves a name Megatron
+    binds to None (e.g. ``te_parallel_cross_entropy`` without Transformer Engine). ``__cez_wraps__``
+    holds ``fn``, for the patch manager to restore it."""
+    inactive = fn if inactive is None else inactive
+
+    def replacement(*args, **kwargs):
+        settings = ACTIVE
+        if settings is None:
+            return inactive(*args, **kwargs)
+        return active(settings, *args, **kwargs)
+
+    if fn is not None:
+        functools.update_wrapper(replacement, fn)
+    else:
+        replacement.__name__ = replacement.__qualname__ = active.__name__
+    replacement.__cez_wraps__ = fn
+    return replacement

@@ -10,7 +10,7 @@ TP vocab shards):
 * with the z-loss: the per-token loss equals plain CE (what Megatron logs as ``lm loss``), the
   gradient of the logits equals that of ``sum((CE + c*lse^2) * mask) / sum(mask)``, and the
   parameter gradients equal Megatron's backward of that float64 logits gradient;
-* ``lm_z_loss`` and ``lm_lse`` reported by :func:`mindspeed_cez.patches.metrics.report` equal
+* ``lm_z_loss`` and ``lm_lse`` reported by :func:`mindspeed_cez.patches.reporting.report` equal
   ``sum(c*lse^2*mask) / sum(mask)`` over both micro-batches and both DP ranks, ``lm_lse_max`` the
   largest lse of their counted tokens (float64 from the logits gathered over TP), next to
   Megatron's ``load_balancing_loss``; an eval forward (``model.eval()``, no grad) gives CE and
@@ -106,8 +106,9 @@ def _gpt_worker(rank, world_size, tp):
     from megatron.core import parallel_state as ps
 
     import mindspeed_cez.patches as patches
-    from mindspeed_cez.patches import metrics
+    from mindspeed_cez.patches import reporting as metrics
     from mindspeed_cez.patches import settings as _settings
+    from mindspeed_cez.patches.import_hook import HOOK
 
     model = build(tp)
     model.train()
@@ -124,7 +125,7 @@ def _gpt_worker(rank, world_size, tp):
     megatron, megatron_scalars = run()  # Megatron's own loss
     assert "lm_z_loss" not in megatron_scalars and megatron_scalars["load_balancing_loss"] > 0
 
-    patches.install_patches()  # installed, inactive: Megatron's numbers, bit for bit
+    HOOK.install_patches()  # installed, inactive: Megatron's numbers, bit for bit
     inactive, inactive_scalars = run()
     _assert_same(inactive, megatron, "installed but inactive")
     assert inactive_scalars == megatron_scalars
@@ -206,7 +207,7 @@ def _schedule_plan_worker(rank, world_size):
     from megatron.core.models.common.utils import PostProcessNode
 
     import mindspeed_cez.patches as patches
-    from mindspeed_cez.patches import metrics
+    from mindspeed_cez.patches import reporting as metrics
 
     model = build(1)
     model.train()

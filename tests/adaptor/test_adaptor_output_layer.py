@@ -28,7 +28,7 @@ def _run(model, batches, track_output=None, loss_scale=None):
     ``loss_scale`` Megatron's schedule's: ``loss_scale * sum(loss*mask) / mask.sum() / micro-batches``,
     or ``loss_scale * sum(loss*mask)`` with ``config.calculate_per_token_loss``);
     per-token losses, parameter gradients and the reported metrics."""
-    from mindspeed_cez.patches import metrics
+    from mindspeed_cez.patches import reporting as metrics
 
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
     mask = shims.causal_attention_mask(SEQ)
@@ -72,7 +72,7 @@ def _worker(rank, world_size, tp, share_embeddings):
     from megatron.core import parallel_state as ps
 
     import mindspeed_cez.patches as patches
-    from mindspeed_cez.patches.output_layer import DeferredLogits, FusedOutputLayerError
+    from mindspeed_cez.patches.model_context import DeferredLogits, FusedOutputLayerError
 
     model = build(tp) if not share_embeddings else _build_tied(tp)
     model.train()
@@ -180,7 +180,8 @@ def test_grad_scale_is_known_only_under_megatrons_schedule(monkeypatch):
     import types
 
     from megatron.core import num_microbatches_calculator as nmc
-    from mindspeed_cez.patches.output_layer import FusedOutputLayerError, megatron_grad_scale
+    from mindspeed_cez.patches.loss_wrappers import megatron_grad_scale
+    from mindspeed_cez.patches.model_context import FusedOutputLayerError
 
     config = types.SimpleNamespace(grad_scale_func=None, calculate_per_token_loss=False)
     mask = (torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(3)) > 0.3).float()

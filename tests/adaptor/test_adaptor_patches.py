@@ -19,6 +19,7 @@ from mindspeed_cez.kernels.logit_transform import LogitTransform
 pytest.importorskip("megatron.core")
 
 import mindspeed_cez.patches as patches  # noqa: E402
+from mindspeed_cez.patches import activation  # noqa: E402
 from mindspeed_cez.patches import settings as _settings  # noqa: E402
 
 
@@ -189,7 +190,7 @@ def fake_mindspeed(monkeypatch):
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     patches.remove()
-    monkeypatch.setattr(_settings.RECORD, "feature", None)
+    monkeypatch.setattr(activation.RECORD, "feature", None)
     yield FeaturesManager
     _RecordingPatchManager.remove_patches()
     _settings.set_active(None)
@@ -198,11 +199,9 @@ def fake_mindspeed(monkeypatch):
 def test_mindspeed_feature_registers_args_validation_and_patches(fake_mindspeed):
     from megatron.core.models.common.language_module import language_module as lm
 
-    from mindspeed_cez.patches import mindspeed_feature
-
     orig = lm.LanguageModule.compute_language_model_loss
-    feature = mindspeed_feature.register(patches.activate_from_flags)
-    assert mindspeed_feature.register(patches.activate_from_flags) is feature  # idempotent
+    feature = activation.register_with_mindspeed()
+    assert activation.register_with_mindspeed() is feature  # idempotent
     assert fake_mindspeed.FEATURES_LIST == [feature] and feature.feature_name == "lm_z_loss"
     assert feature.is_need_apply(argparse.Namespace())  # a default (always applied) feature
     assert any(n.endswith("LanguageModule.compute_language_model_loss") for n in _RecordingPatchManager.registered)
@@ -238,8 +237,8 @@ def test_mindspeed_feature_registers_args_validation_and_patches(fake_mindspeed)
 def test_training_log_wrapped_twice_reports_once():
     """One training_log reachable under two names gets our wrapper twice (MindSpeed-LLM 2.2.0
     re-exports Megatron's): the outer adds lm_z_loss, the inner passes the loss_dict through."""
-    from mindspeed_cez.patches import metrics
-    from mindspeed_cez.patches.training_log import training_log_wrapper
+    from mindspeed_cez.patches import reporting as metrics
+    from mindspeed_cez.patches.reporting import training_log_wrapper
 
     seen = []
 
@@ -297,7 +296,7 @@ def test_apply_warns_once_where_it_cannot_check(monkeypatch):
         package.__path__ = []
         monkeypatch.setitem(sys.modules, name, package)
     monkeypatch.delitem(sys.modules, "megatron.training.global_vars", raising=False)
-    monkeypatch.setattr(_settings.RECORD, "warned_unchecked", False)
+    monkeypatch.setattr(activation.RECORD, "warned_unchecked", False)
     try:
         with pytest.warns(UserWarning, match="--loss-compute-mode chunk at TP=1.*could not be checked"):
             patches.apply(z_loss_coeff=1e-4)
@@ -362,25 +361,26 @@ def test_registering_imports_no_megatron_and_patches_attach_at_import():
 def test_a_required_target_that_cannot_attach_is_an_error_naming_it(tmp_path, monkeypatch):
     """A module imported without the function a required patch replaces: activating fails naming it
     (never a silent miss); once active, the import itself fails. A feature-detected optional one is quiet."""
-    from mindspeed_cez.patches import targets
+    from mindspeed_cez.patches import import_hook, patch_points
 
     (tmp_path / "cez_fake_megatron_mod.py").write_text("def other():\n    return 1\n")
     (tmp_path / "cez_fake_megatron_late.py").write_text("def other():\n    return 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    wrapper = targets.TARGETS[1].wrapper
-    monkeypatch.setattr(targets, "TARGETS", [
-        targets.Target("cez_fake_megatron_mod", "", ("loss_fn",), wrapper),
-        targets.Target("cez_fake_megatron_mod", "", ("optional_fn",), wrapper, required=False),
-        targets.Target("cez_fake_megatron_late", "", ("loss_fn",), wrapper)])
+    wrapper = patch_points.TARGETS[1].wrapper
+    monkeypatch.setattr(import_hook.HOOK, "table", [
+        import_hook.Target("cez_fake_megatron_mod", "", ("loss_fn",), wrapper),
+        import_hook.Target("cez_fake_megatron_mod", "", ("optional_fn",), wrapper, required=False),
+        import_hook.Target("cez_fake_megatron_late", "", ("loss_fn",), wrapper)])
     patches.remove()
     try:
-        patches.install_patches()
+        import_hook.HOOK.install_patches()
         import cez_fake_megatron_mod  # noqa: F401
 
         with pytest.raises(patches.PatchTargetError, match=r"cannot patch cez_fake_megatron_mod\.loss_fn:"):
             patches.apply(z_loss_coeff=1e-3)
         assert patches.active_settings() is None
-        targets._REGISTRY.forget_failures()  # as if that module had not been imported
+        import_hook.HOOK.forget_failures()  # as if that module had not been imported
+        import_hook.HOOK.strict = True  # as activation leaves it
         _settings.set_active(patches.Settings(z_loss_coeff=1e-3))
         with pytest.raises(patches.PatchTargetError, match=r"cez_fake_megatron_late\.loss_fn"):
             import cez_fake_megatron_late  # noqa: F401

@@ -41,7 +41,7 @@ def _parse(argv):
 def test_invalid_values_fail_validation_naming_the_flag(argv, message):
     args = _parse(argv)
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
-        arguments.validate_lm_z_loss_args(args)
+        arguments.validate(args)
 
 
 @pytest.mark.parametrize("env, message", [
@@ -51,16 +51,16 @@ def test_invalid_values_fail_validation_naming_the_flag(argv, message):
 ])
 def test_the_launch_environment_is_checked_with_the_flags(monkeypatch, env, message):
     """With the fused kernel on, a bad kernel override in the environment fails validation like a bad
-    flag (one line, exit status 2 through :func:`arguments.validate_flags`); with it off nothing reads it."""
+    flag (one line, exit status 2 through :func:`arguments.validate`); with it off nothing reads it."""
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # no torch_npu: its import fails
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=message):
-        arguments.validate_lm_z_loss_args(_parse(["--lm-fused-ce"]))
+        arguments.validate(_parse(["--lm-fused-ce"]))
     with pytest.raises(arguments.FlagValueError) as caught:
-        arguments.validate_flags(_parse(["--lm-z-loss-coeff", "1e-4"]))
+        arguments.validate(_parse(["--lm-z-loss-coeff", "1e-4"]))
     assert caught.value.code == 2
-    assert arguments.settings_from_args(_parse([])) is None
+    assert arguments.validate(_parse([])) is None
 
 
 def test_parser_errors_without_megatron_are_one_line(capsys, monkeypatch):
@@ -70,50 +70,49 @@ def test_parser_errors_without_megatron_are_one_line(capsys, monkeypatch):
     for argv, line in ((["--lm-z-loss-coeff"], "argument --lm-z-loss-coeff: expected one argument"),
                        (["--lm-z-loss-coeff", "x1"], "--lm-z-loss-coeff must be a finite number >= 0, got 'x1'")):
         with pytest.raises(SystemExit) as caught:
-            arguments.parse_lm_z_loss_args(argv)
+            arguments.validate(arguments.parse_command_line(argv))
         assert caught.value.code == 2
         assert capsys.readouterr().err.splitlines() == [f"pretrain.py: error: {line}"]
-    assert arguments.parse_lm_z_loss_args(["--lm-z-loss-coeff", "2e-4", "--other", "7"]).lm_z_loss_coeff == 2e-4
+    assert arguments.parse_command_line(["--lm-z-loss-coeff", "2e-4", "--other", "7"]).lm_z_loss_coeff == 2e-4
 
 
 def test_settings_from_flags():
-    assert arguments.settings_from_args(_parse([])) is None
-    assert arguments.settings_from_args(_parse(["--no-lm-fused-ce"])) is None
-    s = arguments.settings_from_args(_parse(["--lm-fused-ce"]))
+    assert arguments.validate(_parse([])) is None
+    assert arguments.validate(_parse(["--no-lm-fused-ce"])) is None
+    s = arguments.validate(_parse(["--lm-fused-ce"]))
     assert s is not None and s.z_loss_coeff == 0.0 and s.metric_names() == []
-    s = arguments.settings_from_args(_parse(["--lm-z-loss-coeff", "3e-4", "--lm-z-loss-log-lse"]))
+    s = arguments.validate(_parse(["--lm-z-loss-coeff", "3e-4", "--lm-z-loss-log-lse"]))
     assert math.isclose(s.z_loss_coeff, 3e-4) and s.metric_names() == ["lm_z_loss", "lm_lse", "lm_lse_max"]
-    s = arguments.settings_from_args(_parse(["--lm-fused-output-layer"]))
+    s = arguments.validate(_parse(["--lm-fused-output-layer"]))
     assert s is not None and s.fused_output_layer and s.z_loss_coeff == 0.0
     assert s.grads == "forward" and s.block_fraction is None
-    s = arguments.settings_from_args(_parse(["--lm-fused-output-layer", BLOCK, "0.125"]))
+    s = arguments.validate(_parse(["--lm-fused-output-layer", BLOCK, "0.125"]))
     assert s.grads == "forward" and s.block_fraction == 0.125
-    s = arguments.settings_from_args(_parse(["--lm-fused-output-layer", "recompute", "--lm-z-loss-coeff", "1e-4"]))
+    s = arguments.validate(_parse(["--lm-fused-output-layer", "recompute", "--lm-z-loss-coeff", "1e-4"]))
     assert s.fused_output_layer and s.grads == "recompute" and s.metric_names() == ["lm_z_loss"]
-    s = arguments.settings_from_args(_parse(["--lm-z-loss-coeff", "1e-4"]))
+    s = arguments.validate(_parse(["--lm-z-loss-coeff", "1e-4"]))
     assert not s.fused_output_layer
     for dest, flag in (("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute"), ("use_mup", "--use-mup")):
         args = _parse(["--lm-fused-output-layer"])
         setattr(args, dest, True)  # Megatron's own flags, on its parser
         with pytest.raises(ValueError, match=f"--lm-fused-output-layer does not serve {flag}"):
-            arguments.validate_lm_z_loss_args(args)
-    # objects without the flags (MindSpeed hands TransformerConfigs to validate hooks) pass through
-    other = argparse.Namespace(hidden_size=8)
-    assert arguments.validate_lm_z_loss_args(other) is other
+            arguments.validate(args)
+    # objects without the flags (MindSpeed hands TransformerConfigs to validate hooks): no settings
+    assert arguments.validate(argparse.Namespace(hidden_size=8)) is None
 
 
 @pytest.mark.parametrize("argv", [["--lm-fused-output-layer", "recompute", "--lm-z-loss-coeff", "1e-4"],
                                   ["--lm-fused-output-layer"], ["--lm-z-loss-coeff", "2e-4", "--lm-z-loss-log-lse"]])
 def test_megatron_adaptor_activates_every_setting(argv):
     """What the flags set is what the patches run with (the flag must never be a silent no-op)."""
-    from mindspeed_cez import megatron_adaptor
+    from mindspeed_cez.patches import activation
     from mindspeed_cez.patches import settings as _settings
 
     import mindspeed_cez.patches as patches
 
     try:
-        expected = megatron_adaptor.configure_from_args(_parse(argv))
-        assert _settings.ACTIVE == expected, (_settings.ACTIVE, expected)
+        expected = activation.activate_from_flags(_parse(argv))
+        assert _settings.ACTIVE is expected and expected == arguments.validate(_parse(argv)), (_settings.ACTIVE, expected)
     finally:
         patches.remove()
 
@@ -180,7 +179,7 @@ def test_flags_in_megatron_parser_help(monkeypatch):
     (megatron-core 0.19.2's full ``--help`` output itself crashes on one of Megatron's own help
     strings, so the help of our argument group is rendered with the parser's own formatter.)"""
     A = pytest.importorskip("megatron.training.arguments")
-    from mindspeed_cez.megatron_adaptor import parse_args_wrapper
+    from mindspeed_cez.patches.activation import parse_args_wrapper
 
     captured = {}
 

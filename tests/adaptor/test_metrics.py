@@ -35,7 +35,7 @@ def _records(rank, micro_batch):
 def _worker(rank, world_size, layout):
     from megatron.core import parallel_state as ps
 
-    from mindspeed_cez.patches import metrics
+    from mindspeed_cez.patches import reporting as metrics
 
     ps.initialize_model_parallel(**{"dp": {}, "cp": {"context_parallel_size": 2},
                                     "pp": {"pipeline_model_parallel_size": 2}}[layout])
@@ -69,8 +69,8 @@ def _megatron_log_interval(values, skipped, log_interval):
     """What Megatron's training_log prints for lm_lse_max with the wrapper's interval_maximum: its
     accumulation rule (sum unless skipped, count the advanced iterations, print sum / count, reset
     both after the line), the wrapper's adjustment before each call. Returns the printed values."""
-    from mindspeed_cez.patches import metrics
-    from mindspeed_cez.patches.training_log import ADVANCED_ITERS, interval_maximum
+    from mindspeed_cez.patches import reporting as metrics
+    from mindspeed_cez.patches.reporting import ADVANCED_ITERS, interval_maximum
 
     total, printed = {}, []
     for iteration, (value, skip) in enumerate(zip(values, skipped), start=1):

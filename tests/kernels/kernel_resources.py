@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mindspeed_cez.kernels import triton_cross_entropy as tce
-from mindspeed_cez.kernels.variants import linear_variants, variants
+from kernel_variants import linear_variants, variants
 
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64

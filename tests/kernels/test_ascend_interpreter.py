@@ -11,7 +11,7 @@ the same exact products, as on the CPU setting).
 
 Runs where ``triton`` is triton-ascend's (CI: ``.ci/leg_ascend.sh``, with ``numpy<2``, which its
 interpreter needs); skipped elsewhere. The last test checks that the launches covered every
-variant ``kernels/variants.py`` lists for the NPU setting (the list the lowering leg compiles).
+variant ``tests/kernel_variants.py`` lists for the NPU setting (the list the lowering leg compiles).
 """
 
 import zlib
@@ -28,7 +28,7 @@ from mindspeed_cez.kernels import triton_cross_entropy as tce  # noqa: E402
 from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard  # noqa: E402
 from mindspeed_cez.kernels import triton_linear_cross_entropy as tlce  # noqa: E402
 from mindspeed_cez.kernels import triton_matmul_accumulate as tma  # noqa: E402
-from mindspeed_cez.kernels.variants import linear_variants, variants  # noqa: E402
+from kernel_variants import linear_variants, variants  # noqa: E402
 
 IGNORE = -100
 C = 1e-3

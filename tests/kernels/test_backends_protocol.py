@@ -5,7 +5,8 @@ import inspect
 
 import pytest
 
-from mindspeed_cez import cann, kernels
+from mindspeed_cez import kernels
+from mindspeed_cez.kernels import cann
 from mindspeed_cez.kernels import backends, chunked_linear, torch_reference
 
 

@@ -14,7 +14,8 @@ import torch
 from support import STAND_INS, cross_entropy_zloss_float64, loss_and_grad_float64, relative_error
 
 import mindspeed_cez.cross_entropy_zloss as op_module
-from mindspeed_cez import cann, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez.kernels import cann
 from mindspeed_cez.kernels import LogitTransform
 from mindspeed_cez.patches import settings
 
@@ -69,9 +70,8 @@ def test_what_it_sends_the_op(torch_npu):
     assert call["reduction"] == "none" and call["weight"] is None
     assert call["label_smoothing"] == 0.0, "with a gradient the op takes no smoothing: the package adds it"
     assert call["ignore_index"] == -100 and bool((call["target"] >= 0).all()), "ignored tokens masked, not sent"
-    assert call["lse_square_scale_for_zloss"] == 1e-4 and call["return_zloss"] is True
-    vocab_parallel_cross_entropy_zloss(logits, target, 0.0, backend="cann")
-    assert torch_npu.CALLS[-1]["lse_square_scale_for_zloss"] == 0.0 and torch_npu.CALLS[-1]["return_zloss"] is False
+    assert call["lse_square_scale_for_zloss"] == 0.0 and call["return_zloss"] is False, \
+        "CANN's z-loss arguments have no effect: the z-loss is made from the lse"
 
 
 def test_stand_in_refuses_what_the_documentation_rules_out(torch_npu):
@@ -105,15 +105,18 @@ def test_refused_where_it_does_not_apply(torch_npu, monkeypatch):
         vocab_parallel_cross_entropy_zloss(logits, target.clamp_min(0) + 999, backend="cann")
 
 
-def test_a_torch_npu_without_the_z_loss_fails_loudly(torch_npu):
-    logits, target, _ = _inputs(torch.float32, seed=6)
-    torch_npu.ZLOSS_ENABLED = False
-    with pytest.raises(RuntimeError, match="returned no z-loss.*backend='triton' for z_loss_coeff > 0"):
-        vocab_parallel_cross_entropy_zloss(logits, target, 1e-3, backend="cann")
-    vocab_parallel_cross_entropy_zloss(logits, target, 0.0, backend="cann")  # without the z-loss: served
-    torch_npu.ZLOSS_ENABLED, torch_npu.ZLOSS_GRAD = True, False
-    with pytest.raises(RuntimeError, match="z-loss without a gradient"):
-        vocab_parallel_cross_entropy_zloss(logits.requires_grad_(True), target, 1e-3, backend="cann")
+def test_the_z_loss_is_not_the_ops(torch_npu):
+    """The stand-in returns zeros for its z-loss outputs (CANN's page: the z-loss arguments have no
+    effect): the z-loss and its gradient are still there, made from the lse."""
+    logits, target, upstream = _inputs(torch.float32, seed=6)
+    x = logits.clone().requires_grad_(True)
+    loss, z_loss = vocab_parallel_cross_entropy_zloss(x, target, 1e-2, backend="cann")
+    (loss * upstream).sum().backward()
+    loss64, z64, grad64 = loss_and_grad_float64(logits, target, upstream, z_loss_coeff=1e-2)
+    ce64 = cross_entropy_zloss_float64(logits, target)[0]
+    assert z_loss[target != IGNORE].min() > 0 and relative_error(z_loss, z64) < 1e-6
+    assert relative_error(loss, loss64) < 1e-6 and relative_error(loss - z_loss, ce64) < 1e-6
+    assert relative_error(x.grad, grad64) < 1e-6
 
 
 def test_without_torch_npu(monkeypatch):
@@ -142,19 +145,19 @@ def test_flag_path_takes_it_where_the_vocab_is_not_sharded(torch_npu, monkeypatc
 def test_flag_paths_loss_is_the_ce_value_with_the_z_loss_gradient(torch_npu):
     """What the patched Megatron loss calls with MINDSPEED_CEZ_BACKEND=cann: the value of ``lm loss`` is
     the CE, the gradient that of CE + z-loss (Megatron's convention for auxiliary losses)."""
-    from mindspeed_cez.patches import megatron_core
+    from mindspeed_cez.patches import loss_wrappers
     from mindspeed_cez.patches.settings import Settings
 
     logits, target, upstream = _inputs(torch.float32, seed=8)
     x = logits.clone().requires_grad_(True)
-    loss, z_loss, lse = megatron_core.megatron_cross_entropy(Settings(z_loss_coeff=1e-3, backend="cann"), x, target,
+    loss, z_loss, lse = loss_wrappers.megatron_cross_entropy(Settings(z_loss_coeff=1e-3, backend="cann"), x, target,
                                                              None, 0.0)
     (loss * upstream).sum().backward()
     ce64, _, _ = cross_entropy_zloss_float64(logits, target)
     _, z64, grad64 = loss_and_grad_float64(logits, target, upstream, z_loss_coeff=1e-3)
     assert relative_error(loss, ce64) < 1e-6 and relative_error(z_loss, z64) < 1e-6
     assert relative_error(x.grad, grad64) < 1e-6
-    assert torch_npu.CALLS[-1]["lse_square_scale_for_zloss"] == 1e-3
+    assert torch_npu.CALLS[-1]["lse_square_scale_for_zloss"] == 0.0
 
 
 def test_first_order_only_and_a_second_backward(torch_npu):

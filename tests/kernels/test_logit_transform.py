@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mindspeed_cez.kernels.logit_transform import IDENTITY, SCALE, SOFTCAP, LogitTransform
-from mindspeed_cez.patches.logit_transform import LogitTransformError, TransformedLogits
+from mindspeed_cez.patches.model_context import LogitTransformError, TransformedLogits
 
 
 def _as_mindspeed_llm_does(logits, scale, cap):

@@ -51,7 +51,7 @@ def test_settings_and_flags_name_their_own_fields():
                           (["--lm-fused-output-layer", "--lm-fused-output-layer-block-fraction", "0"],
                            "^--lm-fused-output-layer-block-fraction takes")):
         with pytest.raises(ValueError, match=message):
-            arguments.validate_lm_z_loss_args(parser.parse_args(argv))
+            arguments.validate(parser.parse_args(argv))
 
 
 def test_gradient_path_is_checked_once_where_it_enters():
@@ -95,7 +95,7 @@ def test_values_are_cast_once_and_one_spec_serves_equal_values():
 def test_renamed_block_fraction_flag():
     parser = arguments.add_lm_z_loss_args(argparse.ArgumentParser(allow_abbrev=False))
     args = parser.parse_args(["--lm-fused-output-layer", "--lm-fused-output-layer-block-fraction", "0.25"])
-    assert arguments.settings_from_args(args).block_fraction == 0.25
+    assert arguments.validate(args).block_fraction == 0.25
     _, unknown = parser.parse_known_args(["--lm-fused-output-layer-block", "0.25"])
     assert unknown == ["--lm-fused-output-layer-block", "0.25"]  # the old name is no flag (never released)
 
@@ -161,17 +161,17 @@ def test_replace_derives_one_spec_per_set_of_changes():
 
 
 def test_settings_hold_the_loss_they_made_and_the_adaptor_hands_it_on():
-    from mindspeed_cez.patches import megatron_core
+    from mindspeed_cez.patches import loss_wrappers
 
     transform = LogitTransform(0.5, 30.0)
     settings = Settings(z_loss_coeff=2e-3, label_smoothing=0.1, logit_transform=transform)
     assert settings.loss == LossSpec(-100, 2e-3, 0.1, transform)
     assert settings.loss is settings.loss and Settings(z_loss_coeff=2e-3).loss.label_smoothing == 0.0
     # each call's spec: Megatron's smoothing over the global vocab, plain CE for MTP heads, the model's transform
-    main = megatron_core.call_loss(settings.loss, 1000, 0.1, main_head=True, transform=transform)
+    main = loss_wrappers.call_loss(settings.loss, 1000, 0.1, main_head=True, transform=transform)
     assert main == LossSpec(-100, 2e-3, 0.1 * 1000 / 999, transform)
-    assert megatron_core.call_loss(settings.loss, 1000, 0.1, main_head=True, transform=transform) is main
-    mtp = megatron_core.call_loss(settings.loss, 1000, 0.1, main_head=False)
+    assert loss_wrappers.call_loss(settings.loss, 1000, 0.1, main_head=True, transform=transform) is main
+    mtp = loss_wrappers.call_loss(settings.loss, 1000, 0.1, main_head=False)
     assert mtp.z_loss_coeff == 0.0 and mtp.logit_transform == LogitTransform()
     plain = Settings(z_loss_coeff=1e-3)
-    assert megatron_core.call_loss(plain.loss, 1000, 0.0) is plain.loss  # the common case: the settings' own
+    assert loss_wrappers.call_loss(plain.loss, 1000, 0.0) is plain.loss  # the common case: the settings' own

@@ -1,4 +1,4 @@
-"""``kernels/variants.py`` types every kernel's runtime parameters from the kernel's own parameter
+"""``tests/kernel_variants.py`` types every kernel's runtime parameters from the kernel's own parameter
 list and one name rule: every parameter of every kernel gets a type, each variant's signature and
 constexprs cover the kernel's parameters exactly once, and the derived signatures are the ones
 the ahead-of-time compiles (tests/kernels/kernel_resources.py, tests/kernels/ascend_lowering.py) were written with."""
@@ -15,7 +15,7 @@ if kernels.triton_available():
     from mindspeed_cez.kernels import triton_cross_entropy as tce
     from mindspeed_cez.kernels import triton_linear_cross_entropy as tlce
     from mindspeed_cez.kernels import triton_matmul_accumulate as tma
-    from mindspeed_cez.kernels import variants as v
+    import kernel_variants as v
 
 DTYPES = ("bf16", "fp16", "fp32")
 

@@ -172,7 +172,7 @@ def test_inprocess_restart_forgets_the_interrupted_step():
 
     from mindspeed_cez import linear_forward_grads as lfg
     from mindspeed_cez import patches
-    from mindspeed_cez.patches import metrics
+    from mindspeed_cez.patches import reporting as metrics
 
     patches.apply(z_loss_coeff=1e-2, log_lse=True, fused_output_layer=True)
     try:
@@ -195,7 +195,7 @@ def test_fused_layer_leaves_megatron_fsdp_main_grad_alone(fsdp):
     """A weight Megatron-FSDP manages (``__fsdp_param__``) keeps last iteration's ``main_grad`` view in forward;
     the fused layer hands its gradient back through autograd (Megatron-FSDP's hook puts it into the bucket), the
     gradient of a plain weight; a DDP weight's gradient goes into ``main_grad`` (the control)."""
-    from mindspeed_cez.patches import output_layer
+    from mindspeed_cez.patches import loss_wrappers
     from mindspeed_cez.patches.settings import Settings
 
     torch.manual_seed(0)
@@ -209,8 +209,8 @@ def test_fused_layer_leaves_megatron_fsdp_main_grad_alone(fsdp):
 
     def weight_grad(weight):
         x = hidden.clone().requires_grad_()
-        deferred = output_layer.DeferredLogits(x, weight, layer)
-        loss, _, _ = output_layer.linear_loss(deferred, target, settings.loss, None, settings, mask, config)
+        deferred = loss_wrappers.DeferredLogits(x, weight, layer)
+        loss, _, _ = loss_wrappers.linear_loss(deferred, target, settings.loss, None, settings, mask, config)
         (loss.transpose(0, 1) * mask).sum().backward()
         return weight
 
@@ -236,7 +236,7 @@ def test_every_gpu_launch_passes_megatrons_argument_validation(monkeypatch, tmp_
     from gpu import gpu_megatron_features
     from megatron.training import arguments as megatron_arguments
 
-    from mindspeed_cez.patches.arguments import add_lm_z_loss_args, validate_lm_z_loss_args
+    from mindspeed_cez.patches.arguments import add_lm_z_loss_args, validate
 
     monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)  # Hopper, as the GPUs used
     for key, value in {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"}.items():
@@ -248,4 +248,4 @@ def test_every_gpu_launch_passes_megatrons_argument_validation(monkeypatch, tmp_
         monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *spec.args, "--distributed-backend", "nccl"])
         args = megatron_arguments.parse_args(extra_args_provider=add_lm_z_loss_args)
         megatron_arguments.validate_args(args, {"tokenizer_type": "NullTokenizer"})
-        validate_lm_z_loss_args(args)
+        validate(args)

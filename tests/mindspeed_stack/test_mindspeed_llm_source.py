@@ -114,8 +114,8 @@ def _worker(rank, world_size, tp, order, extra):
     from megatron.training import global_vars
 
     from support import mindspeed_llm_source as source
-    from mindspeed_cez.patches.logit_transform import TransformedLogits
-    from mindspeed_cez.patches.output_layer import DeferredLogits
+    from mindspeed_cez.patches.model_context import TransformedLogits
+    from mindspeed_cez.patches.model_context import DeferredLogits
 
     args.padded_vocab_size = VOCAB  # what the tokenizer would set
     global_vars.set_global_variables(args, build_tokenizer=False)

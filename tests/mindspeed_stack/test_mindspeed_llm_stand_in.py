@@ -30,7 +30,7 @@ import torch
 pytest.importorskip("megatron.core")
 from support import STAND_INS, run_on_ranks  # noqa: E402
 from support import tiny_gpt as gpt  # noqa: E402
-from mindspeed_cez.patches.logit_transform import TransformedLogits  # noqa: E402
+from mindspeed_cez.patches.model_context import TransformedLogits  # noqa: E402
 
 COEFF = 3e-2
 pytestmark = [
@@ -185,7 +185,6 @@ def _fused_output_layer_worker(rank, world_size, tp, transform):
     With ``transform`` (its scaling and soft cap of the logits), both runs compute them in the kernels
     and equal a third: MindSpeed-LLM's own torch ops on the logits, then the unfused op. Under a loss
     scale, the fused layer's default path is told the schedule's gradient in forward."""
-    import dataclasses
 
     from megatron.core import parallel_state as ps
 
@@ -208,7 +207,7 @@ def _fused_output_layer_worker(rank, world_size, tp, transform):
     def run(extra, torch_transform=False):
         arguments.parse_args(base + extra)
         if torch_transform:  # the reference: MindSpeed-LLM's own ops on the logits
-            cez_settings.set_active(dataclasses.replace(cez_settings.get_active(), logit_transform=None))
+            cez_settings.set_active(cez_settings.get_active().replace(logit_transform=None))
         model.zero_grad(set_to_none=True)
         kinds, outputs = [], []
         hooks = [model.output_layer.register_forward_hook(lambda m, i, o: kinds.append(_kind(o[0]))),

@@ -76,7 +76,7 @@ def _worker(rank, world_size, source):
     original = lm.LanguageModule.compute_language_model_loss
     import mindspeed_cez.megatron_adaptor as adaptor
     from mindspeed_cez import patches
-    from mindspeed_cez.patches import metrics
+    from mindspeed_cez.patches import reporting as metrics
 
     assert adaptor.MODE == "mindspeed", adaptor.MODE
     ours = [f for f in features.FEATURES_LIST if f.feature_name == "lm_z_loss"]

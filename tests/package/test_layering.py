@@ -10,6 +10,7 @@ chain (a lazy import that closes a cycle fails)."""
 
 import ast
 import importlib
+import importlib.util
 import os
 import pkgutil
 
@@ -27,18 +28,36 @@ def _inside(name, package):
 
 
 def _modules():
-    """{module name: source file} of every module of the package (kernels/ and patches/ included)."""
-    found, packages = {PACKAGE: mindspeed_cez.__file__}, [(PACKAGE, mindspeed_cez.__path__)]
+    """{module name: source file} of every module of the package (kernels/ and patches/ included: the
+    install maps them into it, so they are not below mindspeed_cez/'s own folder)."""
+    found, packages = {}, [PACKAGE, KERNELS, PATCHES]
     while packages:
-        package, path = packages.pop()
-        for info in pkgutil.iter_modules(path, prefix=f"{package}."):
-            if info.name == f"{PACKAGE}.{PACKAGE}":
-                continue  # a source checkout's __path__ holds the checkout (for kernels/, patches/)
-            spec = importlib.util.find_spec(info.name)
-            found[info.name] = spec.origin
+        package = packages.pop()
+        spec = importlib.util.find_spec(package)
+        found[package] = spec.origin
+        for info in pkgutil.iter_modules(spec.submodule_search_locations, prefix=f"{package}."):
             if info.ispkg:
-                packages.append((info.name, spec.submodule_search_locations))
+                packages.append(info.name)
+            else:
+                found[info.name] = importlib.util.find_spec(info.name).origin
     return found
+
+
+def test_import_changes_no_path():
+    """``import mindspeed_cez`` leaves its ``__path__`` alone: kernels/ and patches/ are found through the
+    install's mapping (pyproject's package-dir), also from the checkout root, where the source folder
+    comes first on ``sys.path``."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = ("import json, os, mindspeed_cez, mindspeed_cez.kernels as k, mindspeed_cez.patches as p; "
+              "print(json.dumps([mindspeed_cez.__path__, k.__file__, p.__file__]))")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path, kernels_file, patches_file = __import__("json").loads(proc.stdout.splitlines()[-1])
+    assert path == [os.path.dirname(mindspeed_cez.__file__)]
+    assert os.path.dirname(kernels_file).endswith("kernels") and os.path.dirname(patches_file).endswith("patches")
 
 
 def _imports(name, path, modules):
@@ -70,7 +89,7 @@ def test_every_module_imports():
     for name in modules:
         if name != f"{PACKAGE}.megatron_adaptor":  # importing it patches Megatron: its own tests do that
             importlib.import_module(name)
-    assert {f"{PACKAGE}.tensor_parallel", f"{KERNELS}.chunked_linear", f"{PACKAGE}.patches.training_log"} <= set(modules)
+    assert {f"{PACKAGE}.tensor_parallel", f"{KERNELS}.chunked_linear", f"{PACKAGE}.patches.reporting"} <= set(modules)
 
 
 def test_kernels_import_nothing_of_the_package_outside_kernels():
@@ -102,8 +121,32 @@ def test_ops_import_nothing_of_patches():
 def test_entry_points_exist():
     modules, _ = _graph()
     assert ENTRY_POINTS <= set(modules)
-    assert {f"{PATCHES}.arguments", f"{PATCHES}.metrics", f"{PATCHES}.moe_tracker",
-            f"{PATCHES}.mindspeed_feature"} <= set(modules)
+    assert {f"{PATCHES}.{name}" for name in PATCHES_BY_JOB} == {m for m in modules if _inside(m, PATCHES)} - {PATCHES}
+
+
+# patches/ by job: every module of it, none more (a new job is a decision, made here).
+PATCHES_BY_JOB = ("import_hook", "patch_points", "loss_wrappers", "model_context", "reporting", "activation",
+                  "arguments", "settings")
+MAX_PATCHES_DEPTH = 5  # modules in the longest chain of imports inside patches/
+
+
+def test_patches_are_at_most_five_imports_deep():
+    _, graph = _graph()
+
+    def depth(node, seen=()):
+        inside = [m for m in graph.get(node, ()) if _inside(m, PATCHES) and m not in seen]
+        return 1 + max((depth(m, (*seen, node)) for m in inside), default=0)
+
+    deepest = max(depth(m) for m in graph if _inside(m, PATCHES))
+    assert deepest <= MAX_PATCHES_DEPTH, f"a chain of {deepest} imports inside patches/"
+
+
+def test_the_patch_points_table_is_data():
+    """patch_points.py defines no function or class: the table only (how a point attaches is import_hook's)."""
+    modules, _ = _graph()
+    tree = ast.parse(open(modules[f"{PATCHES}.patch_points"]).read())
+    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
+    assert not defined, defined
 
 
 def _reaches_up(path):
@@ -193,3 +236,18 @@ def test_architecture_page_names_every_module_in_its_layer():
     assert all(_inside(m, PATCHES) for m in patches)
     assert all(_inside(m, KERNELS) for m in kernels)
     assert not any(_inside(m, PATCHES) or _inside(m, KERNELS) or m in ENTRY_POINTS for m in ops)
+
+
+def test_kernel_launches_take_the_loss_whole():
+    """Every Triton launch in kernels/ gets the loss through ``LossSpec.kernel_args``: no ``bind`` call
+    passes a field of the loss (``loss.z_loss_coeff``, ...) as a loose keyword."""
+    modules, _ = _graph()
+    loose = []
+    for name, path in modules.items():
+        if not _inside(name, KERNELS):
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "bind":
+                loose += [f"{name}: {k.arg}={ast.unparse(k.value)}" for k in node.keywords
+                          if isinstance(k.value, ast.Attribute) and ast.unparse(k.value.value) == "loss"]
+    assert not loose, loose

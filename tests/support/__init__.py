@@ -316,18 +316,18 @@ def capture_cuda_graph(step, warmup=2):
 
 @contextlib.contextmanager
 def recorded_grad_scales():
-    """While open, every result of ``patches.output_layer.megatron_grad_scale``, in a list: the
+    """While open, every result of ``patches.loss_wrappers.megatron_grad_scale``, in a list: the
     upstream gradient the adaptor knew in forward for each micro-batch (None where it did not)."""
-    from mindspeed_cez.patches import output_layer
+    from mindspeed_cez.patches import loss_wrappers
 
-    original, scales = output_layer.megatron_grad_scale, []
+    original, scales = loss_wrappers.megatron_grad_scale, []
 
     def recording(*args):
         scales.append(original(*args))
         return scales[-1]
 
-    output_layer.megatron_grad_scale = recording
+    loss_wrappers.megatron_grad_scale = recording
     try:
         yield scales
     finally:
-        output_layer.megatron_grad_scale = original
+        loss_wrappers.megatron_grad_scale = original

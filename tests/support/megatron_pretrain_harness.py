@@ -31,7 +31,7 @@ context-parallel attention of ``tests/support/context_parallel_attention.py`` (c
 Transformer Engine).
 
 The dump also records whether the adaptor knew Megatron's upstream gradient in that forward
-(``patches.output_layer.megatron_grad_scale`` returned one: the fused output layer's default path
+(``patches.loss_wrappers.megatron_grad_scale`` returned one: the fused output layer's default path
 then adds the weight gradient into ``main_grad`` during the forward), and whether the deferred
 output layer's weight had the ``main_grad`` of Megatron's DDP buckets.
 """
@@ -64,7 +64,7 @@ def _recording(grad_scale_fn):
     return megatron_grad_scale
 
 
-from mindspeed_cez.patches import output_layer as _cez_output_layer  # noqa: E402
+from mindspeed_cez.patches import loss_wrappers as _cez_output_layer  # noqa: E402
 
 _cez_output_layer.megatron_grad_scale = _recording(_cez_output_layer.megatron_grad_scale)
 _DUMPED = {"train": 0, "eval": 0}

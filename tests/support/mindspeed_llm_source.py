@@ -234,7 +234,7 @@ def probe(order, sources_=None):
     from mindspeed.patch_utils import MindSpeedPatchesManager
 
     from mindspeed_cez import megatron_adaptor
-    from mindspeed_cez.patches import targets
+    from mindspeed_cez import patches
 
     out["mode"] = megatron_adaptor.MODE
     out["jit_fuser"] = f"{jit.jit_fuser.__module__}.{jit.jit_fuser.__qualname__}"
@@ -242,7 +242,7 @@ def probe(order, sources_=None):
     out["ours_in_mindspeed"] = sorted(
         path for path, patch in MindSpeedPatchesManager.patches_info.items()
         if any(getattr(w, "__module__", "").startswith("mindspeed_cez") for w in patch.wrappers) and patch.is_applied)
-    out["direct"] = targets.installed_targets()
+    out["direct"] = patches.installed_targets()
     out["loss_patched"] = getattr(LanguageModule.compute_language_model_loss, "__cez_wraps__", None) is not None
     return out
 

@@ -3,19 +3,16 @@ documentation describes it (Ascend/op-plugin ``docs/context/torch_npu-npu_cross_
 at 64b9136a, CANN's ``aclnnCrossEntropyLoss`` formulas); written for this project, no code of
 theirs. It records each call in :data:`CALLS`, refuses what the documentation says the op does not
 take, and returns the documented outputs in ``input``'s dtype with the documented gradients
-(``loss`` and ``zloss`` differentiable, ``log_prob`` and ``lse_for_zloss`` not).
-
-``ZLOSS_ENABLED`` / ``ZLOSS_GRAD`` (module flags) play the releases whose page says the z-loss
-arguments are "not enabled yet": False makes ``zloss`` / ``lse_for_zloss`` empty, or ``zloss``
-come back without a gradient. ``tests/kernels/test_cann_backend.py`` puts this module in ``sys.modules``
-as ``torch_npu`` for its own tests only.
+(``loss`` differentiable, ``log_prob`` and ``lse_for_zloss`` not). CANN's page says the z-loss
+arguments (``lse_square_scale_for_zloss`` / ``return_zloss``) have no effect: here ``zloss`` and
+``lse_for_zloss`` come back as zeros (``zloss`` with a zero gradient), so a backend that read its
+z-loss from them would pass every check but the value's. ``tests/kernels/test_cann_backend.py`` puts this
+module in ``sys.modules`` as ``torch_npu`` for its own tests only.
 """
 
 import torch
 
 CALLS = []
-ZLOSS_ENABLED = True
-ZLOSS_GRAD = True
 MAX_N = 200000
 _DEFAULTS = {"weight": None, "reduction": "mean", "ignore_index": -100, "label_smoothing": 0.0,
              "lse_square_scale_for_zloss": 0.0, "return_zloss": False}
@@ -62,41 +59,33 @@ class _Op(torch.autograd.Function):
         nll = -log_prob.gather(1, safe[:, None]).squeeze(1) * w_t
         smooth = -(log_prob * w[None, :]).sum(1) / x.shape[1] * keep
         per_token = (1 - label_smoothing) * nll + label_smoothing * smooth
-        zloss = scale * lse * lse * keep
         if reduction == "mean":
-            denominator = w_t.sum()
-            loss, zl = per_token.sum() / denominator, zloss.sum() / keep.sum()
+            loss = per_token.sum() / w_t.sum()
         elif reduction == "sum":
-            loss, zl = per_token.sum(), zloss.sum()
+            loss = per_token.sum()
         else:
-            loss, zl = per_token, zloss
-        ctx.save_for_backward(log_prob.to(input.dtype), safe, keep, lse)
-        ctx.reduction, ctx.scale, ctx.denominator = reduction, scale, (w_t.sum(), keep.sum())
-        empty = input.new_empty(0)
-        zl_out = zl.reshape(loss.shape).to(input.dtype) if return_zloss and ZLOSS_ENABLED else empty
-        lse_out = lse.to(input.dtype) if scale and ZLOSS_ENABLED else empty
-        out = (loss.reshape(-1 if reduction == "none" else 1).to(input.dtype), log_prob.to(input.dtype),
-               zl_out.reshape(-1) if zl_out.numel() else zl_out, lse_out)
+            loss = per_token
+        ctx.save_for_backward(log_prob.to(input.dtype), safe, keep)
+        ctx.reduction, ctx.denominator = reduction, w_t.sum()
+        loss = loss.reshape(-1 if reduction == "none" else 1).to(input.dtype)
+        # the z-loss arguments have no effect (CANN's page): zeros, whatever scale / return_zloss say
+        out = (loss, log_prob.to(input.dtype), torch.zeros_like(loss), torch.zeros_like(lse, dtype=input.dtype))
         ctx.mark_non_differentiable(out[1], out[3])
-        if not ZLOSS_GRAD:
-            ctx.mark_non_differentiable(out[2])
         return out
 
     @staticmethod
-    def backward(ctx, g_loss, _g_log_prob, g_zloss, _g_lse):
-        log_prob, safe, keep, lse = ctx.saved_tensors
+    def backward(ctx, g_loss, _g_log_prob, _g_zloss, _g_lse):
+        log_prob, safe, keep = ctx.saved_tensors
         n = log_prob.shape[0]
-        def per_token(grad):
-            if grad is None or grad.numel() == 0:
-                return torch.zeros(n)
-            return grad.float().expand(n) if ctx.reduction != "none" else grad.float()
-
-        g, gz = per_token(g_loss), per_token(g_zloss)
+        if g_loss is None:
+            g = torch.zeros(n)
+        else:
+            g = g_loss.float().expand(n) if ctx.reduction != "none" else g_loss.float()
         if ctx.reduction == "mean":
-            g, gz = g / ctx.denominator[0], gz / ctx.denominator[1]
-        g, gz = g * keep, gz * keep
+            g = g / ctx.denominator
+        g = g * keep
         softmax = log_prob.float().exp()
-        grad = softmax * (g + 2 * ctx.scale * lse * gz)[:, None]
+        grad = softmax * g[:, None]
         grad.scatter_add_(1, safe[:, None], -g[:, None])
         return grad.to(log_prob.dtype), None, None, None, None, None, None, None
 

@@ -1,23 +1,23 @@
 """``backend="cann"``: the vendor's fused op, ``torch_npu.npu_cross_entropy_loss`` (CANN's
-CrossEntropyLoss with z-loss, Atlas A2 / A3), behind the package's conventions, at TP = 1.
+CrossEntropyLoss, Atlas A2 / A3), behind the package's conventions, at TP = 1.
 
 Read from torch_npu's documentation (Ascend/op-plugin ``docs/context/torch_npu-npu_cross_entropy_loss.md``
 at 64b9136a) and CANN's ``aclnnCrossEntropyLoss`` page: ``npu_cross_entropy_loss(input [N, C],
 target [N] int64, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
 lse_square_scale_for_zloss=0.0, return_zloss=False) -> (loss, log_prob, zloss, lse_for_zloss)``;
 every output in ``input``'s dtype; ``log_prob`` ``[N, C]`` (kept for its backward: a second
-logits-sized tensor); ``zloss = scale * lse**2`` per token and ``lse_for_zloss`` only with the
-z-loss arguments set; a negative ``ignore_index`` ignores nothing; N at most 200000; with a
-gradient, ``reduction="none"`` takes no label smoothing, and only ``loss`` (and ``zloss``) carry
-gradients. torch_npu's page marks the z-loss arguments "not enabled yet" in some releases: this
-backend asks for them only when ``z_loss_coeff > 0`` and fails loudly where they do not come back.
+logits-sized tensor); a negative ``ignore_index`` ignores nothing; N at most 200000; with a
+gradient, ``reduction="none"`` takes no label smoothing. CANN's page says the z-loss arguments
+(``lse_square_scale_for_zloss`` / ``return_zloss``) have no effect, so they are never passed: a zero
+z-loss with a gradient would train silently without it.
 
 Here the op runs with ``reduction="none"`` and its own gradient; the package adds what it lacks
 in plain torch ops on [N] vectors: ignored tokens (``ignore_index``: loss, z-loss and gradient 0),
 label smoothing (``a * (x[t] - mean(x))``, whose gradient ``a * (onehot - 1/V)`` turns the op's
-``softmax - onehot`` into the smoothed one), fp32 results, and the lse (``CE + x[t]``, or the
-op's ``lse_for_zloss``). Not served (refused, naming the argument): vocab shards (TP > 1: the op
-needs each token's whole vocab), ``logit_scale`` / ``logit_softcap``, the fused output layer.
+``softmax - onehot`` into the smoothed one), fp32 results, the lse (``CE + x[t]``) and the z-loss
+``c * lse**2`` of it, both through autograd (the z-loss's gradient ``2c * lse * softmax``). Not
+served (refused, naming the argument): vocab shards (TP > 1: the op needs each token's whole
+vocab), ``logit_scale`` / ``logit_softcap``, the fused output layer.
 """
 
 import importlib
@@ -65,31 +65,24 @@ def check_applies(tp_size, transform):
 
 def _rows_loss(rows, target, valid, z_loss_coeff, label_smoothing):
     """(loss, z_loss, lse) fp32 [n] of one call of the op on ``rows`` [n, V] (n <= MAX_ROWS)."""
-    op = _op()
     safe = torch.where(valid, target, torch.zeros_like(target)).long()  # the op ignores nothing here
-    z_args = {"lse_square_scale_for_zloss": z_loss_coeff, "return_zloss": True} if z_loss_coeff else {}
-    ce, _log_prob, zloss, lse_for_zloss = op(rows, safe, reduction="none", **z_args)
+    ce, _log_prob, _zloss, _lse = _op()(rows, safe, reduction="none")
     target_logit = rows.gather(1, safe.unsqueeze(1)).squeeze(1).float()
-    loss = ce.float()
+    ce = ce.float()
+    loss = ce
     if label_smoothing:  # (1-a)*CE + a*(lse - mean x) = CE + a*(x[t] - mean x)
         loss = loss + label_smoothing * (target_logit - rows.mean(1, dtype=torch.float32))
-    if z_loss_coeff:
-        if zloss is None or zloss.numel() != rows.shape[0]:
-            raise RuntimeError(
-                "backend='cann': torch_npu.npu_cross_entropy_loss returned no z-loss for return_zloss=True (its z-loss "
-                "is not enabled in this torch_npu / CANN); use backend='triton' for z_loss_coeff > 0")
-        if torch.is_grad_enabled() and rows.requires_grad and not zloss.requires_grad:
-            raise RuntimeError(
-                "backend='cann': this torch_npu's npu_cross_entropy_loss returns its z-loss without a gradient, so "
-                "z_loss_coeff > 0 would not train; use backend='triton'")
-        z_loss = zloss.float()
-        loss = loss + z_loss
-        lse = lse_for_zloss.detach().float()
-    else:
-        z_loss = torch.zeros_like(loss)
-        lse = ce.detach().float() + target_logit.detach()
+    # lse = CE + x[t], through autograd: d lse/dx = (softmax - onehot) + onehot = softmax, so the
+    # z-loss's gradient 2c*lse*softmax comes from the op's own backward.
+    lse = ce + target_logit
     zero = torch.zeros((), dtype=torch.float32, device=rows.device)
-    return torch.where(valid, loss, zero), torch.where(valid, z_loss.detach(), zero), lse
+    if z_loss_coeff:
+        z_loss = z_loss_coeff * lse * lse
+        loss = loss + z_loss
+        z_loss = z_loss.detach()
+    else:
+        z_loss = torch.zeros_like(ce, requires_grad=False)
+    return torch.where(valid, loss, zero), torch.where(valid, z_loss, zero), lse.detach()
 
 
 def cross_entropy_zloss(logits, target, loss):

@@ -1,4 +1,5 @@
-"""The ``lm_z_loss`` (and ``lm_lse``, ``lm_lse_max``) metrics: recorded per micro-batch, reported per iteration.
+"""Reporting: the ``lm_z_loss`` (and ``lm_lse``, ``lm_lse_max``) metrics, recorded per micro-batch and
+reported per iteration where Megatron logs it (its ``training_log``, its MoE report, or :func:`report`).
 
 Metrics
 -------
@@ -15,7 +16,7 @@ Metrics
     micro-batch, data-parallel x context-parallel rank and pipeline stage: the token whose logits
     drift furthest, which the mean hides. ``-inf`` when the iteration counts no token. Megatron's
     log line shows the largest of its logging interval (``training_log`` would print the interval's
-    mean: the wrapper in :mod:`mindspeed_cez.patches.training_log` keeps the maximum instead);
+    mean: :func:`training_log_wrapper` keeps the maximum instead);
     TensorBoard and W&B get each iteration's own value at the iterations they write.
 
 Recording adds three sums and a running maximum to small device tensors (no host sync). Reporting
@@ -23,30 +24,42 @@ all-reduces them (SUM, and MAX for the maximum) over the data-parallel group wit
 parallelism and over the pipeline group, once per iteration, then hands the values to Megatron's
 logging:
 
-* ``megatron.training`` (any version, MoE or dense): the patched ``training_log``
-  (:mod:`mindspeed_cez.patches.training_log`) adds them to the iteration's ``loss_dict`` on the
+* ``megatron.training`` (any version, MoE or dense; MindSpeed-LLM's own loop too): the patched
+  ``training_log`` (:func:`training_log_wrapper`) adds them to the iteration's ``loss_dict`` on the
   last pipeline stage, so Megatron treats them exactly like ``lm loss``: accumulated over the log
   interval (skipped iterations left out), printed in the log line, written to TensorBoard and W&B.
-* megatron-core-only loops: the patched MoE report (same module) writes them next to Megatron's
-  MoE losses (``total_loss_dict``, TensorBoard, W&B), or the loop calls :func:`report`, which
-  returns them with every tracked MoE metric.
+* megatron-core-only loops: the patched MoE report (:func:`moe_metrics_report_wrapper`) writes them
+  next to Megatron's MoE losses (``total_loss_dict``, TensorBoard, W&B), or the loop calls
+  :func:`report`, which returns them with every tracked MoE metric.
+
+Megatron's MoE report has two API generations, told apart here alone (:func:`uses_moe_tracker`):
+0.18 on, ``moe_logging.get_moe_metrics_tracker().report(...)`` (a method of ``MoEMetricsTracker``);
+0.12 to 0.17, the function ``moe_utils.track_moe_metrics(...)`` (0.12 takes no ``mtp_num_layers``,
+0.16 adds ``pg_collection``). Both take ``iteration``, ``writer``, ``wandb_writer`` and
+``total_loss_dict`` by keyword, which is all the adaptor reads from a call.
 
 Which metrics are reported is the adaptor's choice (``Settings.metric_names``): it hands the
-names to :func:`report_names` whenever its settings change.
+names to :func:`report_names` whenever its settings change. An in-process restart drops the
+interrupted step's state (:func:`destroy_global_state_wrapper`).
 """
 
 import contextlib
+import functools
+import importlib
+import inspect
 import math
 import sys
 
 import torch
 import torch.distributed as dist
 
-from mindspeed_cez.patches import moe_tracker
+from mindspeed_cez.linear_forward_grads import forget_forward_gradients
+from mindspeed_cez.patches import settings as _settings
+from mindspeed_cez.patches.import_hook import module_exists
+from mindspeed_cez.patches.settings import LM_LSE, LM_LSE_MAX, LM_Z_LOSS, while_active
 
-LM_Z_LOSS = "lm_z_loss"
-LM_LSE = "lm_lse"
-LM_LSE_MAX = "lm_lse_max"
+MOE_LOGGING = "megatron.core.transformer.moe.moe_logging"
+MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 
 __all__ = ["LM_Z_LOSS", "LM_LSE", "LM_LSE_MAX", "record_lm_z_loss", "reduce_iteration", "report"]
 
@@ -252,7 +265,7 @@ def report(iteration, num_microbatches, num_layers, *, track_names=("load_balanc
     """
     capture = _CapturingWriter(writer)
     with report_iteration() as values:
-        moe_tracker.call_report(
+        call_moe_report(
             loss_scale=1.0 / num_microbatches, iteration=iteration, writer=capture,
             wandb_writer=wandb_writer, total_loss_dict=total_loss_dict, per_layer_logging=False,
             force_initialize=False, track_names=list(track_names), num_layers=num_layers,
@@ -260,3 +273,132 @@ def report(iteration, num_microbatches, num_layers, *, track_names=("load_balanc
         )
     write(values or {}, iteration, capture, wandb_writer, total_loss_dict)
     return capture.scalars
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron's MoE report, whichever API generation megatron-core has
+# ---------------------------------------------------------------------------------------------
+
+
+def uses_moe_tracker(_module=None):
+    """Whether this megatron-core reports MoE metrics through ``MoEMetricsTracker.report`` (0.18 on:
+    ``moe_logging`` came with the tracker) rather than ``moe_utils.track_moe_metrics``; imports nothing.
+    The one detector of the generation (the patch points' ``when`` and :func:`call_moe_report`)."""
+    return module_exists(MOE_LOGGING)
+
+
+def uses_moe_function(_module=None):
+    return not uses_moe_tracker()
+
+
+def call_moe_report(**kwargs):
+    """Call Megatron's MoE report with the keywords this generation accepts (others are dropped)."""
+    if uses_moe_tracker():
+        fn = importlib.import_module(MOE_LOGGING).get_moe_metrics_tracker().report
+    else:
+        fn = importlib.import_module(MOE_UTILS).track_moe_metrics
+    params = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+# ---------------------------------------------------------------------------------------------
+# Where Megatron logs an iteration: its training_log (MindSpeed-LLM's too) and its MoE report
+# ---------------------------------------------------------------------------------------------
+
+
+def moe_metrics_report_wrapper(fn):
+    """Megatron's MoE report (either generation): our metrics are written next to its own."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def report_(*args, **kwargs):
+        if _settings.get_active() is None:
+            return fn(*args, **kwargs)
+        with report_iteration() as values:  # None: Megatron's training_log (or report()) reports them
+            result = fn(*args, **kwargs)
+            if values is not None:
+                a = signature.bind(*args, **kwargs).arguments
+                write(values, a.get("iteration"), a.get("writer"), a.get("wandb_writer"),
+                              a.get("total_loss_dict"))
+        return result
+
+    report_.__cez_wraps__ = fn
+    return report_
+
+
+# Megatron's training_log counts the iterations of the logging interval under this key of total_loss_dict
+# (every version since 2020, MindSpeed-LLM's copy included) and prints each entry's sum divided by it.
+ADVANCED_ITERS = "advanced iterations"
+
+
+def interval_maximum(total_loss_dict, value, skipped):
+    """Make Megatron print the interval's largest ``lm_lse_max`` instead of its mean.
+
+    Megatron adds ``value`` to ``total_loss_dict[LM_LSE_MAX]`` (unless the iteration is skipped) and
+    prints the sum divided by the interval's advanced iterations ``n``. Before it does, the entry is set
+    to ``M * n - value``, ``M`` the largest value of the interval so far (its printed sum / count), so
+    the sum it prints is ``M * n`` (fp32 rounding aside). Megatron's reset after the log line (sum and
+    count to 0) starts the next interval."""
+    if skipped:  # Megatron leaves the sums alone
+        return
+    n_before = total_loss_dict.get(ADVANCED_ITERS, 0)
+    held = total_loss_dict.get(LM_LSE_MAX)
+    largest = value.detach().float().reshape(1)
+    if held is not None and n_before > 0:
+        largest = torch.maximum(largest, held.detach().float().reshape(1).to(largest.device) / n_before)
+    total_loss_dict[LM_LSE_MAX] = largest * (n_before + 1) - value.detach().float().reshape(1)
+
+
+def training_log_wrapper(fn):
+    """``megatron.training.training.training_log``: our metrics join ``loss_dict`` (MoE and dense); the
+    log line shows the largest ``lm_lse_max`` of the logging interval (TensorBoard and W&B get the
+    iteration's own, at every iteration they write)."""
+    signature = inspect.signature(fn)
+    # the interval maximum needs Megatron's running sums and the skipped flag (feature-detected)
+    can_hold_max = {"total_loss_dict", "skipped_iter"} <= set(signature.parameters)
+
+    def training_log(settings, *args, **kwargs):
+        with report_iteration() as values:
+            if values is None:  # an outer wrapper added our values (the same function wrapped under two
+                return fn(*args, **kwargs)  # names: MindSpeed-LLM 2.2.0 re-exports Megatron's training_log)
+            bound = signature.bind(*args, **kwargs)
+            loss_dict = bound.arguments["loss_dict"]
+            if values and loss_dict:  # the last pipeline stage holds the iteration's losses
+                bound.arguments["loss_dict"] = {**loss_dict, **values}
+                total = bound.arguments.get("total_loss_dict")
+                if can_hold_max and LM_LSE_MAX in values and total is not None:
+                    skipped = bool(bound.arguments.get("skipped_iter"))
+                    if not skipped:  # the zeros Megatron would start from, so the log line keeps loss_dict's order
+                        for key, value in bound.arguments["loss_dict"].items():
+                            if key not in total and isinstance(value, torch.Tensor):
+                                total[key] = torch.zeros(1, dtype=torch.float, device=value.device)
+                    interval_maximum(total, values[LM_LSE_MAX], skipped)
+            return fn(*bound.args, **bound.kwargs)
+
+    return while_active(fn, training_log)
+
+
+# ---------------------------------------------------------------------------------------------
+# An in-process restart (--inprocess-restart, nvidia-resiliency-ext) abandons the step a fault
+# interrupted and calls Megatron's destroy_global_state before it trains again: that step's partial
+# metric sums and the forwards of --lm-fused-output-layer (forward) whose backward never came would
+# otherwise be counted into the first step after the restart and be reported as a dropped gradient.
+# ---------------------------------------------------------------------------------------------
+
+
+def reset_iteration_state():
+    """Forget the interrupted step: this iteration's metric sums and the fused layer's forwards that owe a
+    backward. Local; no collective, no device sync."""
+    reduce_iteration([])  # clears the sums, reports nothing
+    forget_forward_gradients()
+
+
+def destroy_global_state_wrapper(fn):
+    """``megatron.training.training.destroy_global_state`` (called by Megatron's in-process restart between a
+    fault and the next attempt): :func:`reset_iteration_state` first."""
+
+    def destroy_global_state(settings, *args, **kwargs):
+        reset_iteration_state()
+        return fn(*args, **kwargs)
+
+    return while_active(fn, destroy_global_state)

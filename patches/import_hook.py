@@ -1,36 +1,29 @@
-"""What the adaptor patches, and how each patch attaches when its module is first imported.
+"""The generic post-import hook: a patch point attached when its module is first imported.
 
-:data:`TARGETS` names every patch point by module and attribute, as text: knowing them imports
-nothing. :func:`install_patches` attaches each one whose module is already imported, and arms a
-post-import hook (a ``sys.meta_path`` finder) for the others: a module that is imported later is
-patched right after its code ran, before any other module can bind a copy of its functions
-(``from x import f``); copies bound earlier, in modules imported before, are rebound too.
-:func:`uninstall_all` restores every function and disarms the hook.
+A :class:`Target` names a patch point by module and attribute, as text: knowing it imports nothing.
+:class:`PatchRegistry` attaches each watched target whose module is already imported, and arms a
+post-import hook (a ``sys.meta_path`` finder) for the others: a module imported later is patched
+right after its code ran, before any other module can bind a copy of its functions (``from x import
+f``); copies bound earlier, in modules imported before, are rebound too. :meth:`PatchRegistry.uninstall_all`
+restores every function and disarms the hook. :meth:`PatchRegistry.patch_targets` lists the same
+targets as ``(dotted path, wrapper)`` for another patch manager (MindSpeed's).
 
-So registering the adaptor imports no Megatron module: MindSpeed's adaptor, which must run before
-Megatron is imported (it replaces ``torch.compile`` and puts its apex / Transformer Engine stand-ins
-in ``sys.modules``), still runs first whatever the import order. With MindSpeed, its patch manager
-attaches the same list instead (:func:`patch_targets`, :mod:`.mindspeed_feature`): a module whose
-code runs once MindSpeed's features manager is loaded is left to it.
+A target is *required* or *optional*: optional ones are feature-detected; a required one that cannot
+attach (its module imported, the attribute missing) is a :class:`PatchTargetError` naming it, raised
+by :meth:`PatchRegistry.check_attached` (or at the import itself once ``strict``), never a silent miss.
 
-A target is *required* or *optional*: optional ones are feature-detected (a megatron-core that has
-no Transformer Engine cross entropy, no hybrid model, another MoE metrics API); a required one that
-cannot attach (its module imported, the attribute missing) is a :class:`PatchTargetError` naming it,
-raised when the adaptor is activated (or at the import itself once it is active), never a silent miss.
+Nothing here knows what is patched: the table is :mod:`.patch_points`, handed to :data:`HOOK` by
+:mod:`mindspeed_cez.patches`.
 """
 
 import importlib
 import importlib.abc
-import inspect
 import sys
 from typing import Callable, NamedTuple, Optional, Tuple
 
-from mindspeed_cez.patches import megatron_core as mc
-from mindspeed_cez.patches import megatron_features, mindspeed_llm, output_layer, training_log
-
-MOE_LOGGING = "megatron.core.transformer.moe.moe_logging"
-MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
-FEATURES_MANAGER = "mindspeed.features_manager.features_manager"  # MindSpeed's, once loaded: its route
+# Where a target attaches: always, only with the adaptor's import (Megatron's argument hooks), only
+# through MindSpeed's patch manager (another framework's modules, which the adaptor never imports).
+ALWAYS, ADAPTOR, MINDSPEED = "always", "adaptor", "mindspeed"
 
 
 class PatchTargetError(RuntimeError):
@@ -69,18 +62,6 @@ def _find_spec(name, path, skip=None):
     return None
 
 
-def _has_loss_context_args(fn):
-    return {"labels", "loss_mask"} <= set(inspect.signature(fn).parameters)
-
-
-def _moe_tracker_class(module):  # 0.18 on: MoEMetricsTracker.report
-    return hasattr(module, "get_moe_metrics_tracker")
-
-
-def _moe_function(module):  # 0.12 to 0.17: moe_utils.track_moe_metrics (moe_logging came with the tracker)
-    return not module_exists(MOE_LOGGING)
-
-
 class Target(NamedTuple):
     """One patch point: ``module``'s ``owner`` class (``""``: the module itself), the first of
     ``names`` it has (that ``accepts``), decorated by ``wrapper``."""
@@ -91,38 +72,16 @@ class Target(NamedTuple):
     wrapper: Callable
     required: bool = True
     accepts: Optional[Callable] = None  # fn -> bool: which of ``names`` (a signature, say)
-    when: Optional[Callable] = None  # module -> bool: whether this megatron-core uses this point
+    when: Optional[Callable] = None  # module -> bool: whether this version uses this point
+    route: str = ALWAYS  # ALWAYS, ADAPTOR or MINDSPEED
+    loaded_only: bool = False  # MindSpeed's list: only once its module is imported (never imported here)
 
     @property
     def label(self):
         return ".".join(p for p in (self.module, self.owner, "|".join(self.names)) if p)
 
 
-_LM = "megatron.core.models.common.language_module.language_module"
-TARGETS = [
-    Target(_LM, "LanguageModule", ("compute_language_model_loss",), mc.compute_language_model_loss_wrapper),
-    Target("megatron.core.tensor_parallel.cross_entropy", "", ("vocab_parallel_cross_entropy",),
-           mc.vocab_parallel_cross_entropy_wrapper),
-    Target("megatron.core.fusions.fused_cross_entropy", "", ("fused_vocab_parallel_cross_entropy",),
-           mc.fused_vocab_parallel_cross_entropy_wrapper, required=False),
-    Target(_LM, "", ("te_parallel_cross_entropy",), mc.te_parallel_cross_entropy_wrapper, required=False),
-    Target("megatron.core.tensor_parallel.layers", "ColumnParallelLinear", ("forward",),
-           output_layer.column_parallel_forward_wrapper),
-    Target("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel", ("finish_grad_sync",),
-           output_layer.finish_grad_sync_wrapper),
-    *[Target(module, cls, methods, mc.loss_context_wrapper, required=module.endswith(".gpt_model"),
-             accepts=_has_loss_context_args) for module, cls, methods in mc._LOSS_CONTEXT_METHODS],
-    Target(MOE_LOGGING, "MoEMetricsTracker", ("report",), training_log.moe_metrics_report_wrapper, required=False,
-           when=_moe_tracker_class),
-    Target(MOE_UTILS, "", ("track_moe_metrics",), training_log.moe_metrics_report_wrapper, required=False,
-           when=_moe_function),
-    Target("megatron.training.training", "", ("training_log",), training_log.training_log_wrapper),
-    Target("megatron.training.training", "", ("destroy_global_state",), megatron_features.destroy_global_state_wrapper,
-           required=False),
-]
-
-
-def _pick(target, module):
+def pick(target, module):
     """``(owner object, attribute name)`` of ``target`` in its executed ``module``; None where this
     version does not use it (``when``), or lacks it."""
     if target.when is not None and not target.when(module):
@@ -142,46 +101,17 @@ def _pick(target, module):
     return None
 
 
-def _path(owner, name):
+def dotted_path(owner, name):
     if isinstance(owner, type):
         return f"{owner.__module__}.{owner.__qualname__}.{name}"
     return f"{owner.__name__}.{name}"
 
 
-def patch_targets():
-    """``[(dotted path, wrapper)]`` for this megatron-core (and MindSpeed-LLM, once imported), for
-    MindSpeed's patch manager. Imports the target modules: call it once MindSpeed's own patches
-    that must precede Megatron are applied (its ``register_patches`` stage). A required target
-    missing is a :class:`PatchTargetError`."""
-    found, missing = [], []
-    for target in TARGETS:
-        try:
-            module = importlib.import_module(target.module)
-        except ImportError:
-            if target.required and not target.module.startswith("megatron.training"):
-                missing.append(target.label)
-            continue  # megatron.training: megatron-core 0.12-0.16 have none
-        picked = _pick(target, module)
-        if picked is None:
-            if target.required:
-                missing.append(target.label)
-            continue
-        found.append((_path(*picked), target.wrapper))
-    if missing:
-        raise _missing_error(missing)
-    return found + mindspeed_llm.patch_targets()
-
-
-def _missing_error(labels):
+def missing_error(labels):
     return PatchTargetError(
         "mindspeed_cez cannot patch " + ", ".join(labels) + ": this Megatron lacks the function the fused "
         "loss replaces there, so the run would train without it; use a megatron-core this package supports "
         "(0.12 to 0.19) or report the version")
-
-
-# ---------------------------------------------------------------------------------------------
-# direct installation (no MindSpeed): attach now or when the module is first imported
-# ---------------------------------------------------------------------------------------------
 
 
 def _rebind(old, new, skip=None):
@@ -196,24 +126,27 @@ def _rebind(old, new, skip=None):
 
 
 class PatchRegistry:
-    """The functions installed directly, the targets and callbacks watched, and the post-import hook
-    that attaches them (:class:`_PostImportFinder`, first on ``sys.meta_path`` while armed)."""
+    """The table of targets, the functions installed directly, the callbacks waiting for a module,
+    and the post-import hook that attaches them (:class:`_PostImportFinder`, first on
+    ``sys.meta_path`` while armed)."""
 
-    def __init__(self):
+    def __init__(self, table=()):
+        self.table = list(table)  # every Target (.patch_points.TARGETS)
+        self.routes = {ALWAYS}  # the routes attached directly (ADAPTOR once the adaptor is registered)
         self.applied = {}  # path -> (owner, attr, original, replacement)
-        self.extra = []  # targets added by install_target (the argument hooks of mindspeed_cez.megatron_adaptor)
         self.failed = {}  # label -> module name: required targets whose module ran without them
         self.callbacks = {}  # module name -> [callable(module)], run once the module's code ran
-        self.defer = None  # a callable: True while MindSpeed's patch manager attaches the targets
+        self.manager_module = None  # while this module is loaded, another patch manager attaches the targets
+        self.strict = False  # a required target missing at its import raises there (the adaptor is active)
         self.finder = _PostImportFinder(self)
 
     def deferred(self):
-        return self.defer is not None and self.defer()
+        return self.manager_module is not None and self.manager_module in sys.modules
 
     def install(self, owner, attr, wrapper):
-        path = _path(owner, attr)
+        path = dotted_path(owner, attr)
         if path in self.applied:
-            return True
+            return
         is_class = isinstance(owner, type)
         original = owner.__dict__.get(attr) if is_class else getattr(owner, attr)
         replacement = wrapper(original)
@@ -221,7 +154,6 @@ class PatchRegistry:
         if not is_class and original is not None:  # copies bound earlier (``from x import f``)
             _rebind(original, replacement, skip=owner)
         self.applied[path] = (owner, attr, original, replacement)
-        return True
 
     def uninstall(self, path):
         owner, attr, original, replacement = self.applied.pop(path)
@@ -233,21 +165,19 @@ class PatchRegistry:
     def attach(self, target, module):
         """Attach ``target`` in its freshly executed (or already loaded) ``module``."""
         if self.deferred():
-            return  # MindSpeed's patch manager attaches it (patch_targets)
-        picked = _pick(target, module)
+            return  # the other patch manager attaches it (patch_targets)
+        picked = pick(target, module)
         if picked is None:
             if target.required:
                 self.failed[target.label] = target.module
-                from mindspeed_cez.patches import settings
-
-                if settings.get_active() is not None:  # active already: the import itself fails
-                    raise _missing_error([target.label])
+                if self.strict:  # active already: the import itself fails
+                    raise missing_error([target.label])
             return
         self.failed.pop(target.label, None)
         self.install(*picked, target.wrapper)
 
     def watched(self):
-        return [*TARGETS, *self.extra]
+        return [t for t in self.table if t.route in self.routes]
 
     def watches(self, name):
         return name in self.callbacks or any(t.module == name for t in self.watched())
@@ -268,6 +198,7 @@ class PatchRegistry:
             sys.meta_path.remove(self.finder)
 
     def on_import(self, module_name, callback):
+        """Run ``callback(module)`` once ``module_name`` is imported (now, if it is already)."""
         callbacks = self.callbacks.setdefault(module_name, [])
         if callback not in callbacks:
             callbacks.append(callback)
@@ -275,14 +206,10 @@ class PatchRegistry:
         if sys.modules.get(module_name) is not None:
             callback(sys.modules[module_name])
 
-    def install_target(self, target):
-        if target not in self.extra:
-            self.extra.append(target)
-        self.arm()
-        if sys.modules.get(target.module) is not None:
-            self.attach(target, sys.modules[target.module])
-
-    def install_patches(self):
+    def install_patches(self, *routes):
+        """Attach every watched wrapper (those of ``routes`` too, from now on) whose module is loaded and
+        arm the hook for the others (idempotent; imports nothing). Returns the attached paths."""
+        self.routes.update(routes)
         self.arm()
         for target in self.watched():
             if sys.modules.get(target.module) is not None:
@@ -290,20 +217,59 @@ class PatchRegistry:
         return sorted(self.applied)
 
     def check_attached(self):
+        """Raise :class:`PatchTargetError` naming the required targets that could not attach."""
         if self.failed and not self.deferred():
-            raise _missing_error(sorted(self.failed))
+            raise missing_error(sorted(self.failed))
 
     def forget_failures(self):
         """Forget the required targets that could not attach (as if their modules were not imported)."""
         self.failed.clear()
 
     def uninstall_all(self):
+        """Restore every function installed here and disarm the hook (idempotent)."""
         for path in list(self.applied):
             self.uninstall(path)
-        self.extra.clear()
+        self.routes = {ALWAYS}
         self.failed.clear()
+        self.strict = False
         if not self.callbacks:
             self.disarm()
+
+    def installed(self):
+        """The patch points currently installed directly (not through another patch manager)."""
+        return sorted(self.applied)
+
+    def patch_targets(self):
+        """``[(dotted path, wrapper)]`` of the table for this process, for another patch manager
+        (MindSpeed's): the ALWAYS and MINDSPEED routes. Imports the target modules (those marked
+        ``loaded_only`` only where imported already). A required target missing is a :class:`PatchTargetError`."""
+        found, seen, missing = [], set(), []
+        for target in self.table:
+            if target.route == ADAPTOR or (target.loaded_only and target.module not in sys.modules):
+                continue
+            if target.route == MINDSPEED and (target.module.partition(".")[0] not in sys.modules
+                                              or not module_exists(target.module)):
+                continue  # its framework not loaded; MindSpeed's manager fails on a missing module
+            try:
+                module = importlib.import_module(target.module)
+            except ImportError:
+                if target.required and not target.module.startswith("megatron.training"):
+                    missing.append(target.label)
+                continue  # megatron.training: megatron-core 0.12-0.16 have none
+            picked = pick(target, module)
+            if picked is None:
+                if target.required:
+                    missing.append(target.label)
+                continue
+            owner, name = picked
+            fn = vars(owner).get(name) if isinstance(owner, type) else None
+            if fn is not None and (id(fn), target.wrapper) in seen:
+                continue  # one class registered under two names (MindSpeed-LLM's GPTModel over Megatron's)
+            seen.add((id(fn), target.wrapper))
+            found.append((dotted_path(owner, name), target.wrapper))
+        if missing:
+            raise missing_error(missing)
+        return found
 
 
 class _PostImportLoader(importlib.abc.Loader):
@@ -339,46 +305,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
 
 # Global: the import system (the post-import hook) and Megatron's modules reach the patches without a handle.
-_REGISTRY = PatchRegistry()
-
-
-def on_import(module_name, callback):
-    """Run ``callback(module)`` once ``module_name`` is imported (now, if it is already)."""
-    _REGISTRY.on_import(module_name, callback)
-
-
-def defer_to_mindspeed(predicate):
-    """``predicate()`` True: MindSpeed's patch manager attaches the targets, not this module."""
-    _REGISTRY.defer = predicate
-
-
-def install_target(path, wrapper):
-    """Attach one extra wrapper (``module.function`` or ``module.Class.method``; the argument hooks
-    of ``mindspeed_cez.megatron_adaptor``) now or when its module is imported."""
-    module, _, name = path.rpartition(".")
-    _REGISTRY.install_target(Target(module, "", (name,), wrapper))
-    return True
-
-
-def install_patches():
-    """Attach every wrapper whose module is loaded and arm the hook for the others (idempotent;
-    imports nothing). They pass through until settings are active. Returns the attached paths."""
-    return _REGISTRY.install_patches()
-
-
-def check_attached():
-    """Raise :class:`PatchTargetError` naming the required targets that could not attach."""
-    _REGISTRY.check_attached()
-
-
-def uninstall_all():
-    """Restore every function installed here and disarm the hook (idempotent)."""
-    _REGISTRY.uninstall_all()
-
-
-def installed_targets():
-    """The patch targets currently installed directly (not through MindSpeed)."""
-    return sorted(_REGISTRY.applied)
+HOOK = PatchRegistry()
 
 
 class MegatronCoreMissing(SystemExit):

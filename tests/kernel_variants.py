@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import triton
 import triton.language as tl
 
-from . import logit_transform
-from . import triton_cross_entropy as tce
-from . import triton_linear_cross_entropy as tlce
-from . import triton_matmul_accumulate as tma
+from mindspeed_cez.kernels import logit_transform
+from mindspeed_cez.kernels import triton_cross_entropy as tce
+from mindspeed_cez.kernels import triton_linear_cross_entropy as tlce
+from mindspeed_cez.kernels import triton_matmul_accumulate as tma
 
 # The logit transforms compiled besides none, by name: the kernels' TRANSFORM constexpr.
 TRANSFORMS = {logit_transform.KIND_NAMES[k]: k for k in (logit_transform.SCALE, logit_transform.SOFTCAP)}
@@ -47,7 +47,7 @@ def param_type(name, dtype):
         return "fp32"
     if name in I32 or "stride" in name:
         return "i32"
-    raise KeyError(f"kernel parameter {name!r} has no Triton type: name it in kernels/variants.py's type rule")
+    raise KeyError(f"kernel parameter {name!r} has no Triton type: name it in tests/kernel_variants.py's type rule")
 
 
 def is_constexpr(parameter):

@@ -3,11 +3,11 @@
 Every wrapper is a *decorator* (``xxx_wrapper(original) -> replacement``), the convention of
 MindSpeed's patch manager (a new function whose name ends in ``wrapper`` decorates the current
 one), so the same objects serve both the MindSpeed path and the direct megatron-core path.
-Each replacement is made by :func:`.pass_through.while_active`: it reads
+Each replacement is made by :func:`.settings.while_active`: it reads
 :data:`mindspeed_cez.patches.settings.ACTIVE` on every call; while it is ``None`` the original runs
 unchanged.
 
-Patched (see ``patch_targets()`` in :mod:`.targets`):
+Patched (the table: :data:`.patch_points.TARGETS`):
 
 * ``LanguageModule.compute_language_model_loss`` -- every CE path of it (unfused, fused
   'native', fused 'te') becomes the fused op. Megatron's convention for auxiliary losses holds:
@@ -19,26 +19,30 @@ Patched (see ``patch_targets()`` in :mod:`.targets`):
 * ``tensor_parallel.vocab_parallel_cross_entropy``, ``fused_vocab_parallel_cross_entropy`` and
   the language module's ``te_parallel_cross_entropy``, for code that calls them directly; every
   module that bound a copy (``from x import f``) is patched too.
-* ``GPTModel._postprocess`` (``forward`` on 0.12), ``HybridModel.forward`` / ``MambaModel.forward``
-  -- to see the ``loss_mask`` the training script passes, so that ``lm_z_loss`` is the
-  loss-mask-weighted mean (see :mod:`mindspeed_cez.patches.metrics`), and, with
-  ``--lm-fused-output-layer``, to defer the output layer's call (:mod:`.output_layer`). Other
-  models (BERT, T5) pass no mask: their metric averages every token, with a one-time warning.
-* ``ColumnParallelLinear.forward`` -- only for that deferral; every other call runs unchanged.
+* ``DistributedDataParallel.finish_grad_sync`` -- with ``--lm-fused-output-layer``: every forward
+  that added the output weight's gradient into ``main_grad`` got its backward.
+
+The models' forwards and ``ColumnParallelLinear.forward`` (the loss mask, the main head's call) are
+:mod:`.model_context`'s; the metrics :mod:`.reporting`'s. Models that pass no loss mask (BERT, T5):
+their metric averages every token, with a one-time warning.
+
+With ``--lm-fused-output-layer`` the loss of the deferred output layer call (:func:`linear_loss`)
+chooses the path (the flag's where the loss mask is known, else recompute) and calls
+:func:`mindspeed_cez.linear_cross_entropy_zloss` (which alone takes the recompute path where no
+backward will come).
 """
 
-import importlib
-import inspect
-import sys
 import warnings
 
 import torch
 
 from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.kernels.logit_transform import IDENTITY
-from mindspeed_cez.patches import logit_transform, loss_context, metrics, output_layer
-from mindspeed_cez.patches.pass_through import while_active
-from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS
+from mindspeed_cez.linear_cross_entropy import (RECOMPUTE, ForwardGradientError, check_forward_gradients,
+                                               linear_cross_entropy_zloss)
+from mindspeed_cez.patches import model_context, reporting
+from mindspeed_cez.patches.model_context import FLAG, DeferredLogits
+from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS, while_active
 from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 
 
@@ -93,62 +97,6 @@ def megatron_cross_entropy(settings, logits, target, tp_group, label_smoothing_m
     return in_megatron_convention(loss, z_loss, spec), z_loss, lse
 
 
-# ----------------------------------------------------------------------------------------------
-# the loss-mask context: GPTModel._postprocess (or forward) -> compute_language_model_loss
-# ----------------------------------------------------------------------------------------------
-
-# Models whose forward takes the training script's labels and loss mask: (module, class, the
-# method that receives both, in order of preference).
-_LOSS_CONTEXT_METHODS = (
-    # 0.13 on: _postprocess (the MoE schedule-plan path of --overlap-moe-expert-parallel-comm
-    # calls it directly, not forward); 0.12: forward
-    ("megatron.core.models.gpt.gpt_model", "GPTModel", ("_postprocess", "forward")),
-    ("megatron.core.models.hybrid.hybrid_model", "HybridModel", ("forward",)),
-    ("megatron.core.models.mamba.mamba_model", "MambaModel", ("forward",)),
-)
-
-
-def loss_context_paths(methods=_LOSS_CONTEXT_METHODS, loaded_only=False):
-    """Dotted paths of the methods that see ``labels`` and ``loss_mask`` together (feature-detected).
-
-    Each class is named by its own module and name, so a class registered over another (MindSpeed-LLM's
-    ``GPTModel`` over Megatron's) gets one path whichever name found it. ``loaded_only``: look only in
-    modules already imported (another framework's, which the adaptor never imports itself).
-    """
-    paths, seen = [], set()
-    for module_name, class_name, method_names in methods:
-        if loaded_only and module_name not in sys.modules:
-            continue
-        try:
-            owner = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError):
-            continue
-        for method in method_names:
-            fn = vars(owner).get(method)
-            if fn is not None and {"labels", "loss_mask"} <= set(inspect.signature(fn).parameters):
-                if fn not in seen:  # one class may live under two names
-                    seen.add(fn)
-                    paths.append(f"{owner.__module__}.{owner.__qualname__}.{method}")
-                break
-    return paths
-
-
-def loss_context_wrapper(fn):
-    """Open a :class:`~.loss_context.LossContext` on the model for its forward: its labels and loss mask
-    (the ``lm_z_loss`` metric, the main head told from MTP heads), and hand its output layer the main
-    head's call (:mod:`.output_layer`)."""
-    signature = inspect.signature(fn)
-
-    def with_loss_context(settings, self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs).arguments
-        main_head = output_layer.main_head_call(self, bound, settings)
-        context = loss_context.LossContext(bound.get("labels"), bound.get("loss_mask"), main_head)
-        with loss_context.opened(self, context), output_layer.handed(main_head):
-            return fn(self, *args, **kwargs)
-
-    return while_active(fn, with_loss_context)
-
-
 _NO_MASK_WARNED = "_mindspeed_cez_no_mask_warned"  # the model's flag: its warning given
 
 
@@ -160,7 +108,7 @@ def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context):
         vars(module)[_NO_MASK_WARNED] = True
         warnings.warn(f"mindspeed_cez: {type(module).__name__} hands no loss mask to its LM loss; lm_z_loss and "
                       "lm_lse average over every token of its micro-batches", stacklevel=3)
-    metrics.record_lm_z_loss(
+    reporting.record_lm_z_loss(
         z_loss_bs if LM_Z_LOSS in names else None,
         loss_mask,
         lse_per_token=lse_bs if LM_LSE in names else None,
@@ -176,20 +124,20 @@ def compute_language_model_loss_wrapper(fn):
     """Every CE path of ``compute_language_model_loss`` becomes the fused CE + z-loss op."""
 
     def compute_language_model_loss(settings, self, labels, logits):
-        context = loss_context.of(self)  # None: no model forward that passes a loss mask around us
+        context = model_context.loss_context_of(self)  # None: no model forward that passes a loss mask around us
         is_main = context is None or context.labels is labels  # an MTP head's labels are rolled copies
         loss_mask = context.loss_mask if context is not None else None
         smoothing = settings.label_smoothing
         if smoothing is None:
             smoothing = getattr(self.config, "label_smoothing", 0.0) or 0.0
-        output_layer.check_loss_input(self, logits, is_main, context)
-        logits, transform = logit_transform.unwrap(logits, is_main, settings.logit_transform)
+        model_context.check_loss_input(self, logits, is_main, context)
+        logits, transform = model_context.unwrap(logits, is_main, settings.logit_transform)
         target = labels.transpose(0, 1).contiguous()  # [b s] => [s b], as Megatron does
         tp_group = _module_tp_group(self)
-        if isinstance(logits, output_layer.DeferredLogits):
+        if isinstance(logits, DeferredLogits):
             spec = call_loss(settings.loss, logits.weight.shape[0] * _tp_world_size(tp_group), smoothing, is_main,
                              transform)
-            loss, z_loss, lse = output_layer.linear_loss(logits, target, spec, tp_group, settings, loss_mask,
+            loss, z_loss, lse = linear_loss(logits, target, spec, tp_group, settings, loss_mask,
                                                          self.config)
             loss = in_megatron_convention(loss, z_loss, spec)
         else:
@@ -240,3 +188,114 @@ def te_parallel_cross_entropy_wrapper(fn):
         return megatron_cross_entropy(settings, logits, labels, tp_group, 0.0)[0]
 
     return while_active(fn, te_parallel_cross_entropy, inactive=fn or _transformer_engine_absent)
+
+
+# ----------------------------------------------------------------------------------------------
+# --lm-fused-output-layer: the loss of the deferred output layer call
+# ----------------------------------------------------------------------------------------------
+
+
+def _naming_the_flag(error):
+    """The op's :class:`ForwardGradientError`, its fix (the op's ``grads='recompute'``) named by the flag."""
+    return ForwardGradientError(f"{error} With Megatron: {FLAG} recompute.")
+
+
+def megatron_fsdp_param(weight):
+    """Whether Megatron-FSDP manages ``weight`` (its ``__fsdp_param__``, which Transformer Engine reads too). Its
+    ``main_grad`` is a view of a gradient bucket that Megatron-FSDP fetches in backward, overwrites and
+    reduce-scatters: one seen in forward is the last iteration's, released. The fused output layer hands such a
+    weight's gradient back through autograd (into the bucket by Megatron-FSDP's own hook), as Megatron's
+    unfused layer without gradient-accumulation fusion does."""
+    return bool(getattr(weight, "__fsdp_param__", False))
+
+
+def _num_microbatches():
+    """Megatron's micro-batch count, None where no micro-batch calculator is set up (a model run
+    outside Megatron's schedule). A megatron-core that keeps its calculator elsewhere fails loudly."""
+    from megatron.core import num_microbatches_calculator as calculators
+
+    if not hasattr(calculators, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR"):
+        raise model_context.FusedOutputLayerError(
+            f"{FLAG} (forward, the default) reads Megatron's micro-batch count from "
+            "megatron.core.num_microbatches_calculator, which this megatron-core does not keep there; "
+            f"run with {FLAG} recompute")
+    if calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
+        return None
+    return calculators.get_num_microbatches()
+
+
+def _context_parallel_size():
+    """Megatron's context-parallel size: 0 without torch.distributed, None where it runs but
+    Megatron's groups are not set up (the token count's span is then unknown)."""
+    from megatron.core import parallel_state
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    group = parallel_state.get_context_parallel_group(check_initialized=False)
+    return None if group is None else group.size()
+
+
+def megatron_grad_scale(config, loss_mask):
+    """The gradient Megatron's schedule sends into each unmasked token's LM loss of this micro-batch,
+    per unit of ``loss_mask``, as a device scalar: its loss scale (``config.grad_scale_func``),
+    over the micro-batch's token count (``loss_mask.sum()``, what GPT's ``loss_func`` returns) and
+    the number of micro-batches (``calculate_per_token_loss``: the loss scale alone). None where it
+    is not known in forward: no micro-batch calculator set up (a model run outside Megatron's
+    schedule), context parallelism (the count spans the CP group) or Megatron's groups not set up.
+    The op checks it in backward."""
+    num_microbatches = _num_microbatches()
+    if num_microbatches is None or _context_parallel_size() not in (0, 1):
+        return None
+    one = torch.ones((), dtype=torch.float32, device=loss_mask.device)
+    scale_func = getattr(config, "grad_scale_func", None)
+    loss_scale = scale_func(one).float().reshape(()) if scale_func is not None else one
+    if getattr(config, "calculate_per_token_loss", False):
+        return loss_scale
+    # clamped as Megatron's schedule clamps its token count: an all-masked micro-batch gets gradient 0
+    return loss_scale / (loss_mask.float().sum().clamp(min=1) * num_microbatches)
+
+
+def linear_loss(deferred, target, loss, tp_group, settings, loss_mask, config):
+    """``(loss, z_loss, lse)`` of the deferred output layer call, ``[s, b]``, as the op returns them
+    (``loss = CE + c*lse**2``) for the ``LossSpec`` ``loss``, with the backends of ``settings``.
+    The path: ``settings.gradient_path`` where the ``loss_mask`` ``[b, s]`` is known (``"forward"``
+    makes the gradients for the upstream gradient Megatron's schedule sends: the mask as token
+    weights, scaled by :func:`megatron_grad_scale` of ``config``, the weight gradient into
+    ``main_grad`` during the forward), else recompute; where no backward will come the op itself
+    takes the recompute path."""
+    layer, weight = deferred.layer, deferred.weight
+    path = settings.gradient_path if loss_mask is not None else RECOMPUTE
+    forward = path.grads == "forward"
+    # Megatron's DDP gives the weight an fp32 main_grad and reads grad_added_to_main_grad: the op adds
+    # into it as the layer would with --gradient-accumulation-fusion (which needs apex / TE, the op not)
+    into_main_grad = bool(getattr(layer, "gradient_accumulation_fusion", False)) or (
+        hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad"))
+    into_main_grad = into_main_grad and not megatron_fsdp_param(weight)  # Megatron-FSDP: autograd
+    # no scale to read where no gradient is made (validation: the op computes the loss alone)
+    grad_scale = megatron_grad_scale(config, loss_mask) if forward and torch.is_grad_enabled() else None
+    try:
+        return linear_cross_entropy_zloss(
+            deferred.hidden, weight, target, loss=loss, tp_group=tp_group,
+            sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
+            gradient_accumulation_fusion=into_main_grad,
+            token_weights=loss_mask.transpose(0, 1).to(torch.float32) if forward else None,  # [b s] => [s b]
+            grad_scale=grad_scale, path=path, backend=settings.backend, linear_backend=settings.linear_backend,
+            remedy=f"{FLAG} recompute", return_lse=True)
+    except ForwardGradientError as error:  # a dropped forward's gradient, found at this one
+        raise _naming_the_flag(error) from error
+
+
+def finish_grad_sync_wrapper(fn):
+    """``DistributedDataParallel.finish_grad_sync`` (``finalize_model_grads``, before the optimizer
+    reads ``main_grad``): with the flag on, first checks that every forward that added the output
+    weight's gradient into ``main_grad`` got its backward (:func:`check_forward_gradients`)."""
+
+    def finish_grad_sync(settings, *args, **kwargs):
+        if settings.fused_output_layer:
+            try:
+                check_forward_gradients()
+            except ForwardGradientError as error:
+                raise _naming_the_flag(error) from error
+        return fn(*args, **kwargs)
+
+    return while_active(fn, finish_grad_sync)

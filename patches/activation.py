@@ -1,0 +1,442 @@
+"""Activation: where ``apply()`` and the ``--lm-*`` flags meet, and the adaptor's registration.
+
+:func:`activate` is the one place settings become active. Its routes:
+
+* ``mindspeed_cez.patches.apply(...)`` (:func:`apply`) builds the :class:`.settings.Settings` from its
+  arguments;
+* the flags: :func:`activate_from_flags` builds them once from Megatron's parsed arguments
+  (:func:`.arguments.validate`), called by Megatron's ``validate_args`` (:func:`validate_args_wrapper`),
+  by our MindSpeed feature's ``validate_args``, or, with megatron-core alone, by the adaptor's import
+  from ``sys.argv``.
+
+An ``apply()`` before Megatron parses its arguments is kept when the flags choose nothing; flags
+that choose differently are one clear error. :func:`remove` restores Megatron's functions.
+
+``import mindspeed_cez.megatron_adaptor`` calls :func:`register_adaptor`, which imports nothing of
+Megatron or MindSpeed:
+
+* **In a MindSpeed process** (once MindSpeed loads ``mindspeed.features_manager``): our feature joins
+  MindSpeed's feature list; MindSpeed adds our flags to Megatron's parser, calls our validation, and
+  its patch manager applies the wrappers. Written against the MindSpeed API at Ascend/MindSpeed
+  028de58ca629d035185b00ff7d1eb7eff4f7fd48 (master, 2026-07-21) and checked against the branch of
+  the Megatron 0.12.1 line, 26.0.0_core_r0.12.1 (3c44c134f396fc14a22a38934c7d5d8bedb37ff5; same
+  ``patch_utils.py``) by ``tests/test_mindspeed_source.py`` with their real files:
+  ``MindSpeedFeature(feature_name, optimization_level)`` with ``register_args(parser)``,
+  ``validate_args(args)`` (also called with a ``TransformerConfig``, so objects without our flags
+  are ignored), ``register_patches(patch_manager, args)`` (``optimization_level == 0``: a default
+  feature, always applied); ``MindSpeedFeaturesManager.FEATURES_LIST``;
+  ``MindSpeedPatchesManager.register_patch(orig_func_name, new_func)`` (a ``new_func`` named
+  ``...wrapper`` decorates the current function; the same wrapper twice is a no-op) and
+  ``apply_patches()``. Our feature's wrappers are always registered and pass through to Megatron
+  until the flags or ``apply()`` activate them.
+* **Megatron without MindSpeed**, with ``megatron.training``: the table's wrappers, plus Megatron's
+  ``parse_args`` (our flags join whatever ``extra_args_provider`` the script passes) and
+  ``validate_args`` (checks the flags, then activates the fused loss). If Megatron's arguments are
+  already parsed, they are read right away.
+* megatron-core only (no ``megatron.training``): the flags are read from ``sys.argv``.
+
+In every mode the ``--lm-*`` flags and ``MINDSPEED_CEZ_*`` variables on the command line are checked
+at the import too: a bad value ends the run with one line (exit status 2) before the script prints
+anything. Without megatron-core installed, the import ends the run with one line naming
+``pip install megatron-core``.
+"""
+
+import functools
+import logging
+import sys
+import warnings
+
+from mindspeed_cez.patches import arguments, reporting
+from mindspeed_cez.patches import settings as _settings
+from mindspeed_cez.patches.import_hook import ADAPTOR, HOOK, module_exists, require_megatron_core
+from mindspeed_cez.patches.settings import Settings
+
+log = logging.getLogger(__name__)
+
+FEATURE_NAME = "lm-z-loss"
+FEATURES_MANAGER = "mindspeed.features_manager.features_manager"  # MindSpeed's, once loaded: its route
+
+
+class AdaptorRecord:
+    """How this process reaches its active settings: what ``apply()`` and the ``--lm-*`` flags chose
+    (:func:`activate` reconciles them), our MindSpeed feature once it joined MindSpeed's list, and
+    where the adaptor's import reads the flags (:func:`register_adaptor`)."""
+
+    def __init__(self):
+        self.apply_chose, self.from_apply = False, None  # an apply() (activate()) call chose these Settings
+        self.flags_chose, self.from_flags = False, None  # the parsed flags chose explicitly (None: kernel off)
+        self.warned_unchecked = False  # apply() warned that MindSpeed-LLM's modes could not be checked
+        self.feature = None  # our MindSpeed feature, once registered with MindSpeed
+        self.adaptor_mode = None  # "megatron.training" / "megatron.core": the adaptor import's registration
+
+    def chose_by_apply(self, settings):
+        self.apply_chose, self.from_apply = True, settings
+
+    def chose_by_flags(self, settings):
+        self.flags_chose, self.from_flags = True, settings
+
+    def forget_choices(self):
+        """``remove()``: neither ``apply()`` nor the flags chose (the registrations stay)."""
+        self.apply_chose, self.from_apply = False, None
+        self.flags_chose, self.from_flags = False, None
+
+
+# Global: Megatron's validate_args and MindSpeed's features manager reach the activation route without a handle.
+RECORD = AdaptorRecord()
+
+
+# ---------------------------------------------------------------------------------------------
+# the routes: apply() and the flags
+# ---------------------------------------------------------------------------------------------
+
+
+def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
+          grads="forward", logit_transform=None, backend=None, linear_backend=None, block_fraction=None):
+    """Use the fused op for Megatron's LM loss: per token, the gradient of ``CE + z_loss_coeff * lse**2``
+    and the value of the CE (Megatron's convention for auxiliary losses: ``lm loss`` stays CE).
+
+    Args:
+        z_loss_coeff: ``c >= 0``; 0 uses the fused kernel without z-loss.
+        label_smoothing: Megatron's convention; None takes ``config.label_smoothing`` if the
+            model config has that field (megatron-core 0.16/0.19 do not), else 0.
+        log_z_loss: record ``lm_z_loss`` in Megatron's MoE metrics tracker (when ``c > 0``).
+        log_lse: also record the mean log-sum-exp as ``lm_lse`` and its maximum over the
+            iteration's tokens as ``lm_lse_max``.
+        fused_output_layer: compute GPT's output layer and the LM loss together with
+            :func:`mindspeed_cez.linear_cross_entropy_zloss` (no logits tensor), see :mod:`.model_context`.
+        grads: the fused output layer's ``grads``: ``"forward"`` (default; gradients during the forward,
+            with the loss mask as the op's ``token_weights``, where there is one) or ``"recompute"``.
+        logit_transform: the ``LogitTransform`` MindSpeed-LLM's model applies to the logits, computed in
+            the kernels instead (:mod:`.model_context`); None: read from Megatron's parsed arguments
+            (its ``--output-multiplier-scale`` / ``--output-logit-softcapping``); False: none.
+        block_fraction: ``"forward"``'s memory/time dial, the op's ``block_fraction``
+            (None: 0.5, a block's logits half the logits; 0.125 the lean setting).
+        backend, linear_backend: the ops' ``backend`` / ``linear_backend`` (None: automatic per device).
+
+    Runs the startup checks of the flag path (MindSpeed-LLM's modes that bypass the fused kernel,
+    :func:`.arguments.check_mindspeed_llm_args`) on Megatron's parsed arguments when there are some; with
+    MindSpeed-LLM loaded and no arguments parsed yet, warns once that it could not.
+
+    Returns the active :class:`Settings`. Idempotent: a second call only replaces the settings.
+    Imports nothing of Megatron; without megatron-core installed, ends the run with one line
+    naming ``pip install megatron-core``.
+    """
+    require_megatron_core()
+    if logit_transform is None:
+        args = megatron_args()
+        logit_transform = None if args is None else arguments.mindspeed_llm_logit_transform(args)
+    elif logit_transform is False:
+        logit_transform = None
+    settings = Settings(z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
+                        log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer),
+                        grads=grads, logit_transform=logit_transform, backend=backend, linear_backend=linear_backend,
+                        block_fraction=block_fraction)
+    return activate(settings)
+
+
+def _check_megatron_args(settings):
+    args = megatron_args()
+    if args is not None:
+        output_layer_flag = "mindspeed_cez.patches.apply(fused_output_layer=True)" if settings.fused_output_layer else None
+        arguments.check_mindspeed_llm_args(
+            args, f"mindspeed_cez.patches.apply(z_loss_coeff={settings.z_loss_coeff})", output_layer_flag)
+    elif ("mindspeed_llm" in sys.modules and not RECORD.warned_unchecked
+          and RECORD.adaptor_mode is None):
+        RECORD.warned_unchecked = True
+        warnings.warn(
+            "mindspeed_cez.patches.apply(): MindSpeed-LLM is loaded but Megatron's arguments are not parsed "
+            "yet, so its modes that bypass the fused kernel (--loss-compute-mode chunk at TP=1, "
+            "--is-instruction-dataset) could not be checked: there the run would train without the "
+            "z-loss. Call apply() after the arguments are parsed, or use the --lm-z-loss-coeff flag "
+            "(import mindspeed_cez.megatron_adaptor), which checks them at startup", stacklevel=4)
+
+
+def megatron_args():
+    """Megatron's parsed arguments (``get_args()``; MindSpeed-LLM trains with the same), or None
+    before they are parsed or without ``megatron.training``. Imports nothing."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+def activate(settings, *, args=None):
+    """The one activation route: attach the wrappers (now or when their modules are imported),
+    check that every required one could attach, and make ``settings`` active. Returns the active
+    settings.
+
+    ``args``: Megatron's parsed arguments whose ``--lm-*`` flags gave ``settings`` (validated;
+    None: the fused kernel off); without ``args``, ``settings`` come from ``apply()`` and are run
+    through the startup checks on Megatron's arguments where they are parsed. Flags that choose
+    nothing keep an earlier ``apply()``; flags and ``apply()`` that disagree are a ``ValueError``
+    naming both.
+    """
+    record = RECORD
+    if args is None:
+        if record.flags_chose and _differ(record.from_flags, settings):
+            raise ValueError(_conflict(settings, record.from_flags))
+        _check_megatron_args(settings)
+        record.chose_by_apply(settings)
+    else:
+        explicit = settings is not None or getattr(args, "lm_fused_ce", None) is False
+        if explicit:
+            record.chose_by_flags(settings)
+        applied = record.from_apply
+        if record.apply_chose and explicit and _differ(settings, applied):
+            raise ValueError(_conflict(applied, settings))
+        if record.apply_chose and not explicit:
+            settings = applied
+            arguments.check_mindspeed_llm_args(
+                args, _apply_call(settings), _apply_call(settings, "fused_output_layer") if settings.fused_output_layer
+                else None)
+    register_with_mindspeed()  # in a MindSpeed process its patch manager attaches the wrappers
+    if registered_with_mindspeed():
+        if "megatron.core" in sys.modules:
+            register_patches_now()  # MindSpeed's patch manager owns the patching
+    else:
+        HOOK.install_patches()
+    HOOK.check_attached()
+    _set_active(settings)
+    return settings
+
+
+def _set_active(settings):
+    _settings.set_active(settings)
+    reporting.report_names(settings.metric_names() if settings is not None else [])
+    HOOK.strict = settings is not None  # active: a required patch point missing at its import fails there
+
+
+def activate_from_flags(args, settings=None):
+    """The ``--lm-*`` flags' route, from Megatron's (or MindSpeed's) validation of ``args``: their
+    settings (``settings``, where the caller built them from ``args`` already) built once
+    (:func:`.arguments.validate`) and activated; a bad value or a conflict with ``apply()`` is an argument
+    error (one line, exit status 2)."""
+    if settings is None:
+        settings = arguments.validate(args)
+    try:
+        return activate(settings, args=args)
+    except arguments.FlagValueError:
+        raise
+    except ValueError as err:
+        raise arguments.argument_error(err) from None
+
+
+_COMPARED = ("z_loss_coeff", "log_lse", "fused_output_layer", "grads", "block_fraction")
+
+
+def _differ(a, b):
+    if a is None or b is None:
+        return (a is None) != (b is None)
+    fields = _COMPARED if a.fused_output_layer or b.fused_output_layer else _COMPARED[:3]
+    return any(getattr(a, f) != getattr(b, f) for f in fields)
+
+
+def _apply_call(settings, field="z_loss_coeff"):
+    return f"mindspeed_cez.patches.apply({field}={getattr(settings, field)!r})"
+
+
+def _conflict(applied, flagged):
+    flags = arguments.FLAG_NO_FUSED if flagged is None else (
+        f"{arguments.FLAG_COEFF} {flagged.z_loss_coeff}" + (f" {arguments.FLAG_LOG_LSE}" if flagged.log_lse else "")
+        + (f" {arguments.FLAG_OUTPUT_LAYER} {flagged.grads}" if flagged.fused_output_layer else ""))
+    return (f"{_apply_call(applied)} and the flags ({flags}) configure the fused loss differently: "
+            "keep one of them (drop the apply() call or the --lm-* flags)")
+
+
+def remove():
+    """Restore Megatron's original functions and deactivate the adaptor (idempotent).
+
+    Patches installed through MindSpeed's patch manager stay in place but pass through to the
+    functions they wrap (MindSpeed owns them); only the settings are cleared."""
+    _set_active(None)
+    RECORD.forget_choices()
+    HOOK.uninstall_all()
+
+
+def active_settings():
+    """The active :class:`Settings`, or None (Megatron's own loss)."""
+    return _settings.get_active()
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron.training's argument hooks (the table's ADAPTOR route)
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args_wrapper(fn):
+    """Megatron's ``parse_args``: our flags join any ``extra_args_provider`` the script gives."""
+
+    @functools.wraps(fn)
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        def provider(parser):
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            if not any(arguments.FLAG_COEFF in a.option_strings for a in parser._actions):
+                parser = arguments.add_lm_z_loss_args(parser)
+            return parser
+
+        return fn(provider, ignore_unknown_args)
+
+    parse_args.__cez_wraps__ = fn
+    return parse_args
+
+
+def validate_args_wrapper(fn):
+    """Megatron's ``validate_args``: our flags are checked first (the settings built from them once),
+    then Megatron's own validation runs, then the settings are activated."""
+
+    @functools.wraps(fn)
+    def validate_args(args, *rest, **kwargs):
+        settings = arguments.validate(args)
+        result = fn(args, *rest, **kwargs)
+        if arguments.has_lm_z_loss_args(args):
+            activate_from_flags(args, settings)
+        return result
+
+    validate_args.__cez_wraps__ = fn
+    return validate_args
+
+
+
+# ---------------------------------------------------------------------------------------------
+# MindSpeed's feature
+# ---------------------------------------------------------------------------------------------
+
+
+def make_feature_class(base):
+    """Our feature as a subclass of MindSpeed's ``MindSpeedFeature`` (``base``)."""
+
+    class LmZLossFeature(base):
+        """Fused vocab-parallel LM cross entropy + z-loss (mindspeed_cez)."""
+
+        def __init__(self):
+            super().__init__(FEATURE_NAME, optimization_level=0)
+            self._patches_registered = False
+
+        def register_args(self, parser):
+            arguments.add_lm_z_loss_args(parser)
+
+        def validate_args(self, args):
+            if not arguments.has_lm_z_loss_args(args):
+                return  # e.g. MindSpeed validating a TransformerConfig
+            if not self._patches_registered:  # MindSpeed never applied its features: do it now
+                register_patches_now()
+            activate_from_flags(args)
+
+        def register_patches(self, patch_manager, args):
+            self._patches_registered = True
+            direct = set(HOOK.installed())  # attached before MindSpeed loaded: not twice
+            for path, wrapper in HOOK.patch_targets():
+                if path not in direct:
+                    patch_manager.register_patch(path, wrapper)
+
+    return LmZLossFeature
+
+
+def _mindspeed_api():
+    """MindSpeed's feature base, features manager and patch manager, from its loaded modules
+    (never imported here: MindSpeed imports its features manager before Megatron)."""
+    from mindspeed.features_manager.feature import MindSpeedFeature
+    from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
+    from mindspeed.patch_utils import MindSpeedPatchesManager
+
+    return MindSpeedFeature, MindSpeedFeaturesManager, MindSpeedPatchesManager
+
+
+def _stay_in_features_list(features_manager, feature):
+    """Keep ``feature`` in the list when a framework sets a new one (MindSpeed-LLM's
+    ``set_features_list`` at import replaces the list that the features are applied from)."""
+    setter = features_manager.__dict__.get("set_features_list")
+    if not isinstance(setter, classmethod) or getattr(setter.__func__, "__cez_wraps__", None):
+        return
+
+    def set_features_list(cls, features_list):
+        setter.__func__(cls, features_list)
+        if feature not in cls.FEATURES_LIST:
+            cls.FEATURES_LIST.append(feature)
+
+    set_features_list.__cez_wraps__ = setter.__func__
+    features_manager.set_features_list = classmethod(set_features_list)
+
+
+def register_with_mindspeed():
+    """Join MindSpeed's feature list once MindSpeed loads its features manager (idempotent; imports
+    nothing). Returns the feature instance once registered, else None (MindSpeed not loaded yet).
+
+    MindSpeed's and MindSpeed-LLM's adaptors import ``mindspeed.features_manager`` first, then apply
+    their pre-Megatron patches (``torch.compile`` replaced, apex / Transformer Engine stand-ins),
+    then every feature's patches, ours among them (:meth:`register_patches`). Imported after such an
+    adaptor (Megatron already loaded), the patches are registered and applied right away. Imported
+    before MindSpeed-LLM's, the feature stays in the list MindSpeed-LLM sets. MindSpeed ignores a
+    wrapper registered twice, so a later ``apply_features_patches`` is harmless.
+    """
+    HOOK.on_import(FEATURES_MANAGER, _join)
+    return RECORD.feature
+
+
+def _join(features_manager_module):
+    """Add our feature to the features manager that just loaded (or was loaded already)."""
+    base, features_manager, patch_manager = _mindspeed_api()
+    if RECORD.feature is None:
+        cls = make_feature_class(base)
+        existing = [f for f in features_manager.FEATURES_LIST if type(f).__name__ == cls.__name__]
+        RECORD.feature = existing[0] if existing else cls()
+    if RECORD.feature not in features_manager.FEATURES_LIST:
+        features_manager.FEATURES_LIST.append(RECORD.feature)
+    _stay_in_features_list(features_manager, RECORD.feature)
+    HOOK.manager_module = FEATURES_MANAGER  # while it is loaded, MindSpeed's patch manager attaches the table
+    if "megatron.core" in sys.modules:  # MindSpeed applied its features already: ours now
+        register_patches_now()
+
+
+def register_patches_now():
+    """(Re)register and apply our wrappers through MindSpeed's patch manager."""
+    _, _, patch_manager = _mindspeed_api()
+    RECORD.feature.register_patches(patch_manager, None)
+    patch_manager.apply_patches()
+
+
+def registered_with_mindspeed():
+    return RECORD.feature is not None and FEATURES_MANAGER in sys.modules
+
+
+# ---------------------------------------------------------------------------------------------
+# the adaptor's import (mindspeed_cez.megatron_adaptor)
+# ---------------------------------------------------------------------------------------------
+
+
+def _arguments_parsed(args):
+    if not arguments.has_lm_z_loss_args(args):
+        log.warning("mindspeed_cez: Megatron's arguments were parsed before the adaptor was "
+                    "imported; the --lm-* flags are not available (import it first)")
+    else:
+        activate_from_flags(args)
+
+
+def register_adaptor(argv=None):
+    """What ``import mindspeed_cez.megatron_adaptor`` does (idempotent; imports nothing of Megatron or
+    MindSpeed): the command line's flags checked (``argv``, default ``sys.argv[1:]``; a bad value: one
+    line, exit 2, now), our MindSpeed feature registered, and the wrappers attached (with Megatron's
+    argument hooks) or, with megatron-core alone, the flags activated. Returns the mode."""
+    if RECORD.adaptor_mode is not None:
+        return mode()
+    require_megatron_core()
+    command_line = arguments.parse_command_line(sys.argv[1:] if argv is None else argv)
+    register_with_mindspeed()  # joins MindSpeed's features once MindSpeed loads them
+    if module_exists("megatron.training"):
+        arguments.validate(command_line)  # a check only: the run's settings come from Megatron's parsed arguments
+        HOOK.install_patches(ADAPTOR)
+        args = megatron_args()
+        if args is not None and (arguments.has_lm_z_loss_args(args) or not registered_with_mindspeed()):
+            _arguments_parsed(args)
+        RECORD.adaptor_mode = "megatron.training"
+    else:
+        activate_from_flags(command_line)  # megatron-core alone: the command line is the parsed flags
+        RECORD.adaptor_mode = "megatron.core"
+    return mode()
+
+
+def mode():
+    """``"mindspeed"`` once our feature is in MindSpeed's list, else ``"megatron.training"`` or
+    ``"megatron.core"`` (where the flags are read from)."""
+    if registered_with_mindspeed():
+        return "mindspeed"
+    return RECORD.adaptor_mode
