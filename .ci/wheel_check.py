@@ -2,7 +2,7 @@
 
 ``--installed``: run from a folder outside the checkout; the package must come from site-packages.
 (From the checkout root a plain ``python`` finds the source folder ``mindspeed_cez/`` first, whose
-``kernels`` / ``patches`` subpackages only an editable install maps: ``tests/test_layering.py``.)
+``kernels`` / ``patches`` subpackages only an editable install maps: ``tests/package/test_layering.py``.)
 """
 
 import importlib

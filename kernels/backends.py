@@ -1,4 +1,4 @@
-"""The backends' interfaces, one ``typing.Protocol`` per kind (``tests/test_backends_protocol.py``
+"""The backends' interfaces, one ``typing.Protocol`` per kind (``tests/kernels/test_backends_protocol.py``
 checks every backend against its kind).
 
 Tensors: logits ``[n, v_local]`` with a contiguous last dim, target ``[n]`` int64 global ids, results

@@ -231,7 +231,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
                        "scalar k) as the forward assumed; the loss was weighted otherwise. For custom loss weighting "
                        "run with " + ctx.options.remedy)
         matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
-        # (CUDA takes assert messages under 255 characters: tests/test_linear_cross_entropy.py checks)
+        # (CUDA takes assert messages under 255 characters: tests/ops/test_linear_cross_entropy.py checks)
         torch._assert_async(matches.all(), message)
         if ctx.reduction is not None:
             dhidden = ctx.reduction.wait()

@@ -3,7 +3,7 @@
 triton-ascend's NPU pipeline is ``ttir`` (Triton's front end and its IR passes), ``ttadapter``
 (the wheel's ``triton-adapter-opt``: Triton IR -> HIVM / HFusion / Linalg) and ``npubin``
 (CANN's ``bishengir-compile``). The first two run on any x86 machine; this lowers every kernel
-variant the Ascend launch setting compiles (``tests/kernel_variants.py``, the fused output
+variant the Ascend launch setting compiles (``tests/kernels/kernel_variants.py``, the fused output
 projection's ``tl.dot`` kernels included) through them, for
 Ascend910B3, and prints a JSON report. Run it in a venv of its own with ``triton-ascend``
 (which brings its own ``triton``), without ``TRITON_INTERPRET``:

@@ -11,7 +11,7 @@ the same exact products, as on the CPU setting).
 
 Runs where ``triton`` is triton-ascend's (CI: ``.ci/leg_ascend.sh``, with ``numpy<2``, which its
 interpreter needs); skipped elsewhere. The last test checks that the launches covered every
-variant ``tests/kernel_variants.py`` lists for the NPU setting (the list the lowering leg compiles).
+variant ``tests/kernels/kernel_variants.py`` lists for the NPU setting (the list the lowering leg compiles).
 """
 
 import zlib

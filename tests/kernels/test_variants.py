@@ -1,4 +1,4 @@
-"""``tests/kernel_variants.py`` types every kernel's runtime parameters from the kernel's own parameter
+"""``tests/kernels/kernel_variants.py`` types every kernel's runtime parameters from the kernel's own parameter
 list and one name rule: every parameter of every kernel gets a type, each variant's signature and
 constexprs cover the kernel's parameters exactly once, and the derived signatures are the ones
 the ahead-of-time compiles (tests/kernels/kernel_resources.py, tests/kernels/ascend_lowering.py) were written with."""

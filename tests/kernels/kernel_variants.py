@@ -2,8 +2,8 @@
 
 A variant is what one launch compiles: the kernel, its argument types and its compile-time
 constants under one ``LAUNCH_CONFIG`` setting, logits dtype and vocab width. Used by
-``tests/kernel_resources.py`` (sm_90, through Triton's CUDA backend) and
-``tests/ascend_lowering.py`` (Ascend, through triton-ascend's front end and adapter).
+``tests/kernels/kernel_resources.py`` (sm_90, through Triton's CUDA backend) and
+``tests/kernels/ascend_lowering.py`` (Ascend, through triton-ascend's front end and adapter).
 
 A variant's argument types come from the kernel's own parameter list (what
 ``triton_launcher.Launcher.params`` holds): its constexprs are the parameters annotated
@@ -47,7 +47,7 @@ def param_type(name, dtype):
         return "fp32"
     if name in I32 or "stride" in name:
         return "i32"
-    raise KeyError(f"kernel parameter {name!r} has no Triton type: name it in tests/kernel_variants.py's type rule")
+    raise KeyError(f"kernel parameter {name!r} has no Triton type: name it in tests/kernels/kernel_variants.py's type rule")
 
 
 def is_constexpr(parameter):
