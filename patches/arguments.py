@@ -32,11 +32,10 @@ environment's ``MINDSPEED_CEZ_BACKEND`` / ``MINDSPEED_CEZ_LINEAR_BACKEND`` the s
 
 import argparse
 import os
-import sys
 
 from mindspeed_cez.linear_cross_entropy import GRADS
-from mindspeed_cez.patches import mindspeed_llm
-from mindspeed_cez.patches.settings import Settings, backends_from_environment
+from mindspeed_cez.patches import command_line, mindspeed_llm
+from mindspeed_cez.patches.settings import BACKEND_ENV, LINEAR_BACKEND_ENV, Settings, backends_from_environment
 
 FLAG_COEFF = "--lm-z-loss-coeff"
 FLAG_FUSED = "--lm-fused-ce"
@@ -241,8 +240,7 @@ def flag_settings(args):
 def argument_error(err):
     """Print ``SCRIPT: error: <err>`` (one line, as argparse does) and return the
     :class:`FlagValueError` to raise (exit status 2 where uncaught)."""
-    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-    print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+    command_line.report(err)  # from the first process only: a torchrun shows it once
     return FlagValueError(str(err))
 
 
@@ -277,13 +275,33 @@ class _OneLineErrorParser(argparse.ArgumentParser):
     """argparse's errors as one line (``PROG: error: ...``, exit status 2), without the usage dump."""
 
     def error(self, message):
-        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-        raise FlagValueError(message)
+        raise argument_error(message)
 
 
 def parse_lm_z_loss_args(argv):
     """Parse only these flags from ``argv`` (unknown ones ignored); for tools without Megatron. A bad
-    value is an argument error, one line (:func:`validate_flags`)."""
+    value is an argument error, one line (:func:`validate_flags`), as are the launch's checks first
+    (:func:`check_launch`)."""
+    check_launch(argv)
     parser = add_lm_z_loss_args(_OneLineErrorParser(add_help=False, allow_abbrev=False))
     args, _ = parser.parse_known_args(argv)
     return validate_flags(args) if isinstance(args, argparse.Namespace) else args
+
+
+FLAGS = (FLAG_COEFF, FLAG_FUSED, FLAG_NO_FUSED, FLAG_LOG_LSE, FLAG_OUTPUT_LAYER, FLAG_BLOCK_FRACTION)
+
+
+def check_launch(argv, environ=None):
+    """What the adaptor's import checks whatever the flags turn on (:mod:`.command_line`): an unknown
+    ``--lm-*`` option (the closest flag named), ``--lm-fused-ce`` with ``--no-lm-fused-ce``, an unknown
+    ``MINDSPEED_CEZ_*`` variable or a bad value of one. Each is an argument error (one line, exit 2)."""
+    environ = os.environ if environ is None else environ
+    message = (command_line.flag_error(argv, FLAGS)
+               or command_line.variable_error((BACKEND_ENV, LINEAR_BACKEND_ENV), environ))
+    if message is None:
+        try:
+            backends_from_environment(environ)
+        except ValueError as err:
+            message = str(err)
+    if message is not None:
+        raise argument_error(message)
