@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 RANK_CPUS = 1.5  # cores one rank of these small launches keeps busy (its Python, NCCL's and the loader's threads)
 FIT = 0.6  # the share of its timeout a launch must have before the deadline to start
-RANK_GPU_MIB = 8 * 1024  # GPU memory one rank of them may take (the largest runs: ~5 GiB on H100s, 2026-11-27)
+# GPU memory a GPU must have free to take one more rank: an allowance, not a measurement (these tiny models'
+# ranks were not measured); it keeps launches off a GPU that other work fills.
+RANK_GPU_MIB = 8 * 1024
 
 
 def gpu_free_mib():
