@@ -34,7 +34,7 @@ import argparse
 import os
 
 from mindspeed_cez.linear_cross_entropy import GRADS
-from mindspeed_cez.patches import command_line, mindspeed_llm
+from mindspeed_cez.patches import launch_checks, mindspeed_llm
 from mindspeed_cez.patches.settings import BACKEND_ENV, LINEAR_BACKEND_ENV, Settings, backends_from_environment
 
 FLAG_COEFF = "--lm-z-loss-coeff"
@@ -240,7 +240,7 @@ def flag_settings(args):
 def argument_error(err):
     """Print ``SCRIPT: error: <err>`` (one line, as argparse does) and return the
     :class:`FlagValueError` to raise (exit status 2 where uncaught)."""
-    command_line.report(err)  # from the first process only: a torchrun shows it once
+    launch_checks.report(err)  # from the first process only: a torchrun shows it once
     return FlagValueError(str(err))
 
 
@@ -292,12 +292,12 @@ FLAGS = (FLAG_COEFF, FLAG_FUSED, FLAG_NO_FUSED, FLAG_LOG_LSE, FLAG_OUTPUT_LAYER,
 
 
 def check_launch(argv, environ=None):
-    """What the adaptor's import checks whatever the flags turn on (:mod:`.command_line`): an unknown
+    """What the adaptor's import checks whatever the flags turn on (:mod:`.launch_checks`): an unknown
     ``--lm-*`` option (the closest flag named), ``--lm-fused-ce`` with ``--no-lm-fused-ce``, an unknown
     ``MINDSPEED_CEZ_*`` variable or a bad value of one. Each is an argument error (one line, exit 2)."""
     environ = os.environ if environ is None else environ
-    message = (command_line.flag_error(argv, FLAGS)
-               or command_line.variable_error((BACKEND_ENV, LINEAR_BACKEND_ENV), environ))
+    message = (launch_checks.flag_error(argv, FLAGS)
+               or launch_checks.variable_error((BACKEND_ENV, LINEAR_BACKEND_ENV), environ))
     if message is None:
         try:
             backends_from_environment(environ)

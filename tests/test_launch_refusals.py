@@ -1,4 +1,4 @@
-"""What the adaptor's import refuses before Megatron parses (patches/command_line.py): unknown ``--lm-*``
+"""What the adaptor's import refuses before Megatron parses (patches/launch_checks.py): unknown ``--lm-*``
 options with the closest flag named, contradictory pairs, ``MINDSPEED_CEZ_*`` variables, flags or not;
 one line from the first process, exit status 2 on every rank, also under torchrun (real processes)."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mindspeed_cez.patches import arguments, command_line
+from mindspeed_cez.patches import arguments, launch_checks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,14 +25,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      "--lm-fused-ce and --no-lm-fused-ce contradict each other: keep one"),
 ])
 def test_unknown_and_contradictory_flags_are_refused_in_one_line(argv, message):
-    assert command_line.flag_error(argv, arguments.FLAGS) == message
+    assert launch_checks.flag_error(argv, arguments.FLAGS) == message
 
 
 def test_known_flags_and_the_scripts_own_options_pass():
     known = ["--lm-z-loss-coeff=1e-4", "--lm-fused-ce", "--lm-z-loss-log-lse", "--lm-fused-output-layer", "recompute",
              "--lm-fused-output-layer-block-fraction", "0.25", "--moe-z-loss-coeff", "1e-3", "--", "--lm-own-flag"]
-    assert command_line.flag_error(known, arguments.FLAGS) is None
-    far = command_line.flag_error(["--lm-qqqqqqqqqqqqqqqqq"], arguments.FLAGS)
+    assert launch_checks.flag_error(known, arguments.FLAGS) is None
+    far = launch_checks.flag_error(["--lm-qqqqqqqqqqqqqqqqq"], arguments.FLAGS)
     assert far.startswith("unrecognized argument --lm-qqqqqqqqqqqqqqqqq: the flags: --lm-z-loss-coeff, ")
 
 
@@ -55,8 +55,8 @@ def test_variables_are_checked_whatever_the_flags(monkeypatch, capsys):
                                        ({"LOCAL_RANK": "0"}, True), ({"RANK": ""}, True)])
 def test_the_first_process_prints(env, first, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["pretrain.py"])
-    assert command_line.first_process(env) is first
-    assert command_line.report("m", env) == "pretrain.py: error: m"  # no TORCHELASTIC_RUN_ID: no wait
+    assert launch_checks.first_process(env) is first
+    assert launch_checks.report("m", env) == "pretrain.py: error: m"  # no TORCHELASTIC_RUN_ID: no wait
     assert capsys.readouterr().err == ("pretrain.py: error: m\n" if first else "")
 
 
