@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from mindspeed_cez.linear_cross_entropy import check_block_fraction
 from mindspeed_cez.patches import arguments, launch_checks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,9 +62,12 @@ def test_the_first_process_prints(env, first, monkeypatch, capsys):
 
 
 def test_the_block_fraction_error_names_values_a_user_can_type():
-    with pytest.raises(arguments.FlagValueError) as caught:
-        arguments.parse_lm_z_loss_args(["--lm-fused-output-layer", "--lm-fused-output-layer-block-fraction", "2"])
+    with pytest.raises(ValueError) as caught:
+        check_block_fraction(2.0, "--lm-fused-output-layer-block-fraction")
     assert "None" not in str(caught.value) and "a number in (0, 1]" in str(caught.value), caught.value
+    with pytest.raises(ValueError) as caught:
+        check_block_fraction(2.0)  # the op's argument: None is a value there
+    assert "None" in str(caught.value)
 
 
 def _run(command, env=None, timeout=300):
@@ -86,7 +90,8 @@ def test_a_typo_or_a_bad_variable_stops_the_process_before_the_script(script, ho
     cases = [(["--lm-zloss-coeff", "1e-4"], {},
               "unrecognized argument --lm-zloss-coeff: did you mean --lm-z-loss-coeff?"),
              ([], {"MINDSPEED_CEZ_BACKEND": "cuda"},
-              "MINDSPEED_CEZ_BACKEND='cuda': choose one of ('torch', 'triton', 'cann') (or leave it unset: automatic)")]
+              "MINDSPEED_CEZ_BACKEND='cuda': choose one of ('torch', 'triton', 'cann') (or leave it unset: automatic)"),
+             (["--lm-fused-output-layer", "--lm-fused-output-layer-block-fraction", "2"], {}, None)]
     for extra, env, message in cases:
         if how == "launcher":
             proc = _run(["-m", "mindspeed_cez.launch", str(script), *extra], env)
@@ -94,6 +99,10 @@ def test_a_typo_or_a_bad_variable_stops_the_process_before_the_script(script, ho
             script.write_text("import mindspeed_cez.megatron_adaptor\nprint('ran')\n")
             proc = _run([str(script), *extra], env)
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        if message is None:  # the block fraction: values a user can type, no None
+            (line,) = proc.stderr.splitlines()
+            assert line.startswith("pretrain.py: error: --lm-fused-output-layer-block-fraction ") and "None" not in line
+            continue
         assert proc.stderr.splitlines() == [f"pretrain.py: error: {message}"], proc.stderr
 
 
