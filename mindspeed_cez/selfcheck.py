@@ -135,9 +135,11 @@ def _call_ms(fn, device):
 
 
 def _time_ms(fn, device, reps):
-    """The median of ``reps`` timed calls, after untimed warm-up calls (at least ``WARMUP_MIN``, until two
-    in a row agree within 25 %, at most ``WARMUP_MAX``): a first call's compilation, allocations and
-    thread start-up stay out of the timed region, as does Python's garbage collector."""
+    """The median of at least ``reps`` timed calls, after untimed warm-up calls (at least ``WARMUP_MIN``,
+    until two in a row agree within 25 %, at most ``WARMUP_MAX``): a first call's compilation, allocations
+    and thread start-up stay out of the timed region, as does Python's garbage collector. Where the
+    median is still over twice the fastest call (a machine that stalls this process for seconds now and
+    then), up to ``2 * reps`` more calls join, so that a few stalls do not make the median."""
     last = _call_ms(fn, device)
     for done in range(1, WARMUP_MAX):
         now = _call_ms(fn, device)
@@ -148,6 +150,8 @@ def _time_ms(fn, device, reps):
     gc.disable()
     try:
         times = [_call_ms(fn, device) for _ in range(reps)]
+        while len(times) < 3 * reps and statistics.median(times) > 2 * min(times):
+            times.append(_call_ms(fn, device))
     finally:
         gc.enable()
     return statistics.median(times)

@@ -39,6 +39,19 @@ def test_warm_up_stops_once_two_calls_agree(monkeypatch):
     assert selfcheck._time_ms(None, torch.device("cpu"), reps=3) == 100.0  # 101, 99, 100 timed
 
 
+def test_stalls_in_the_timed_calls_do_not_make_the_median(monkeypatch):
+    """A machine that stalls the process now and then (seconds, on a shared host): more calls join while
+    the median sits over twice the fastest, up to 3 x reps in all."""
+    times = iter([50.0, 50.0] + [10.0, 3000.0, 2500.0, 3100.0, 10.0] + [10.0] * 10)
+    monkeypatch.setattr(selfcheck, "_call_ms", lambda fn, device: next(times))
+    assert selfcheck._time_ms(None, torch.device("cpu"), reps=5) == 10.0  # 3 stalls of 5: two more calls
+    assert len(list(times)) == 8
+    always = iter([50.0, 50.0] + [1.0] + [100.0] * 40)  # never settles: stops at 3 x reps
+    monkeypatch.setattr(selfcheck, "_call_ms", lambda fn, device: next(always))
+    assert selfcheck._time_ms(None, torch.device("cpu"), reps=5) == 100.0
+    assert len(list(always)) == 41 - 15
+
+
 def _footnote(monkeypatch, capsys, rows):
     monkeypatch.setattr(selfcheck, "run", lambda args, device, group=None: rows)
     monkeypatch.setattr(selfcheck, "environment", lambda device: {
