@@ -101,9 +101,9 @@ def _check_finite_grad_scale(grad_scale):
 def check_block_fraction(value, name="block_fraction"):
     """The one check of the memory/time dial (the op, the adaptor's settings, the flag: ``name``)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
-        raise ValueError(f"{name} takes the share of the tokens (and of the logits' memory) one block takes, None "
-                         f"(the default, {BLOCK_FRACTION}) or a number in (0, 1] ({LEAN_BLOCK_FRACTION}: lean), "
-                         f"got {value!r}")
+        default = "leave it out for the default" if name.startswith("--") else "None: the default"  # a flag: no None
+        raise ValueError(f"{name} takes the share of the tokens (and of the logits' memory) one block takes: a number "
+                         f"in (0, 1] ({LEAN_BLOCK_FRACTION}: lean; {default}), got {value!r}")
 
 
 def check_grads(value, name="grads"):

@@ -33,11 +33,11 @@ MindSpeed-LLM's flags (:func:`check_mindspeed_llm_args`, :func:`mindspeed_llm_lo
 
 import argparse
 import os
-import sys
 
 from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.linear_cross_entropy import GRADS
-from mindspeed_cez.patches.settings import Settings, backends_from_environment
+from mindspeed_cez.patches import launch_checks
+from mindspeed_cez.patches.settings import BACKEND_ENV, LINEAR_BACKEND_ENV, Settings, backends_from_environment
 
 FLAG_COEFF = "--lm-z-loss-coeff"
 FLAG_FUSED = "--lm-fused-ce"
@@ -226,8 +226,7 @@ def validate(args):
 def argument_error(err):
     """Print ``SCRIPT: error: <err>`` (one line, as argparse does) and return the
     :class:`FlagValueError` to raise (exit status 2 where uncaught)."""
-    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-    print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+    launch_checks.report(err)  # from the first process only: a torchrun shows it once
     return FlagValueError(str(err))
 
 
@@ -255,14 +254,14 @@ class _OneLineErrorParser(argparse.ArgumentParser):
     """argparse's errors as one line (``PROG: error: ...``, exit status 2), without the usage dump."""
 
     def error(self, message):
-        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-        raise FlagValueError(message)
+        raise argument_error(message)
 
 
 def parse_command_line(argv):
     """Only these flags of ``argv`` (unknown ones ignored), as a Namespace; for tools without Megatron's
     parser (megatron-core alone) and the adaptor's check of the command line at its import. A value the
     parser refuses is an argument error, one line; :func:`validate` checks the values."""
+    check_launch(argv)
     parser = add_lm_z_loss_args(_OneLineErrorParser(add_help=False, allow_abbrev=False))
     args, _ = parser.parse_known_args(argv)
     return args
@@ -316,3 +315,22 @@ def check_mindspeed_llm_args(args, fused_flag, output_layer_flag=None):
             f"{fused_flag} and MindSpeed-LLM's --is-instruction-dataset: that path shifts the labels inside "
             "the model's forward, which this adaptor does not serve; drop one of them"
         )
+
+
+FLAGS = (FLAG_COEFF, FLAG_FUSED, FLAG_NO_FUSED, FLAG_LOG_LSE, FLAG_OUTPUT_LAYER, FLAG_BLOCK_FRACTION)
+
+
+def check_launch(argv, environ=None):
+    """What the adaptor's import checks whatever the flags turn on (:mod:`.launch_checks`): an unknown
+    ``--lm-*`` option (the closest flag named), ``--lm-fused-ce`` with ``--no-lm-fused-ce``, an unknown
+    ``MINDSPEED_CEZ_*`` variable or a bad value of one. Each is an argument error (one line, exit 2)."""
+    environ = os.environ if environ is None else environ
+    message = (launch_checks.flag_error(argv, FLAGS)
+               or launch_checks.variable_error((BACKEND_ENV, LINEAR_BACKEND_ENV), environ))
+    if message is None:
+        try:
+            backends_from_environment(environ)
+        except ValueError as err:
+            message = str(err)
+    if message is not None:
+        raise argument_error(message)

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Everything that needs GPUs, as one device call from the repository root (carry .whl, see
-# bench/README.md): the op's test suite on CUDA (incl. TP=2 over NCCL), the main job on GPUs,
-# the Megatron-LM style launch (megatron.training, TP=2, NCCL), the self-check users run (one GPU;
-# TP=2 through torchrun where two GPUs are present), and, where four GPUs or more are, the parallel
-# layouts of Megatron's pretrain (tests/gpu/gpu_layouts.py, ~5-7 minutes on 4 H100s). Logs land in $OUT.
+# Everything that needs GPUs, as three device calls from the repository root (carry .whl, see
+# bench/README.md), each ending within DEADLINE_S (default 570 s: a 10-minute device command with room
+# for the machine's start). Logs land in $OUT.
 #
-#     bash tests/run_gpu_checks.sh            # all of it
-#     bash tests/run_gpu_checks.sh layouts    # the layouts alone (one device command of its own)
+#     bash tests/run_gpu_checks.sh            # the op's tests on CUDA (incl. TP=2 over NCCL), the main job
+#                                             # on GPUs, the Megatron-LM style launch (TP=2), the self-check
+#                                             # users run (one GPU; TP=2 through torchrun)
+#     bash tests/run_gpu_checks.sh layouts    # the parallel layouts of Megatron's pretrain (tests/gpu/gpu_layouts.py, 4 GPUs)
 #     bash tests/run_gpu_checks.sh features   # CUDA graphs, FSDP, resharding resumes, fault tolerance
-#                                             # (tests/gpu/gpu_megatron_features.py, 4 GPUs, one command of its own)
+#                                             # (tests/gpu/gpu_megatron_features.py, 4 GPUs)
+#
+# Each step's time limit is cut to what is left before the deadline; a step that cannot start in time,
+# or needs more GPUs than present, is named at the end ("not run: ... why"), as are the failed ones. The
+# two Python scripts start their launches as the host's cores and the GPUs' free memory allow, with
+# timeouts scaled by the load (tests/gpu/launch_admission.py), and list the launches they could not run.
 set -u -o pipefail
+DEADLINE_S=${DEADLINE_S:-570}
+# shellcheck source=tests/gpu/gpu_checks_steps.sh
+. "$(dirname "$0")/gpu/gpu_checks_steps.sh"  # step, summary: time limits cut to the deadline, the closing list
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
 SITE=${SITE:-/tmp/site}
@@ -19,30 +27,18 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit
 export PYTHONPATH=$SITE
 
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-layouts() {  # every layout of Megatron's pretrain the GPUs found hold, 4 variants each; asserted
+if [ "${1:-all}" = layouts ] || [ "${1:-all}" = features ]; then
     if [ "$GPUS" -ge 4 ]; then
-        echo "== parallel layouts of Megatron's pretrain over NCCL ($GPUS GPUs)"
-        timeout 560 python3 tests/gpu/gpu_layouts.py --out "$OUT/layouts" --budget-s 420 2>&1 | tee "$OUT/layouts.log"
-        return "${PIPESTATUS[0]}"
-    fi
-    echo "== parallel layouts: skipped (they need four GPUs, this machine has $GPUS)"
-}
-features() {  # the flag under Megatron's CUDA graphs, FSDP, resharding resumes and fault tolerance; asserted
-    if [ "$GPUS" -ge 4 ]; then
-        echo "== Megatron features with the flag over NCCL ($GPUS GPUs)"
+        # every layout of Megatron's pretrain the GPUs hold, 4 variants each; or the flag under Megatron's CUDA
+        # graphs, FSDP, resharding resumes and fault tolerance. Asserted; the script lists launches not run.
+        script=$([ "$1" = layouts ] && echo tests/gpu/gpu_layouts.py || echo tests/gpu/gpu_megatron_features.py)
         # shellcheck disable=SC2086  # FEATURES_ARGS: e.g. --only REGEX --timeout-s 150 for part of it
-        timeout 530 python3 tests/gpu/gpu_megatron_features.py --out "$OUT/features" --budget-s 290 ${FEATURES_ARGS:-} 2>&1 \
-            | tee "$OUT/features.log"
-        return "${PIPESTATUS[0]}"
+        step "$1" $(($(left) - 10)) 120 "$OUT/$1.log" 80 python3 "$script" --out "$OUT/$1" \
+            --deadline-s $(($(left) - 40)) ${FEATURES_ARGS:-}
+    else
+        ABSENT+=("$1: needs four GPUs, this machine has $GPUS")
     fi
-    echo "== Megatron features: skipped (they need four GPUs, this machine has $GPUS)"
-}
-if [ "${1:-all}" = layouts ]; then
-    layouts
-    exit $?
-fi
-if [ "${1:-all}" = features ]; then
-    features
+    summary
     exit $?
 fi
 
@@ -58,10 +54,10 @@ fi
 # test_op_properties.py and test_linear_properties.py run on the CPU (gloo, the interpreter).
 GPU_TEST_FILES=(ops/test_op.py ops/test_op_errors.py ops/test_op_autograd.py gpu/test_gpu.py kernels/test_launch_configs.py
                 gpu/test_linear_cross_entropy_gpu.py)
-echo "== op tests on CUDA"
-(cd tests && timeout 480 python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" "${GPU_TEST_FILES[@]}" 2>&1) \
-    | tee "$OUT/gpu_tests.log" | tail -15
-python3 - "$OUT/gpu_tests.xml" "${GPU_TEST_FILES[@]}" <<'PY' || exit 1
+step "op tests on CUDA" 480 120 "$OUT/gpu_tests.log" 15 \
+    bash -c 'cd tests && exec python3 -m pytest -q -p no:cacheprovider --junitxml="$0/gpu_tests.xml" "$@"' \
+    "$OUT" "${GPU_TEST_FILES[@]}"
+python3 - "$OUT/gpu_tests.xml" "${GPU_TEST_FILES[@]}" <<'PY' || FAILED+=("op tests: a file passed no test on CUDA")
 import os
 import sys
 import xml.etree.ElementTree as ET
@@ -78,26 +74,20 @@ sys.exit(f"no test passed in: {' '.join(idle)}" if idle else 0)
 PY
 
 if [ "$GPUS" -ge 2 ]; then  # the demo and the Megatron-LM style launch run TP=2, one rank per GPU
-    echo "== main job on GPUs (quick)"
-    timeout 150 python3 examples/train_tiny_moe.py --quick 2>&1 | tee "$OUT/train_tiny_moe_gpu.log" | tail -15
-
-    echo "== Megatron-LM style launch, TP=2 over NCCL"
-    PYTHON=python3 TRAIN_ITERS=10 timeout 200 bash examples/run_megatron_lm_moe.sh 2>&1 | tee "$OUT/megatron_lm_moe_gpu.log" | grep -E "iteration|lm_z_loss|Error|error" | tail -15
+    step "main job on GPUs (quick)" 150 60 "$OUT/train_tiny_moe_gpu.log" 15 python3 examples/train_tiny_moe.py --quick
+    step "Megatron-LM style launch, TP=2 over NCCL" 200 90 "$OUT/megatron_lm_moe_gpu.log" 15 \
+        env PYTHON=python3 TRAIN_ITERS=10 bash examples/run_megatron_lm_moe.sh
 else
-    echo "== main job and Megatron-LM style launch: skipped (TP=2 needs two GPUs, this machine has $GPUS)"
+    ABSENT+=("main job and Megatron-LM style launch: TP=2 needs two GPUs, this machine has $GPUS")
 fi
-
-echo "== selfcheck, one GPU (both ops, every backend, small and real vocab 151936, each dtype)"
-timeout 300 python3 -m mindspeed_cez.selfcheck --json "$OUT/selfcheck_1gpu.json" 2>&1 | tee "$OUT/selfcheck_1gpu.log" | tail -40
-selfcheck_status=${PIPESTATUS[0]}
-echo "selfcheck 1 GPU exit status: $selfcheck_status"
+step "selfcheck, one GPU (both ops, every backend, small and real vocab 151936, each dtype)" 300 60 \
+    "$OUT/selfcheck_1gpu.log" 40 python3 -m mindspeed_cez.selfcheck --json "$OUT/selfcheck_1gpu.json"
 if [ "$GPUS" -ge 2 ]; then
-    echo "== selfcheck, TP=2 over NCCL (torchrun)"
-    timeout 300 torchrun --standalone --nproc-per-node 2 -m mindspeed_cez.selfcheck --json "$OUT/selfcheck_tp2.json" 2>&1 \
-        | tee "$OUT/selfcheck_tp2.log" | tail -40
-    tp2_status=${PIPESTATUS[0]}
-    echo "selfcheck TP=2 exit status: $tp2_status"
-    [ "$tp2_status" -eq 0 ] || selfcheck_status=$tp2_status
+    step "selfcheck, TP=2 over NCCL (torchrun)" 300 60 "$OUT/selfcheck_tp2.log" 40 \
+        torchrun --standalone --nproc-per-node 2 -m mindspeed_cez.selfcheck --json "$OUT/selfcheck_tp2.json"
+else
+    ABSENT+=("selfcheck TP=2: needs two GPUs, this machine has $GPUS")
 fi
-layouts || selfcheck_status=$?
-exit "$selfcheck_status"
+echo "(the parallel layouts and Megatron's features are commands of their own: bash tests/run_gpu_checks.sh layouts;"
+echo " bash tests/run_gpu_checks.sh features)"
+summary

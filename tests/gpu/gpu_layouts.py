@@ -13,7 +13,8 @@ ports, a time limit each): Megatron's CE (no flag), ``--lm-z-loss-coeff 1e-4``, 
 Layouts run one after another, or side by side where the GPUs hold several. Same seed, data and
 (``--use-cpu-initialization``) weights; bf16, this package's Triton kernels, Megatron's CUDA paths
 (the example's CPU shims apply only without CUDA). Layouts that need more GPUs than present, or
-that would start after ``--budget-s``, are named as not run. Asserted (exit status 1 on any failure):
+that could not end before ``--deadline-s`` (admission by load: tests/gpu/launch_admission.py), are named as not
+run. Asserted (exit status 1 on any failure):
 
 * every run ends, logs every iteration, all values finite, no skipped or NaN iteration;
 * ``lm_z_loss`` on every log line of the flag's runs (Megatron prints it from the last rank, the
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the support package
+from gpu.launch_admission import Admission, Load, not_run_lines  # noqa: E402
 from support.megatron_launch import (  # noqa: E402
     DUMP_ITERATION, MOE, REPO, TINY_GPT, ce_mean, dumped_flags, launch_command, lse_max, parse_log,
     per_micro_batch_z_mean, recompute_from_dump, token_mean, with_args, z_loss_mean,
@@ -458,8 +460,9 @@ def main(argv=None):
     parser.add_argument("--cpu", action="store_true", help="gloo, 2 ranks, the layouts scaled down")
     parser.add_argument("--layouts", nargs="+", help="names to run (default: all that fit)")
     parser.add_argument("--work", help="where the runs write (default: a temporary folder, removed)")
-    parser.add_argument("--timeout-s", type=float, help="per launch")
-    parser.add_argument("--budget-s", type=float, default=480, help="no layout starts after this many seconds")
+    parser.add_argument("--timeout-s", type=float, help="per launch on an idle host, scaled by the load")
+    parser.add_argument("--deadline-s", type=float, help="the script ends within this many seconds: a layout starts "
+                        "only where its timeout ends before then (default: 540 on GPUs, none on the CPU)")
     parser.add_argument("--layouts-per-gpu", type=int, default=2,
                         help="layouts that may share a GPU at once (each runs its 4 variants on it at once)")
     args = parser.parse_args(argv)
@@ -484,6 +487,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="gpu_layouts_"))
     t0 = time.time()
+    admission = Admission(deadline=t0 + (args.deadline_s or (math.inf if cpu else 540)), timeout_s=timeout_s)
 
     def say(msg):
         print(f"[{time.time() - t0:5.0f}s] {msg}", flush=True)
@@ -494,18 +498,27 @@ def main(argv=None):
     results, slots = {}, {gpu: args.layouts_per_gpu for gpu in range(gpus)} if not cpu else {None: 1}
     active, probes = [], []
     while todo or active:
+        load = Load.now(sum(lay.ranks * (len(runs) + len(extra)) for lay, runs, _, extra in active), gpus=not cpu)
         for layout in list(todo):
-            if time.time() - t0 > args.budget_s:
-                not_run.append((layout, f"budget of {args.budget_s:.0f} s spent"))
+            launches = len(VARIANTS) + (1 if layout.probe_gaf and not gaf else 0)
+            devices = take_gpus(dict(slots), 1 if cpu else layout.ranks)  # a look: taken below
+            decision = admission.decide(layout.name, layout.ranks * launches, None if cpu else devices, load,
+                                        time.time())
+            if decision.startswith("not run: "):
+                not_run.append((layout, decision[len("not run: "):]))
                 todo.remove(layout)
                 continue
-            devices = take_gpus(slots, 1 if cpu else layout.ranks)
-            if devices is not None:
+            if devices is not None and decision == "start":
+                devices = take_gpus(slots, 1 if cpu else layout.ranks)
                 todo.remove(layout)
-                active.append(start_layout(layout, work, cpu, gaf, None if cpu else devices, timeout_s))
+                active.append(start_layout(layout, work, cpu, gaf, None if cpu else devices, admission.timeout(load)))
+                load.ranks += layout.ranks * launches
                 probes += active[-1][3]
                 say(f"{layout.name}: started {len(VARIANTS) + len(active[-1][3])} launches of {layout.ranks} ranks"
                     + (f" on GPUs {devices}" if not cpu else ""))
+        for _, runs, _, extra in active:  # timeouts follow the load
+            for run in [*runs.values(), *extra]:
+                run.deadline = admission.run_deadline(run.start, load)
         for item in list(active):
             layout, runs, devices, extra = item
             if all([poll(r) for r in [*runs.values(), *extra]]):
@@ -541,7 +554,9 @@ def main(argv=None):
         "checks": all_checks}, indent=1))
     failed = finish(out, work, "*/*/train.log", not args.work, all_checks,
                     f"{len(results)} layouts run, {len(not_run)} not run", say)
-    return 1 if failed or not results else 0
+    print("\n".join(not_run_lines({lay.name: why for lay, why in not_run})), flush=True)
+    cut = [lay.name for lay, why in not_run if not why.startswith("needs ")]  # not the GPUs' count: the deadline
+    return 1 if failed or not results or cut else 0
 
 
 def finish(out, work, logs, remove_work, all_checks, counts, say):

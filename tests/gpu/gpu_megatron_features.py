@@ -53,6 +53,7 @@ from gpu.gpu_layouts import (  # noqa: E402
     CROSS_LAYOUT_REL, GRAD_NORM_ABS, GRAD_NORM_REL, ITER1_REL, LATER_REL, Checks, Row, Run, _parallel, check_line,
     finish, fmt, poll, rel, start_run, step_ms,
 )
+from gpu.launch_admission import Admission, Load, not_run_lines  # noqa: E402
 from support.megatron_launch import MOE, TINY_GPT, with_args  # noqa: E402
 
 Z_COEFF = 1e-4
@@ -448,11 +449,14 @@ def main(argv=None):
     parser.add_argument("--out", default="out/features", help="results.md, results.json, logs.tar.gz")
     parser.add_argument("--cpu", action="store_true", help="gloo, 2 ranks: reshard and faults only")
     parser.add_argument("--groups", nargs="+", help="groups to run (default: all)")
-    parser.add_argument("--timeout-s", type=float, help="per launch (default: 200 on GPUs)")
+    parser.add_argument("--timeout-s", type=float, help="per launch on an idle host, scaled by the load (default: 200 on "
+                        "GPUs)")
     parser.add_argument("--only", help="a regular expression: run the launches whose names match (and those they need)")
     parser.add_argument("--work", help="where the runs write (default: a temporary folder, removed)")
-    parser.add_argument("--parallel", type=int, default=16, help="launches at once")
-    parser.add_argument("--budget-s", type=float, default=290, help="no launch starts after this many seconds")
+    parser.add_argument("--parallel", type=int, default=16, help="launches at once at most (the host's cores and "
+                        "the GPUs' free memory may admit fewer: tests/gpu/launch_admission.py)")
+    parser.add_argument("--deadline-s", type=float, help="the script ends within this many seconds: a launch starts "
+                        "only where its timeout ends before then (default: 540 on GPUs, none on the CPU)")
     args = parser.parse_args(argv)
 
     import torch
@@ -475,6 +479,8 @@ def main(argv=None):
     timeout_s = args.timeout_s or LAUNCH_TIMEOUT_S["cpu" if cpu else "gpu"]
     parallel = 1 if cpu else args.parallel
     t0 = time.time()
+    deadline_s = args.deadline_s or (math.inf if cpu else 540)
+    admission = Admission(deadline=t0 + deadline_s, timeout_s=timeout_s)
 
     def say(msg):
         print(f"[{time.time() - t0:5.0f}s] {msg}", flush=True)
@@ -483,22 +489,34 @@ def main(argv=None):
         f"work in {work}")
     runs, active, not_run = {}, [], {}
     while todo or active:
+        load = Load.now(sum(by_name[n].ranks for n in active), gpus=not cpu)
         for spec in list(todo):
             if len(active) >= parallel:
                 break
             failed = [n for n in spec.needs if n in not_run or (n in runs and runs[n].rc not in (None, 0))]
-            if failed or time.time() - t0 > args.budget_s:
-                not_run[spec.name] = f"{failed} failed" if failed else f"budget of {args.budget_s:.0f} s spent"
+            if failed:
+                not_run[spec.name] = f"{failed} failed"
                 todo.remove(spec)
                 continue
             if any(n not in runs or runs[n].rc is None for n in spec.needs):
                 continue
+            devices = None if cpu else list(range(spec.ranks))
+            decision = admission.decide(spec.name, spec.ranks, devices, load, time.time())
+            if decision.startswith("not run: "):
+                not_run[spec.name] = decision[len("not run: "):]
+                todo.remove(spec)
+                continue
+            if decision == "wait":
+                continue
             run = Run(spec.group, spec.variant, work / spec.name)
             run.out.mkdir(parents=True, exist_ok=True)
-            start_run(run, spec.args, spec.ranks, None if cpu else list(range(spec.ranks)), timeout_s, spec.env)
+            start_run(run, spec.args, spec.ranks, devices, admission.timeout(load), spec.env)
+            load.ranks += spec.ranks
             runs[spec.name] = run
             active.append(spec.name)
             todo.remove(spec)
+        for name in active:  # timeouts follow the load (a save slows down as others start)
+            runs[name].deadline = admission.run_deadline(runs[name].start, load)
         for name in list(active):
             if poll(runs[name]):
                 active.remove(name)
@@ -521,7 +539,8 @@ def main(argv=None):
         "not_run": not_run, "checks": all_checks}, indent=1))
     failed = finish(out, work, "*/train.log", not args.work, all_checks,
                     f"{len(runs)} launches, {len(not_run)} not run", say)
-    return 1 if failed or not runs else 0
+    print("\n".join(not_run_lines(not_run)), flush=True)
+    return 1 if failed or not runs or not_run else 0  # a launch not run: the checks are incomplete
 
 
 if __name__ == "__main__":
