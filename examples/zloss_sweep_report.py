@@ -179,6 +179,53 @@ def summarize(run_dir):
     return summary
 
 
+def _compact(x):
+    return x if x is None or not math.isfinite(x) else float(f"{x:.5g}")
+
+
+def summarize_logs(run_dir):
+    """The long runs (pilot / study) from their logs alone: per run its settings, how it ended, the
+    divergence verdict (zloss_divergence.py, the rule the sweep stopped runs by), the final validation
+    loss when it got there, and every log line's values as columns (``series``: step, loss, z_loss,
+    lse, lse_max, grad_norm, lr, nan_iters). Writes and returns ``RUN/summary.json``."""
+    from zloss_divergence import COLUMNS, divergence, parse_log
+
+    with open(os.path.join(run_dir, "sweep.json")) as fh:
+        sweep = json.load(fh)
+    warmup_fraction = sweep.get("warmup_fraction", 0.05)
+    runs = []
+    for record in sweep["runs"]:
+        try:
+            with open(os.path.join(run_dir, "logs", record["name"] + ".log"), errors="replace") as fh:
+                text = fh.read()
+        except OSError:
+            text = ""
+        points = parse_log(text)
+        steps = record.get("steps") or sweep["config"]["steps"]
+        verdict = divergence(points, max(1, int(steps * warmup_fraction)))
+        vals = [(int(i), float(v)) for i, v in VALIDATION.findall(text)]
+        last = points[-1]["step"] if points else 0
+        run = dict(record, steps=steps, last_step=last, verdict=verdict, diverged=verdict is not None,
+                   init_loss=points[0].get("loss") if points else None,
+                   final_validation=vals[-1][1] if vals and vals[-1][0] == steps else None)
+        run["status"] = ("diverged (stopped)" if record.get("stopped_diverged") else
+                         "diverged" if verdict else "complete" if run["final_validation"] is not None else
+                         f"stopped at the budget (step {last})" if record.get("stopped_at_budget") else
+                         "not started" if record.get("not_started") else f"failed (rc {record.get('rc')})")
+        cols = [c for c in COLUMNS if any(c in p for p in points)]
+        run["series"] = {"columns": cols, "rows": [[_compact(p.get(c)) if c != "step" else p["step"] for c in cols]
+                                                   for p in points]}
+        runs.append(run)
+    summary = {k: v for k, v in sweep.items() if k != "runs"}
+    from zloss_divergence import RECOVER_NATS, RECOVER_STEPS, SMOOTH, SPIKE_NATS
+
+    summary.update(runs=runs, divergence_rule=dict(smooth_log_lines=SMOOTH, spike_nats=SPIKE_NATS,
+                                                   recover_nats=RECOVER_NATS, recover_steps=RECOVER_STEPS))
+    with open(os.path.join(run_dir, "summary.json"), "w") as fh:
+        json.dump(summary, fh, separators=(",", ":"))
+    return summary
+
+
 # ------------------------------------------------------------------------------------- statistics
 def pool(summaries):
     """Every run of the phases, each tagged with its phase. A run that did not complete in one phase
