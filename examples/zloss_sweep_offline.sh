@@ -45,7 +45,7 @@ if [ -n "${MPS_GPUS:-}" ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1;
         trap 'echo quit | CUDA_MPS_PIPE_DIRECTORY=$pipe nvidia-cuda-mps-control' EXIT
         ok=1
         for g in ${MPS_GPUS//,/ }; do
-            CUDA_VISIBLE_DEVICES=$g CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=${pipe}_log timeout 60 \
+            CUDA_VISIBLE_DEVICES=$g CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=${pipe}_log timeout 30 \
                 $PY -c "import torch; assert torch.ones(4, device='cuda').sum().item() == 4" || ok=0
         done
         if [ $ok = 1 ]; then
