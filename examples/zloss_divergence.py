@@ -25,7 +25,7 @@ RECOVER_NATS = 0.5
 RECOVER_STEPS = 1000
 
 LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
-FIELD = re.compile(r"\s*([A-Za-z_][\w \-]*?):\s*([-+\w.]+)\s*$")
+FIELD = re.compile(r"\s*([A-Za-z_][\w \-()]*?):\s*([-+\w.]+)\s*$")
 KEYS = {"lm loss": "loss", "lm_z_loss": "z_loss", "lm_lse": "lse", "lm_lse_max": "lse_max", "grad norm": "grad_norm",
         "learning rate": "lr", "elapsed time per iteration (ms)": "ms", "number of nan iterations": "nan_iters",
         "number of skipped iterations": "skipped_iters"}

@@ -21,7 +21,7 @@ call of a few minutes on four GPUs:
 Runs start in that order of priority (the widest first within phase B, so they are not the ones cut);
 a run still going at ``--budget-s`` is stopped and recorded as stopped, one never started as such.
 
-    pip install "megatron-core>=0.18" tokenizers tensorboard matplotlib     # what it needs besides torch
+    pip install ".[sweep]"      # what it and its report need besides torch (megatron-core, tokenizers, ...)
     python examples/pypi_text_corpus.py build --dir data/pypi_32k           # the data, once (CPU, network)
     python examples/zloss_lr_sweep.py --data data/pypi_32k --phase A --out out/zloss_A       # 4 GPUs: ~7 min
     python examples/zloss_lr_sweep.py --data data/pypi_32k --phase B --best-lr 0.01 --out out/zloss_B
@@ -47,7 +47,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 # module -> pip requirement: what every run needs, and tokenizers to build the data (not to train on a build)
-NEEDS = {"megatron.training": "megatron-core>=0.18", "tensorboard": "tensorboard", "tokenizers": "tokenizers"}
+# (pyproject's "sweep" extra holds them all, matplotlib for the report too)
+NEEDS = {"megatron.training": "megatron-core>=0.18", "tensorboard": "tensorboard", "tokenizers": "tokenizers==0.23.3"}
 
 
 def missing_requirements(modules=tuple(NEEDS)):
@@ -138,11 +139,13 @@ def missing_from(summary_path):
     return originals
 
 
-def plan_phase(phase, cfg, best_lr=None, quick=False):
+def plan_phase(phase, cfg, best_lr=None, quick=False, study=None):
     """The runs of a phase, in the order they start."""
     h, seeds, lrs = cfg["hidden"], cfg["seeds"], cfg["lrs"]
     if phase == "pilot":
         return plan_pilot(cfg, quick)
+    if phase == "study":
+        return plan_study(cfg, quick=quick, **(study or {}))
     if phase == "A":
         # seed by seed (a seed cut by the budget is the last one), the rerun right after the first seed
         runs = [make_run("main", lr, c, s, h) for s in seeds for lr in lrs for c in cfg.get("coeffs", MAIN_COEFFS)]
@@ -190,6 +193,23 @@ def plan_pilot(cfg, quick=False):
     runs += [make_run("pilot", hi, 1e-4, 1, h, wd, clip=0.0) for wd in ("none", "independent")]
     runs += [make_run("pilot", lr, 0.0, 2, h) for lr in (hi, mid)]
     runs += [make_run("pilot", hi, 0.0, 1, 2 * h)]
+    return runs
+
+
+STUDY_COEFFS = [0.0, 1e-4, 1e-3, 1e-6]  # 1e-6: a near-zero arm, the run-to-run noise of "a coefficient at all"
+
+
+def plan_study(cfg, edge_lrs, below_lrs=(), wd_mode="none", clip=1.0, seeds_edge=5, seeds_below=3,
+               coeffs=STUDY_COEFFS, quick=False):
+    """The coefficients at the learning rates around the edge the pilot found: ``seeds_edge`` seeds at each
+    of ``edge_lrs``, ``seeds_below`` at ``below_lrs``. In order of priority (what the budget cuts is the
+    end): seed by seed, c = 0 and 1e-4 (the pair the question is about) before 1e-3 and the near-zero arm."""
+    h = cfg["hidden"]
+    order = sorted(coeffs, key=lambda c: STUDY_COEFFS.index(c) if c in STUDY_COEFFS else len(STUDY_COEFFS))
+    runs = []
+    for seed in range(1, max(seeds_edge, seeds_below) + 1):
+        lrs = [lr for lr in edge_lrs if seed <= seeds_edge] + [lr for lr in below_lrs if seed <= seeds_below]
+        runs += [make_run("study", lr, c, seed, h, wd_mode, clip=clip) for c in order for lr in lrs]
     return runs
 
 
@@ -474,6 +494,14 @@ def main(argv=None):
                              "c = 0 diverges; study: the coefficients at the learning rates around that edge")
     parser.add_argument("--steps", type=int, default=None, help="pilot / study: iterations of a run (default 10000)")
     parser.add_argument("--gpu-capacity", type=int, default=None, help="runs sharing one GPU (pilot / study: 8)")
+    parser.add_argument("--edge-lrs", type=float, nargs="+", default=None, help="study: learning rates at the edge")
+    parser.add_argument("--below-lrs", type=float, nargs="+", default=[], help="study: learning rates below it")
+    parser.add_argument("--seeds-edge", type=int, default=5, help="study: seeds at each edge learning rate")
+    parser.add_argument("--seeds-below", type=int, default=3, help="study: seeds at each learning rate below it")
+    parser.add_argument("--coeffs", type=float, nargs="+", default=STUDY_COEFFS, help="study: the coefficients")
+    parser.add_argument("--wd-mode", choices=sorted(WEIGHT_DECAY), default="none", help="study: the weight decay")
+    parser.add_argument("--clip", type=float, default=1.0, help="study: gradient clipping norm (0: none)")
+    parser.add_argument("--hidden", type=int, default=None, help="pilot / study: the model width (default 256)")
     parser.add_argument("--best-lr", type=float, default=None, help="phase B: the learning rate of its sweeps")
     parser.add_argument("--complete", default=None, metavar="SUMMARY",
                         help="first rerun the runs that did not complete in this earlier phase's summary.json")
@@ -493,13 +521,15 @@ def main(argv=None):
     missing = missing_requirements([m for m in NEEDS if (m != "tokenizers" or not (built or args.data_archive))
                                     and (m != "tensorboard" or args.phase in ("A", "B"))])
     if missing:
-        raise SystemExit("zloss_lr_sweep.py needs: pip install " + " ".join(f'"{m}"' for m in missing))
+        raise SystemExit('zloss_lr_sweep.py needs: pip install ".[sweep]" (missing: ' + ", ".join(missing) + ")")
 
     long_phase = args.phase in ("pilot", "study")
     cfg = dict((QUICK_LONG if args.quick else LONG) if long_phase else (QUICK if args.quick else FULL))
     cfg["stop_on_divergence"] = long_phase
     if args.steps:
         cfg["steps"] = args.steps
+    if args.hidden:
+        cfg["hidden"] = args.hidden
     if args.gpu_capacity:
         cfg["gpu_capacity"] = args.gpu_capacity
     gpus = [] if args.quick else detect_gpus()
@@ -533,7 +563,13 @@ def main(argv=None):
     env = environment(gpus)
     print("environment:", json.dumps(env), flush=True)
     try:
-        plan = plan_phase(args.phase, cfg, args.best_lr, args.quick)
+        study = None
+        if args.phase == "study":
+            if not args.edge_lrs:
+                parser.error("--phase study needs --edge-lrs (the learning rates where the pilot's c = 0 diverged)")
+            study = dict(edge_lrs=args.edge_lrs, below_lrs=args.below_lrs, wd_mode=args.wd_mode, clip=args.clip,
+                         seeds_edge=args.seeds_edge, seeds_below=args.seeds_below, coeffs=args.coeffs)
+        plan = plan_phase(args.phase, cfg, args.best_lr, args.quick, study)
     except ValueError as e:
         parser.error(str(e))
     if args.complete:
