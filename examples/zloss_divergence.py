@@ -160,3 +160,59 @@ def early_warning(runs, key, threshold, skip=0):
     return {"key": key, "threshold": threshold, "leads": leads,
             "warned": sum(1 for x in leads if x is not None), "diverged": len(leads),
             "false_alarms": alarms, "not_diverged": alarms + quiet}
+
+
+# ------------------------------------------------------------------------------------- a summary's runs
+def run_points(run):
+    """A summarized run's log points (``{"step", "loss", ...}``) from its compact columns."""
+    cols = run["series"]["columns"]
+    return [dict(zip(cols, row)) for row in run["series"]["rows"]]
+
+
+def arm_key(run):
+    """The setting a run belongs to, seeds aside."""
+    return (run["hidden"], run["wd_mode"], run.get("clip", 1.0), run.get("steps"), run["lr"], run["coeff"])
+
+
+def tail_loss(points, n=10):
+    """The mean logged training loss of the last ``n`` log lines (100 iterations at interval 10)."""
+    xs = [p["loss"] for p in points[-n:] if p.get("loss") is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def arms(runs):
+    """``{arm key: {"seeds", "started", "diverged", "complete", "verdicts"}}``: a run counts in its arm once
+    it started; it is diverged by the rule, complete when it reached its last step without diverging, and
+    otherwise (stopped by the budget first) undecided: counted in neither."""
+    out = {}
+    for run in runs:
+        if run.get("not_started"):
+            continue
+        arm = out.setdefault(arm_key(run), {"seeds": [], "diverged": [], "complete": [], "undecided": [],
+                                            "verdicts": {}})
+        arm["seeds"].append(run["seed"])
+        if run.get("verdict"):
+            arm["diverged"].append(run["seed"])
+            arm["verdicts"][run["seed"]] = run["verdict"]
+        elif run.get("last_step", 0) >= (run.get("steps") or 0):
+            arm["complete"].append(run["seed"])
+        else:
+            arm["undecided"].append(run["seed"])
+    return out
+
+
+def compare_to_zero(arm_table):
+    """For every arm with c > 0 whose c = 0 arm exists: diverged / decided seeds of both and Fisher's p
+    (decided: diverged or complete)."""
+    rows = []
+    for key, arm in sorted(arm_table.items()):
+        if key[-1] == 0:
+            continue
+        base = arm_table.get(key[:-1] + (0.0,))
+        if base is None:
+            continue
+        a, n1 = len(arm["diverged"]), len(arm["diverged"]) + len(arm["complete"])
+        c, n0 = len(base["diverged"]), len(base["diverged"]) + len(base["complete"])
+        rows.append({"arm": key, "diverged": a, "decided": n1, "diverged_c0": c, "decided_c0": n0,
+                     "p": fisher_exact(a, n1 - a, c, n0 - c) if n1 and n0 else None})
+    return rows

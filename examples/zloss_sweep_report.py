@@ -33,11 +33,15 @@ incomplete, never computed from fewer learning rates.
 import argparse
 import concurrent.futures
 import gzip
+import importlib.util
 import json
 import math
 import os
 import re
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 TAGS = ("lm loss", "lm_z_loss", "lm_lse", "lm_lse_max", "grad-norm", "lm loss validation")
 DIVERGED_NATS = 1.0
@@ -604,6 +608,181 @@ def report(summaries, out_dir):
     return paths
 
 
+# ------------------------------------------------------------------------------------- the long runs
+WARNING_GRID = {"lse_max": [20, 30, 40, 50, 60, 80, 100, 150, 200, 300], "lse": [12, 13, 14, 15, 16, 18, 20, 25, 30],
+                "z_loss": [1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0], "grad_norm": [1, 2, 3, 5, 10, 20, 50]}
+
+
+def pooled_long_runs(summaries):
+    """The started runs of the summaries with their log points; a run of the same setting and seed in a
+    later summary replaces the earlier one (the study repeats a pilot run that the budget cut)."""
+    import zloss_divergence as zd
+
+    runs = {}
+    for summary in summaries:
+        for run in summary["runs"]:
+            if run.get("not_started"):
+                continue
+            pts = zd.run_points(run)
+            finite = [p.get("lse_max") for p in pts if p.get("lse_max") is not None and math.isfinite(p["lse_max"])]
+            runs[(zd.arm_key(run), run["seed"])] = dict(
+                {k: v for k, v in run.items() if k != "series"}, phase=summary.get("phase"), points=pts,
+                tail_loss=zd.tail_loss(pts) if not run.get("verdict") else None,
+                lse_max_run=max(finite) if finite else None, lse_last=pts[-1].get("lse") if pts else None)
+    return list(runs.values())
+
+
+def long_statistics(summaries):
+    """The long runs (pilot, study) pooled: per run its outcome, per arm the diverged seeds and Fisher's
+    test against c = 0, the paired final losses against c = 0, and the early-warning rules."""
+    import zloss_divergence as zd
+
+    runs = pooled_long_runs(summaries)
+    table = zd.arms(runs)
+    arms = [{"arm": dict(zip(("hidden", "wd_mode", "clip", "steps", "lr", "coeff"), key)),
+             **{k: v for k, v in arm.items() if k != "verdicts"},
+             "verdicts": {str(s): v for s, v in arm["verdicts"].items()}} for key, arm in sorted(table.items())]
+    fisher = [dict(row, arm=dict(zip(("hidden", "wd_mode", "clip", "steps", "lr", "coeff"), row["arm"])))
+              for row in zd.compare_to_zero(table)]
+    by = {(zd.arm_key(r), r["seed"]): r for r in runs}
+    paired_rows = []
+    for key in sorted(table):
+        if key[-1] == 0:
+            continue
+        for what in ("tail_loss", "final_validation"):
+            diffs = {}
+            for seed in table[key]["seeds"]:
+                a, b = by.get((key, seed)), by.get((key[:-1] + (0.0,), seed))
+                if a and b and a.get(what) is not None and b.get(what) is not None:
+                    diffs[seed] = a[what] - b[what]
+            if diffs:
+                paired_rows.append({"arm": dict(zip(("hidden", "wd_mode", "clip", "steps", "lr", "coeff"), key)),
+                                    "value": what, **interval(list(diffs.values())), "per_seed": diffs})
+    decided = [r for r in runs if r.get("verdict") or r.get("last_step", 0) >= (r.get("steps") or 0)]
+    warnings = {key: [zd.early_warning([{"points": r["points"], "verdict": r.get("verdict")} for r in decided
+                                        if key != "z_loss" or r["coeff"] > 0], key, t, skip=100) for t in grid]
+                for key, grid in WARNING_GRID.items()}
+    return {"runs": [{k: v for k, v in r.items() if k != "points"} for r in runs], "arms": arms, "fisher": fisher,
+            "paired": paired_rows, "early_warning": warnings}
+
+
+def _arm_label(arm):
+    clip = "no clip" if arm["clip"] != 1.0 else "clip 1"
+    return (f"h{arm['hidden']}, wd {arm['wd_mode']}, {clip}, {arm['steps']} steps, LR {arm['lr']:g}, "
+            f"c = {arm['coeff']:g}")
+
+
+def long_tables_md(stats):
+    lines = ["## Diverged seeds per arm (the rule: examples/zloss_divergence.py)", "",
+             "| arm | seeds started | diverged | complete, not diverged | stopped by the budget first | rules (seed: rule @ step) |",
+             "|---|---|---|---|---|---|"]
+    for arm in stats["arms"]:
+        rules = ", ".join(f"{s}: {v['rule']} @ {v['step']}" for s, v in arm["verdicts"].items())
+        lines.append(f"| {_arm_label(arm['arm'])} | {len(arm['seeds'])} | {len(arm['diverged'])} | "
+                     f"{len(arm['complete'])} | {len(arm['undecided'])} | {rules} |")
+    lines += ["", "## Fisher's exact test against c = 0 (two-sided; decided seeds only)", "",
+              "| arm | diverged / decided | c = 0: diverged / decided | p |", "|---|---|---|---|"]
+    for row in stats["fisher"]:
+        p = "" if row["p"] is None else f"{row['p']:.3g}"
+        lines.append(f"| {_arm_label(row['arm'])} | {row['diverged']} / {row['decided']} | "
+                     f"{row['diverged_c0']} / {row['decided_c0']} | {p} |")
+    lines += ["", "## Paired differences against c = 0 (same seed; runs that neither diverged nor were cut)", "",
+              "| arm | value | seeds | mean difference | 95 % interval half-width |", "|---|---|---|---|---|"]
+    for row in stats["paired"]:
+        lines.append(f"| {_arm_label(row['arm'])} | {row['value']} | {row['n']} | {_fmt(row['mean'], '+.3f')} | "
+                     f"{_fmt(row['ci95'], '.3f') if row['ci95'] is not None else '(one seed)'} |")
+    lines += ["", "## Early warning: a threshold on one logged value (first 100 iterations ignored)", "",
+              "| value | threshold | diverged runs warned | steps ahead (each) | runs not diverged where it fired |",
+              "|---|---|---|---|---|"]
+    for key, rows in stats["early_warning"].items():
+        for row in rows:
+            lines.append(f"| {key} | {row['threshold']:g} | {row['warned']} / {row['diverged']} | "
+                         f"{', '.join('-' if x is None else str(x) for x in row['leads'])} | "
+                         f"{row['false_alarms']} / {row['not_diverged']} |")
+    lines += ["", "## Runs", "", "| run | phase | status | last step | steps/s | GPU (MPS) | train loss, last 100 | "
+              "final val. loss | largest lm_lse_max | last lm_lse |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in stats["runs"]:
+        lines.append(f"| {r['name']} | {r['phase']} | {r['status']} | {r.get('last_step')} | {r.get('steps_per_s')} | "
+                     f"{r.get('gpu')} ({'on' if r.get('mps') else 'off'}) | {_fmt(r.get('tail_loss'))} | "
+                     f"{_fmt(r.get('final_validation'))} | {_fmt(r.get('lse_max_run'), '.1f')} | "
+                     f"{_fmt(r.get('lse_last'), '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def report_long(summaries, out_dir, setting=None):
+    """``long_stats.json``, ``long_tables.md`` and ``divergence.png`` of the long runs. ``setting``:
+    (hidden, wd_mode, clip, steps) of the plot (default: the study's, else the pilot's most common)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import zloss_divergence as zd
+
+    os.makedirs(out_dir, exist_ok=True)
+    stats = long_statistics(summaries)
+    with open(os.path.join(out_dir, "long_stats.json"), "w") as fh:
+        json.dump(stats, fh, indent=1)
+    with open(os.path.join(out_dir, "long_tables.md"), "w") as fh:
+        fh.write(long_tables_md(stats))
+    pooled = pooled_long_runs(summaries)
+    points = {r["name"] + r["phase"]: r["points"] for r in pooled}
+    runs = stats["runs"]
+    if setting is None:
+        study = [r for r in runs if r["phase"] == "study"] or runs
+        keys = [(r["hidden"], r["wd_mode"], r.get("clip", 1.0), r["steps"]) for r in study]
+        setting = max(set(keys), key=keys.count)
+    runs = [r for r in runs if (r["hidden"], r["wd_mode"], r.get("clip", 1.0), r["steps"]) == tuple(setting)]
+    coeffs = sorted({r["coeff"] for r in runs})
+    colors = {c: plt.cm.viridis(i / max(1, len(coeffs) - 1)) for i, c in enumerate(coeffs)}
+    lrs = sorted({r["lr"] for r in runs})
+    top = lrs[-2:]
+    fig = plt.figure(figsize=(11, 11), constrained_layout=True)
+    grid = fig.add_gridspec(3, max(1, len(top)))
+    ax = fig.add_subplot(grid[0, :])
+    init = [r["init_loss"] for r in runs if r.get("init_loss")]
+    threshold = sum(init) / len(init) if init else math.log(32768)
+    ax.axhline(threshold, color="red", lw=1, ls="--", label=f"loss at initialization ({threshold:.2f}): diverged above")
+    for i, c in enumerate(coeffs):
+        shift = 1 + 0.06 * (i - (len(coeffs) - 1) / 2)
+        mine = [r for r in runs if r["coeff"] == c]
+        ok = [r for r in mine if r.get("tail_loss") is not None and r.get("last_step", 0) >= r["steps"]]
+        cut = [r for r in mine if r.get("tail_loss") is not None and r.get("last_step", 0) < r["steps"]]
+        bad = [r for r in mine if r.get("verdict")]
+        n = {lr: sum(1 for r in mine if r["lr"] == lr) for lr in lrs}
+        ax.scatter([r["lr"] * shift for r in ok], [r["tail_loss"] for r in ok], color=colors[c], s=18,
+                   label=f"c = {c:g} ({', '.join(f'{n[lr]}' for lr in lrs)} seeds by LR)")
+        ax.scatter([r["lr"] * shift for r in cut], [r["tail_loss"] for r in cut], facecolors="none",
+                   edgecolors=[colors[c]], s=18)
+        ax.scatter([r["lr"] * shift for r in bad], [threshold + 0.3 + 0.15 * (r["seed"] % 5) for r in bad], marker="x",
+                   color=colors[c], s=30)
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("training loss, last 100 iterations")
+    ax.set_title(f"hidden {setting[0]}, weight decay {setting[1]}, clip {setting[2]:g}, {setting[3]} steps: every "
+                 "seed (open: stopped by the time budget first; x above the line: diverged)", fontsize=9)
+    ax.legend(fontsize=7)
+    for col, lr in enumerate(top):
+        ax_loss, ax_lse = fig.add_subplot(grid[1, col]), fig.add_subplot(grid[2, col])
+        for r in runs:
+            if r["lr"] != lr:
+                continue
+            pts = points[r["name"] + r["phase"]]
+            steps = [p["step"] for p in pts]
+            ax_loss.plot(steps, [p.get("loss") for p in pts], color=colors[r["coeff"]], lw=0.7, alpha=0.8)
+            ax_lse.plot(steps, [p.get("lse") for p in pts], color=colors[r["coeff"]], lw=0.7, alpha=0.8)
+        ax_loss.axhline(threshold, color="red", lw=1, ls="--")
+        ax_loss.set_ylim(top=threshold + 2)  # a diverged run's loss in the hundreds would flatten the rest
+        ax_loss.set_title(f"LR {lr:g}: training loss (log line, every 10 iterations)", fontsize=9)
+        ax_lse.set_title(f"LR {lr:g}: mean log Z (lm_lse)", fontsize=9)
+        ax_lse.set_xlabel("iteration")
+    path = os.path.join(out_dir, "divergence.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return {"stats": os.path.join(out_dir, "long_stats.json"), "tables": os.path.join(out_dir, "long_tables.md"),
+            "plot": path}
+
+
 def load(run):
     """A run folder's summary (summarized now when its TensorBoard events are there), or a summary file."""
     if os.path.isfile(run):
@@ -623,7 +802,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     summaries = [load(run) for run in args.runs]
     first = args.runs[0] if os.path.isdir(args.runs[0]) else os.path.dirname(os.path.abspath(args.runs[0]))
-    paths = report(summaries, args.out or os.path.join(first, "report"))
+    if importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit('zloss_sweep_report.py needs: pip install ".[sweep]" (missing: matplotlib)')
+    if all(s.get("phase") in ("pilot", "study") for s in summaries):
+        paths = report_long(summaries, args.out or os.path.join(first, "report"))
+    else:
+        paths = report(summaries, args.out or os.path.join(first, "report"))
     print("\n".join(paths.values()))
 
 
