@@ -508,18 +508,33 @@ def report(summaries, out_dir):
     # LR sensitivity: the paired difference per learning rate, the absolute loss zoomed beside it
     main_coeffs = [c for c in base_coeffs if any(cell.get((cfg["hidden"], "none", lr, c), {}).get("final_validation",
                                                    {}).get("n", 0) > 1 for lr in main_lrs)]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5), gridspec_kw={"width_ratios": [0.6, 1, 1]})
+    sens = next((e for e in stats["lr_sensitivity"] if (e["hidden"], e["wd_mode"]) == (cfg["hidden"], "none")
+                 and not e.get("compare_with")), None)
+    if sens:  # the LR sensitivity itself: every seed a dot, the mean and its 95 % interval beside them
+        for i, (c, v) in enumerate(sorted(sens["by_coeff"].items())):
+            seeds = sorted(v["per_seed"].items())
+            axes[0].scatter([i - 0.1] * len(seeds), [x for _, x in seeds], color=f"C{i}", s=16)
+            if v["mean"] is not None:
+                axes[0].errorbar([i + 0.1], [v["mean"]], yerr=[v["ci95"] or 0], color=f"C{i}", marker="o", capsize=3)
+        axes[0].set_xticks(range(len(sens["by_coeff"])))
+        axes[0].set_xticklabels([f"{_label(c)}\n{v['n']} seeds" for c, v in sorted(sens["by_coeff"].items())],
+                                fontsize=8)
+        axes[0].set_ylabel("LR sensitivity (nats): dots per seed, mean and 95 % interval")
+        axes[0].set_title(f"over LR {', '.join(f'{lr:g}' for lr in sens['lrs'])}", fontsize=8)
+        axes[0].grid(alpha=0.3)
     for i, c in enumerate(main_coeffs):
         rows = [cell.get((cfg["hidden"], "none", lr, c), {}) for lr in main_lrs]
-        errorbar(axes[1], main_lrs, [r.get("final_validation") for r in rows], shift=i - 1, color=f"C{i}",
-                 label=_label(c))
+        n = sorted({(r.get("final_validation") or {}).get("n", 0) for r in rows} - {0})
+        errorbar(axes[2], main_lrs, [r.get("final_validation") for r in rows], shift=i - 1, color=f"C{i}",
+                 label=f"{_label(c)} ({'/'.join(map(str, n))} seeds)")
         if c != 0.0:
-            errorbar(axes[0], main_lrs, [r.get("final_validation_minus_c0") for r in rows], shift=i - 1.5,
-                     color=f"C{i}", label=f"{_label(c)} minus c=0")
-    axes[0].axhline(0, color="gray", linewidth=1)
-    axes[0].set_ylabel("final validation loss, paired difference from c=0 (nats)")
-    axes[1].set_ylabel("final validation loss (zoomed)")
-    _learning_rate_axes(axes)
+            errorbar(axes[1], main_lrs, [r.get("final_validation_minus_c0") for r in rows], shift=i - 1.5,
+                     color=f"C{i}", label=f"{_label(c)} minus c=0 ({'/'.join(map(str, n))} seeds)")
+    axes[1].axhline(0, color="gray", linewidth=1)
+    axes[1].set_ylabel("final validation loss, paired difference from c=0 (nats)")
+    axes[2].set_ylabel("final validation loss (zoomed)")
+    _learning_rate_axes(axes[1:])
     fig.suptitle(f"hidden {cfg['hidden']}, no weight decay: {subtitle}", fontsize=9)
     fig.tight_layout()
     paths["lr_sensitivity"] = os.path.join(out_dir, "lr_sensitivity.png")
@@ -531,8 +546,11 @@ def report(summaries, out_dir):
     if best_lr is not None:
         coeffs = sorted(k[3] for k in cell if k[:3] == (cfg["hidden"], "none", best_lr) and k[3] > 0)
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
-        errorbar(ax, coeffs, [cell[(cfg["hidden"], "none", best_lr, c)].get("final_validation_minus_c0")
-                              for c in coeffs], color="C0")
+        diffs = [cell[(cfg["hidden"], "none", best_lr, c)].get("final_validation_minus_c0") for c in coeffs]
+        errorbar(ax, coeffs, diffs, color="C0")
+        for c, d in zip(coeffs, diffs):
+            if d and d.get("mean") is not None:
+                ax.annotate(f"{d['n']} seeds", (c, d["mean"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.axhline(0, color="gray", linewidth=1)
         ax.set_xscale("log")
         ax.set_xlabel("z-loss coefficient c")
@@ -548,9 +566,15 @@ def report(summaries, out_dir):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, c in enumerate(main_coeffs):
         rows = [cell.get((cfg["hidden"], "none", lr, c), {}) for lr in main_lrs]
-        errorbar(axes[0], main_lrs, [r.get("lse_max_run") for r in rows], shift=i - 1, color=f"C{i}", label=_label(c))
-        errorbar(axes[1], main_lrs, [r.get("lse_last100") for r in rows], shift=i - 1, color=f"C{i}", label=_label(c))
-    axes[0].set_ylabel("largest lm_lse_max of the run")
+        n = sorted({(r.get("lse_max_run") or {}).get("n", 0) for r in rows} - {0})
+        for lr, r in zip(main_lrs, rows):  # a maximum is skewed: every seed's value, no symmetric bar
+            vals = list((r.get("lse_max_run") or {}).get("per_seed", {}).values())
+            axes[0].scatter([lr * 1.06 ** (i - 1)] * len(vals), vals, color=f"C{i}", s=14,
+                            label=f"{_label(c)} ({'/'.join(map(str, n))} seeds)" if lr == main_lrs[0] else None)
+        errorbar(axes[1], main_lrs, [r.get("lse_last100") for r in rows], shift=i - 1, color=f"C{i}",
+                 label=f"{_label(c)} ({'/'.join(map(str, n))} seeds)")
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("largest lm_lse_max of the run (each seed)")
     axes[1].set_ylabel("mean lm_lse, last 100 steps")
     _learning_rate_axes(axes)
     fig.suptitle(f"log-sum-exp of the logits, hidden {cfg['hidden']}: {subtitle}", fontsize=9)
@@ -565,7 +589,10 @@ def report(summaries, out_dir):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         for i, arm in enumerate([(cfg["hidden"], "none")] + arms):
             lrs = sorted({k[2] for k in cell if k[:2] == arm})
-            label = f"hidden {arm[0]}" + ("" if arm[1] == "none" else f", {arm[1]} wd")
+            n = max((cell.get((*arm, lr, 0.0), {}).get("final_validation") or {}).get("n", 0) for lr in lrs)
+            wd, _, steps = arm[1].partition(", ")
+            label = (f"hidden {arm[0]}" + ("" if wd == "none" else f", {wd} wd") + f", {steps or str(cfg['steps']) + ' steps'}"
+                     + f", {n} seed{'s' if n != 1 else ''}")
             errorbar(axes[0], lrs, [cell.get((*arm, lr, 1e-4), {}).get("final_validation_minus_c0") for lr in lrs],
                      shift=i - len(arms) / 2, color=f"C{i}", label=label)
             errorbar(axes[1], lrs, [cell.get((*arm, lr, 0.0), {}).get("final_validation") for lr in lrs],
@@ -574,7 +601,8 @@ def report(summaries, out_dir):
         axes[0].set_ylabel("final validation loss, c=1e-4 minus c=0 (paired)")
         axes[1].set_ylabel("final validation loss at c=0")
         _learning_rate_axes(axes)
-        fig.suptitle("wider models (one seed: no bars) and weight decay: " + subtitle, fontsize=9)
+        fig.suptitle("wider models and weight decay (one seed: no bars; steps and seeds in the legend): "
+                     + f"{cfg['layers']}-layer GPT, seq {cfg['seq']}, batch {cfg['micro_batch']}", fontsize=9)
         fig.tight_layout()
         paths["widths_wd"] = os.path.join(out_dir, "widths_wd.png")
         fig.savefig(paths["widths_wd"], dpi=110)
