@@ -174,28 +174,40 @@ def arm_key(run):
     return (run["hidden"], run["wd_mode"], run.get("clip", 1.0), run.get("steps"), run["lr"], run["coeff"])
 
 
-def tail_loss(points, n=10):
-    """The mean logged training loss of the last ``n`` log lines (100 iterations at interval 10)."""
+def tail_loss(points, n=10, at=None):
+    """The mean logged training loss of the last ``n`` log lines (100 iterations at interval 10), those up to
+    iteration ``at`` when given."""
+    if at is not None:
+        points = [p for p in points if p["step"] <= at]
     xs = [p["loss"] for p in points[-n:] if p.get("loss") is not None]
     return sum(xs) / len(xs) if xs else None
 
 
+def horizon_of(run):
+    """The iteration by which a run is judged (the study's ``--horizon``; else its last iteration)."""
+    return run.get("horizon") or run.get("steps") or 0
+
+
 def arms(runs):
-    """``{arm key: {"seeds", "started", "diverged", "complete", "verdicts"}}``: a run counts in its arm once
-    it started; it is diverged by the rule, complete when it reached its last step without diverging, and
-    otherwise (stopped by the budget first) undecided: counted in neither."""
+    """``{arm key: {"seeds", "diverged", "complete", "undecided", "verdicts", "later"}}``: a run counts in its
+    arm once it started; it is diverged when the rule dates its divergence at or before its horizon
+    (``horizon_of``), complete when it reached the horizon without that (a divergence after it is listed
+    in ``later``), and otherwise (stopped by the budget first) undecided: counted in neither."""
     out = {}
     for run in runs:
         if run.get("not_started"):
             continue
         arm = out.setdefault(arm_key(run), {"seeds": [], "diverged": [], "complete": [], "undecided": [],
-                                            "verdicts": {}})
+                                            "verdicts": {}, "later": []})
         arm["seeds"].append(run["seed"])
-        if run.get("verdict"):
+        horizon = horizon_of(run)
+        if run.get("verdict") and run["verdict"]["step"] <= horizon:
             arm["diverged"].append(run["seed"])
             arm["verdicts"][run["seed"]] = run["verdict"]
-        elif run.get("last_step", 0) >= (run.get("steps") or 0):
+        elif run.get("last_step", 0) >= horizon:
             arm["complete"].append(run["seed"])
+            if run.get("verdict"):
+                arm["later"].append(run["seed"])
         else:
             arm["undecided"].append(run["seed"])
     return out

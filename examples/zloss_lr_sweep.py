@@ -502,6 +502,9 @@ def main(argv=None):
     parser.add_argument("--wd-mode", choices=sorted(WEIGHT_DECAY), default="none", help="study: the weight decay")
     parser.add_argument("--clip", type=float, default=1.0, help="study: gradient clipping norm (0: none)")
     parser.add_argument("--hidden", type=int, default=None, help="pilot / study: the model width (default 256)")
+    parser.add_argument("--horizon", type=int, default=None,
+                        help="pilot / study: the iteration by which a run is judged (diverged by then, or not), fixed "
+                             "before the runs; runs go on to --steps or the budget (default: --steps)")
     parser.add_argument("--best-lr", type=float, default=None, help="phase B: the learning rate of its sweeps")
     parser.add_argument("--complete", default=None, metavar="SUMMARY",
                         help="first rerun the runs that did not complete in this earlier phase's summary.json")
@@ -530,6 +533,8 @@ def main(argv=None):
         cfg["steps"] = args.steps
     if args.hidden:
         cfg["hidden"] = args.hidden
+    if args.horizon:
+        cfg["horizon"] = args.horizon
     if args.gpu_capacity:
         cfg["gpu_capacity"] = args.gpu_capacity
     gpus = [] if args.quick else detect_gpus()

@@ -210,6 +210,7 @@ def summarize_logs(run_dir):
         vals = [(int(i), float(v)) for i, v in VALIDATION.findall(text)]
         last = points[-1]["step"] if points else 0
         run = dict(record, steps=steps, last_step=last, verdict=verdict, diverged=verdict is not None,
+                   horizon=sweep["config"].get("horizon") or steps,
                    init_loss=points[0].get("loss") if points else None,
                    final_validation=vals[-1][1] if vals and vals[-1][0] == steps else None)
         run["status"] = ("diverged (stopped)" if record.get("stopped_diverged") else
@@ -655,8 +656,11 @@ def pooled_long_runs(summaries):
             finite = [p.get("lse_max") for p in pts if p.get("lse_max") is not None and math.isfinite(p["lse_max"])]
             runs[(zd.arm_key(run), run["seed"])] = dict(
                 {k: v for k, v in run.items() if k != "series"}, phase=summary.get("phase"), points=pts,
-                tail_loss=zd.tail_loss(pts) if not run.get("verdict") else None,
-                lse_max_run=max(finite) if finite else None, lse_last=pts[-1].get("lse") if pts else None)
+                tail_loss=(zd.tail_loss(pts, at=zd.horizon_of(run)) if pts and pts[-1]["step"] >= zd.horizon_of(run)
+                           and not (run.get("verdict") and run["verdict"]["step"] <= zd.horizon_of(run))
+                           else None),
+                lse_max_run=max(finite) if finite else None, lse_last=pts[-1].get("lse") if pts else None,
+                last_loss=zd.tail_loss(pts) if pts else None)
     return list(runs.values())
 
 
@@ -701,13 +705,14 @@ def _arm_label(arm):
 
 
 def long_tables_md(stats):
-    lines = ["## Diverged seeds per arm (the rule: examples/zloss_divergence.py)", "",
-             "| arm | seeds started | diverged | complete, not diverged | stopped by the budget first | rules (seed: rule @ step) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["## Diverged seeds per arm (the rule: examples/zloss_divergence.py), judged at each run's horizon", "",
+             "| arm | seeds started | diverged by the horizon | reached it, not diverged (diverged later) | "
+             "stopped by the budget before it | rules (seed: rule @ step) |", "|---|---|---|---|---|---|"]
     for arm in stats["arms"]:
         rules = ", ".join(f"{s}: {v['rule']} @ {v['step']}" for s, v in arm["verdicts"].items())
+        later = f" ({len(arm['later'])})" if arm.get("later") else ""
         lines.append(f"| {_arm_label(arm['arm'])} | {len(arm['seeds'])} | {len(arm['diverged'])} | "
-                     f"{len(arm['complete'])} | {len(arm['undecided'])} | {rules} |")
+                     f"{len(arm['complete'])}{later} | {len(arm['undecided'])} | {rules} |")
     lines += ["", "## Fisher's exact test against c = 0 (two-sided; decided seeds only)", "",
               "| arm | diverged / decided | c = 0: diverged / decided | p |", "|---|---|---|---|"]
     for row in stats["fisher"]:
@@ -774,9 +779,10 @@ def report_long(summaries, out_dir, setting=None):
     for i, c in enumerate(coeffs):
         shift = 1 + 0.06 * (i - (len(coeffs) - 1) / 2)
         mine = [r for r in runs if r["coeff"] == c]
-        ok = [r for r in mine if r.get("tail_loss") is not None and r.get("last_step", 0) >= r["steps"]]
-        cut = [r for r in mine if r.get("tail_loss") is not None and r.get("last_step", 0) < r["steps"]]
-        bad = [r for r in mine if r.get("verdict")]
+        ok = [r for r in mine if r.get("tail_loss") is not None]
+        bad = [r for r in mine if r.get("verdict") and r["verdict"]["step"] <= zd.horizon_of(r)]
+        cut = [dict(r, tail_loss=r["last_loss"]) for r in mine if r.get("tail_loss") is None and r not in bad
+               and r.get("last_loss") is not None]
         n = {lr: sum(1 for r in mine if r["lr"] == lr) for lr in lrs}
         ax.scatter([r["lr"] * shift for r in ok], [r["tail_loss"] for r in ok], color=colors[c], s=18,
                    label=f"c = {c:g} ({', '.join(f'{n[lr]}' for lr in lrs)} seeds by LR)")
@@ -786,9 +792,11 @@ def report_long(summaries, out_dir, setting=None):
                    color=colors[c], s=30)
     ax.set_xscale("log")
     ax.set_xlabel("peak learning rate")
-    ax.set_ylabel("training loss, last 100 iterations")
-    ax.set_title(f"hidden {setting[0]}, weight decay {setting[1]}, clip {setting[2]:g}, {setting[3]} steps: every "
-                 "seed (open: stopped by the time budget first; x above the line: diverged)", fontsize=9)
+    horizon = max(zd.horizon_of(r) for r in runs)
+    ax.set_ylabel(f"training loss, iterations {horizon - 100}-{horizon}")
+    ax.set_title(f"hidden {setting[0]}, weight decay {setting[1]}, clip {setting[2]:g}, a {setting[3]}-iteration schedule "
+                 f"judged at iteration {horizon}: every seed (open: stopped by the time budget before it, at its last "
+                 "loss; x above the line: diverged by then)", fontsize=8)
     ax.legend(fontsize=7)
     for col, lr in enumerate(top):
         ax_loss, ax_lse = fig.add_subplot(grid[1, col]), fig.add_subplot(grid[2, col])
@@ -802,6 +810,8 @@ def report_long(summaries, out_dir, setting=None):
         ax_loss.axhline(threshold, color="red", lw=1, ls="--")
         ax_loss.set_ylim(top=threshold + 2)  # a diverged run's loss in the hundreds would flatten the rest
         ax_loss.set_title(f"LR {lr:g}: training loss (log line, every 10 iterations)", fontsize=9)
+        ax_loss.axvline(horizon, color="gray", lw=0.8, ls=":")
+        ax_lse.axvline(horizon, color="gray", lw=0.8, ls=":")
         ax_lse.set_title(f"LR {lr:g}: mean log Z (lm_lse)", fontsize=9)
         ax_lse.set_xlabel("iteration")
     path = os.path.join(out_dir, "divergence.png")

@@ -133,3 +133,23 @@ def test_digest_mismatch_stops_the_build():
     assert corpus._check("x", "a", None) and corpus._check("x", "a", "a")
     with pytest.raises(SystemExit):
         corpus.main(["build", "--dir", "unused", "--no-strict"])  # the option is gone: argparse refuses it
+
+
+def test_arms_judge_each_run_at_its_horizon_and_fisher_against_c0():
+    def run(coeff, seed, last, verdict_step=None, horizon=4000):
+        return {"hidden": 256, "wd_mode": "none", "clip": 1.0, "steps": 10000, "lr": 0.3, "coeff": coeff, "seed": seed,
+                "last_step": last, "horizon": horizon,
+                "verdict": {"rule": "above_init", "step": verdict_step} if verdict_step else None}
+
+    runs = [run(0.0, 1, 900, 900), run(0.0, 2, 950, 950), run(0.0, 3, 5000), run(0.0, 4, 3000),  # 4: cut, undecided
+            run(1e-3, 1, 6000), run(1e-3, 2, 6000, 5500), run(1e-3, 3, 4000), run(1e-3, 4, 4200),
+            {"not_started": True, **run(1e-3, 5, 0)}]
+    table = zd.arms(runs)
+    base, arm = table[(256, "none", 1.0, 10000, 0.3, 0.0)], table[(256, "none", 1.0, 10000, 0.3, 1e-3)]
+    assert base["diverged"] == [1, 2] and base["complete"] == [3] and base["undecided"] == [4]
+    assert arm["diverged"] == [] and arm["complete"] == [1, 2, 3, 4] and arm["later"] == [2]  # 5500 > horizon
+    (row,) = zd.compare_to_zero(table)
+    assert (row["diverged"], row["decided"], row["diverged_c0"], row["decided_c0"]) == (0, 4, 2, 3)
+    assert row["p"] == pytest.approx(zd.fisher_exact(0, 4, 2, 1))
+    # by hand: P(x) = C(4, x) C(3, 2 - x) / C(7, 2) = 3, 12, 6 (/21) for x = 0, 1, 2; only x = 0 is as unlikely
+    assert zd.fisher_exact(0, 4, 2, 1) == pytest.approx(3 / 21)
