@@ -639,7 +639,7 @@ def report(summaries, out_dir):
 
 # ------------------------------------------------------------------------------------- the long runs
 WARNING_GRID = {"lse_max": [20, 30, 40, 50, 60, 80, 100, 150, 200, 300], "lse": [12, 13, 14, 15, 16, 18, 20, 25, 30],
-                "z_loss": [1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0], "grad_norm": [1, 2, 3, 5, 10, 20, 50]}
+                "z_loss": [0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0], "grad_norm": [1, 2, 3, 5, 10, 20, 50]}
 
 
 def pooled_long_runs(summaries):
@@ -690,12 +690,15 @@ def long_statistics(summaries):
             if diffs:
                 paired_rows.append({"arm": dict(zip(("hidden", "wd_mode", "clip", "steps", "lr", "coeff"), key)),
                                     "value": what, **interval(list(diffs.values())), "per_seed": diffs})
-    decided = [r for r in runs if r.get("verdict") or r.get("last_step", 0) >= (r.get("steps") or 0)]
-    warnings = {key: [zd.early_warning([{"points": r["points"], "verdict": r.get("verdict")} for r in decided
+    # every run that logged: a diverged one (whenever) gives the lead, one that did not a false alarm or not, over
+    # the iterations it ran (``observed``: how many a non-diverged run had for a false alarm to fire)
+    logged = [r for r in runs if r["points"]]
+    warnings = {key: [zd.early_warning([{"points": r["points"], "verdict": r.get("verdict")} for r in logged
                                         if key != "z_loss" or r["coeff"] > 0], key, t, skip=100) for t in grid]
                 for key, grid in WARNING_GRID.items()}
+    observed = sorted(r["last_step"] for r in logged if not r.get("verdict"))
     return {"runs": [{k: v for k, v in r.items() if k != "points"} for r in runs], "arms": arms, "fisher": fisher,
-            "paired": paired_rows, "early_warning": warnings}
+            "paired": paired_rows, "early_warning": warnings, "not_diverged_iterations": observed}
 
 
 def _arm_label(arm):
@@ -725,6 +728,9 @@ def long_tables_md(stats):
         lines.append(f"| {_arm_label(row['arm'])} | {row['value']} | {row['n']} | {_fmt(row['mean'], '+.3f')} | "
                      f"{_fmt(row['ci95'], '.3f') if row['ci95'] is not None else '(one seed)'} |")
     lines += ["", "## Early warning: a threshold on one logged value (first 100 iterations ignored)", "",
+              "Every run that logged: a diverged one gives the steps between the first log line at or above the "
+              "threshold and its divergence; one that did not diverge (iterations it ran: "
+              + ", ".join(map(str, stats.get("not_diverged_iterations", []))) + ") a false alarm if it ever crossed.", "",
               "| value | threshold | diverged runs warned | steps ahead (each) | runs not diverged where it fired |",
               "|---|---|---|---|---|"]
     for key, rows in stats["early_warning"].items():
