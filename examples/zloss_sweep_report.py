@@ -801,7 +801,7 @@ def report_long(summaries, out_dir, setting=None):
     horizon = max(zd.horizon_of(r) for r in runs)
     ax.set_ylabel(f"training loss, iterations {horizon - 100}-{horizon}")
     ax.set_title(f"hidden {setting[0]}, weight decay {setting[1]}, clip {setting[2]:g}, a {setting[3]}-iteration schedule "
-                 f"judged at iteration {horizon}: every seed (open: stopped by the time budget before it, at its last "
+                 f"judged at iteration {horizon}\nevery seed (open: stopped by the time budget before it, at its last "
                  "loss; x above the line: diverged by then)", fontsize=8)
     ax.legend(fontsize=7)
     for col, lr in enumerate(top):
@@ -814,10 +814,11 @@ def report_long(summaries, out_dir, setting=None):
             ax_loss.plot(steps, [p.get("loss") for p in pts], color=colors[r["coeff"]], lw=0.7, alpha=0.8)
             ax_lse.plot(steps, [p.get("lse") for p in pts], color=colors[r["coeff"]], lw=0.7, alpha=0.8)
         ax_loss.axhline(threshold, color="red", lw=1, ls="--")
-        ax_loss.set_ylim(top=threshold + 2)  # a diverged run's loss in the hundreds would flatten the rest
+        ax_loss.set_ylim(0, threshold + 2)  # a diverged run's loss in the hundreds would flatten the rest
         ax_loss.set_title(f"LR {lr:g}: training loss (log line, every 10 iterations)", fontsize=9)
-        ax_loss.axvline(horizon, color="gray", lw=0.8, ls=":")
-        ax_lse.axvline(horizon, color="gray", lw=0.8, ls=":")
+        if horizon < setting[3]:  # the study's horizon (the pilot's runs are judged at their end)
+            ax_loss.axvline(horizon, color="gray", lw=0.8, ls=":")
+            ax_lse.axvline(horizon, color="gray", lw=0.8, ls=":")
         ax_lse.set_title(f"LR {lr:g}: mean log Z (lm_lse)", fontsize=9)
         ax_lse.set_xlabel("iteration")
     path = os.path.join(out_dir, "divergence.png")
