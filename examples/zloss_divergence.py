@@ -142,6 +142,21 @@ def first_crossing(points, key, threshold, until=None):
     return None
 
 
+def with_loss_rise(points):
+    """The points with ``loss_rise``: the smoothed training loss (mean of ``SMOOTH`` log lines) minus the lowest
+    smoothed loss so far, the rise a user watching the loss curve sees (the baseline the logged z-loss values
+    are compared with)."""
+    out, window, lowest = [], [], math.inf
+    for p in points:
+        window = (window + [p.get("loss", math.nan)])[-SMOOTH:]
+        smooth = sum(window) / len(window)
+        rise = smooth - lowest if len(window) == SMOOTH and math.isfinite(lowest) else 0.0
+        if len(window) == SMOOTH and math.isfinite(smooth):
+            lowest = min(lowest, smooth)
+        out.append(dict(p, loss_rise=rise))
+    return out
+
+
 def early_warning(runs, key, threshold, skip=0):
     """A threshold rule on one logged metric over ``runs`` (``{"points", "verdict"}``): for each
     diverged run the lead (divergence step - first crossing; None: no warning before it), and the

@@ -638,7 +638,7 @@ def report(summaries, out_dir):
 
 
 # ------------------------------------------------------------------------------------- the long runs
-WARNING_GRID = {"lse_max": [20, 30, 40, 50, 60, 80, 100, 150, 200, 300], "lse": [12, 13, 14, 15, 16, 18, 20, 25, 30],
+WARNING_GRID = {"loss_rise": [0.5, 1.0, 1.5, 2.0], "lse_max": [20, 30, 40, 50, 60, 80, 100, 150, 200, 300], "lse": [12, 13, 14, 15, 16, 18, 20, 25, 30],
                 "z_loss": [0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0], "grad_norm": [1, 2, 3, 5, 10, 20, 50]}
 
 
@@ -693,7 +693,8 @@ def long_statistics(summaries):
     # every run that logged: a diverged one (whenever) gives the lead, one that did not a false alarm or not, over
     # the iterations it ran (``observed``: how many a non-diverged run had for a false alarm to fire)
     logged = [r for r in runs if r["points"]]
-    warnings = {key: [zd.early_warning([{"points": r["points"], "verdict": r.get("verdict")} for r in logged
+    warnings = {key: [zd.early_warning([{"points": zd.with_loss_rise(r["points"]), "verdict": r.get("verdict")}
+                                        for r in logged
                                         if key != "z_loss" or r["coeff"] > 0], key, t, skip=100) for t in grid]
                 for key, grid in WARNING_GRID.items()}
     observed = sorted(r["last_step"] for r in logged if not r.get("verdict"))
