@@ -18,6 +18,12 @@ call of a few minutes on four GPUs:
   the paper's independent weight decay 1e-4 at LR, 1e-1 and 3e-1 with c in {0, 1e-4} x 2 seeds;
   hidden 1024 and 512 (4 layers, head size 64) at 1e-2 .. 3e-1 with c in {0, 1e-4}, one seed.
 
+* ``--phase pilot`` / ``--phase study``: does the z-loss prevent divergence? Long runs (a 10 000-iteration
+  schedule, 16 x 256 tokens an iteration, learning rates up to 1) stopped as soon as they meet the
+  divergence rule of ``zloss_divergence.py``, fixed before the runs; the pilot looks for where c = 0
+  fails (learning rates 0.1, 0.3, 1; three weight-decay modes; with and without clipping), the study
+  counts it (``--edge-lrs``, ``--below-lrs``, seeds, ``--coeffs``, judged at ``--horizon``).
+
 Runs start in that order of priority (the widest first within phase B, so they are not the ones cut);
 a run still going at ``--budget-s`` is stopped and recorded as stopped, one never started as such.
 
@@ -25,6 +31,9 @@ a run still going at ``--budget-s`` is stopped and recorded as stopped, one neve
     python examples/pypi_text_corpus.py build --dir data/pypi_32k           # the data, once (CPU, network)
     python examples/zloss_lr_sweep.py --data data/pypi_32k --phase A --out out/zloss_A       # 4 GPUs: ~7 min
     python examples/zloss_lr_sweep.py --data data/pypi_32k --phase B --best-lr 0.01 --out out/zloss_B
+    python examples/zloss_lr_sweep.py --data data/pypi_32k --phase pilot --out out/zloss_pilot
+    python examples/zloss_lr_sweep.py --data data/pypi_32k --phase study --edge-lrs 0.3 0.2 --below-lrs 0.1 \
+        --gpu-capacity 13 --horizon 4000 --out out/zloss_study
     python examples/zloss_lr_sweep.py --quick --out out/zloss_quick          # CPU smoke run of the plumbing
     python examples/zloss_sweep_report.py out/zloss_A out/zloss_B --out report   # the report of both
 

@@ -7,9 +7,9 @@
 # wheel (pip download --no-deps --only-binary=:all: --python-version 3.12 megatron-core==0.19.2);
 # torch, tensorboard and tokenizers come with the machine. DATA: the corpus as it travels, either
 # corpus.jsonl.xz + tokenizer.json (examples/pypi_text_corpus.py encodes them there and checks the
-# digests) or a finished build. OUT: where the results go, 8 files: PHASE_sweep.log,
-# PHASE_sweep.json, PHASE_summary.json, PHASE_series.json.gz (every TensorBoard point),
-# PHASE_logs.tgz, PHASE_report.tgz, PHASE_data.json, PHASE_data_build.log.
+# digests) or a finished build. OUT: where the results go, at most 8 files: PHASE_sweep.log,
+# PHASE_sweep.json, PHASE_summary.json, PHASE_series.json.gz (A / B: every TensorBoard point),
+# PHASE_logs.tgz, PHASE_report.tgz (A / B), PHASE_data.json, PHASE_data_build.log.
 # Environment: PYTHON (python3), SITE (where the wheels and this package are installed), WORK
 # (scratch); TOTAL_S: the whole call's seconds, the sweep's --budget-s then being what the install
 # and the data leave of it, less RESERVE_S (100) for the summary and the packing; CUDA_VISIBLE_DEVICES:
@@ -17,7 +17,7 @@
 # of this call's own (private pipe folder, stopped at the end; skipped when nvidia-cuda-mps-control is
 # absent or a probe through it fails). No GPU setting is changed.
 set -u -o pipefail
-[ $# -ge 4 ] || { sed -n 2,19p "$0"; exit 2; }
+[ $# -ge 4 ] || { sed -n 2,18p "$0"; exit 2; }
 PHASE=$1 WHEELS=$(realpath "$2") DATA=$(realpath "$3") OUT=$4
 shift 4
 PY=${PYTHON:-python3} SITE=${SITE:-/tmp/zloss_site} WORK=${WORK:-/tmp/zloss_work}
