@@ -15,12 +15,17 @@ Python. Four steps, each deterministic and each checked against the digests in t
 4. ``index``: both splits in Megatron's indexed format with megatron-core's own writer
    (``IndexedDatasetBuilder``: one document per file, the end-of-document token appended, as
    Megatron-LM's ``tools/preprocess_data.py --append-eod`` does): ``DIR/pypi_{train,valid}.{bin,idx}``.
+   The held-out split is deduplicated against the training split first (``heldout``): a held-out
+   file in a vendored folder, or with ``COPY_FRACTION`` of its long lines (``LONG_LINE`` characters
+   or more, stripped) found in training, is dropped (a copy of a trained-on file, e.g. pip's vendored
+   pygments); in the rest each long line found in training is dropped. The training split, and so
+   the tokenizer, are untouched by this.
 
 ``build`` runs what is missing of the four. Train with ``--train-data-path DIR/pypi_train
 --valid-data-path DIR/pypi_valid --tokenizer-type NullTokenizer --vocab-size 32768
 --null-tokenizer-eod-id 0`` (the data is tokenized already).
 
-    pip install tokenizers megatron-core                      # what the steps need
+    pip install ".[sweep]"                                    # what the steps need (tokenizers pinned)
     python examples/pypi_text_corpus.py build --dir data/pypi_32k
     python examples/pypi_text_corpus.py check --dir data/pypi_32k     # digests only, no building
 
@@ -52,6 +57,9 @@ MIN_BYTES, MAX_BYTES = 256, 2**20
 TRAIN, VALID = "pypi_train", "pypi_valid"
 CORPUS, TOKENIZER = "corpus.jsonl.xz", "tokenizer.json"
 INDEXED = [name + ext for name in (TRAIN, VALID) for ext in (".bin", ".idx")]
+LONG_LINE = 30          # characters (stripped): a line long enough to say a file was copied
+COPY_FRACTION = 0.5     # of a held-out file's long lines found in training: the file is a copy
+VENDORED = ("/_vendor/", "/vendor/", "/vendored/", "/_vendored/", "/extern/", "/_distutils/")
 
 
 def load_manifest(path=MANIFEST):
@@ -143,15 +151,47 @@ def write_corpus(out, docs):
 
 
 def read_corpus(out):
-    """The corpus as ``(train texts, valid texts)`` and the sha256 of its uncompressed lines."""
+    """The corpus as ``(train texts, valid documents {"wheel", "path", "text"})`` and the sha256 of its
+    uncompressed lines."""
     digest = hashlib.sha256()
     train, valid = [], []
     with lzma.open(os.path.join(out, CORPUS), "rb") as fh:
         for line in fh:
             digest.update(line)
             doc = json.loads(line)
-            (valid if doc["split"] == "valid" else train).append(doc["text"])
+            if doc["split"] == "valid":
+                valid.append(doc)
+            else:
+                train.append(doc["text"])
     return train, valid, digest.hexdigest()
+
+
+def _long(line):
+    line = line.strip()
+    return line if len(line) >= LONG_LINE else None
+
+
+def heldout(train_texts, valid_docs):
+    """The held-out texts deduplicated against ``train_texts`` (see the module's step 4) and what was
+    dropped: ``(texts, {"files_vendored", "files_copied", "lines_dropped", "lines_kept"})``."""
+    seen = {key for text in train_texts for key in map(_long, text.split("\n")) if key}
+    texts, stats = [], {"files_vendored": [], "files_copied": [], "lines_dropped": 0, "lines_kept": 0}
+    for doc in valid_docs:
+        name = f"{doc['wheel']}/{doc['path']}"
+        if any(v in "/" + doc["path"] for v in VENDORED):
+            stats["files_vendored"].append(name)
+            continue
+        lines = doc["text"].split("\n")
+        keys = [_long(line) for line in lines]
+        long_lines = [k for k in keys if k]
+        shared = sum(1 for k in long_lines if k in seen)
+        if long_lines and shared >= COPY_FRACTION * len(long_lines):
+            stats["files_copied"].append(name)
+            continue
+        stats["lines_dropped"] += shared
+        stats["lines_kept"] += len(long_lines) - shared
+        texts.append("\n".join(line for line, k in zip(lines, keys) if not (k and k in seen)))
+    return texts, stats
 
 
 def train_tokenizer(texts, vocab_size):
@@ -184,17 +224,15 @@ def write_indexed(prefix, token_ids, vocab_size):
     return sum(len(ids) + 1 for ids in token_ids)
 
 
-def _check(what, got, expected, strict):
+def _check(what, got, expected):
     if expected is None or got == expected:
         return True
     message = f"{what}: sha256 {got}, the manifest says {expected}"
-    if strict:
-        raise SystemExit(message + " (a different input or library version; --no-strict builds on)")
-    print("warning:", message, flush=True)
-    return False
+    raise SystemExit(message + " (a different input or library version: install the pinned ones, "
+                               "pip install \".[sweep]\", and build again in an empty folder)")
 
 
-def build(out, manifest=None, strict=True, log=print, source_dir=None):
+def build(out, manifest=None, log=print, source_dir=None):
     """Run the missing steps into ``out`` and check every file against the manifest's digests;
     returns the build record (also ``out/build.json``). A finished build (the indexed files there)
     is only checked: the text and the tokenizer are not needed again. ``source_dir``: the documents of
@@ -214,7 +252,7 @@ def build(out, manifest=None, strict=True, log=print, source_dir=None):
             write_corpus(out, docs)
             log(f"text: {len(docs)} documents ({time.time() - start:.0f} s)")
         train, valid, record["digests"]["corpus"] = read_corpus(out)
-        record["matches_manifest"] &= _check(CORPUS, record["digests"]["corpus"], expected.get("corpus"), strict)
+        record["matches_manifest"] &= _check(CORPUS, record["digests"]["corpus"], expected.get("corpus"))
         tokenizer_path = os.path.join(out, TOKENIZER)
         if not os.path.exists(tokenizer_path):
             train_tokenizer(train, manifest["vocab_size"]).save(tokenizer_path)
@@ -222,6 +260,10 @@ def build(out, manifest=None, strict=True, log=print, source_dir=None):
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(tokenizer_path)
+        valid, record["heldout_dedup"] = heldout(train, valid)
+        log(f"held out: {len(valid)} files kept, {len(record['heldout_dedup']['files_copied'])} copies and "
+            f"{len(record['heldout_dedup']['files_vendored'])} vendored files dropped, "
+            f"{record['heldout_dedup']['lines_dropped']} lines found in training dropped")
         for name, texts in ((TRAIN, train), (VALID, valid)):
             ids = [e.ids for e in tokenizer.encode_batch(texts)]
             counts[name] = {"documents": len(texts), "tokens": write_indexed(os.path.join(out, name), ids,
@@ -230,10 +272,11 @@ def build(out, manifest=None, strict=True, log=print, source_dir=None):
         log(f"indexed ({time.time() - start:.0f} s)")
     elif "corpus" in previous.get("digests", {}):
         record["digests"]["corpus"] = previous["digests"]["corpus"]  # as built (the text need not travel)
+        record["heldout_dedup"] = previous.get("heldout_dedup")
     for f in [TOKENIZER, *INDEXED]:
         if os.path.exists(os.path.join(out, f)):
             record["digests"][f] = sha256_file(os.path.join(out, f))
-            record["matches_manifest"] &= _check(f, record["digests"][f], expected.get(f), strict)
+            record["matches_manifest"] &= _check(f, record["digests"][f], expected.get(f))
     record["splits"] = counts or previous.get("splits") or split_counts(out)
     record.update(vocab_size=manifest["vocab_size"], eod_id=EOD_ID, build_s=round(time.time() - start, 1),
                   tokenizers=previous.get("tokenizers") if finished else _version("tokenizers"),
@@ -249,7 +292,7 @@ def build_from_dir(out, root, vocab_size):
     done = _read_json(os.path.join(out, "build.json"))
     if done.get("source") != root or done.get("vocab_size") != vocab_size:
         shutil.rmtree(out, ignore_errors=True)
-    return build(out, manifest, strict=False, log=lambda m: None, source_dir=root)
+    return build(out, manifest, log=lambda m: None, source_dir=root)
 
 
 def split_counts(out):
@@ -316,14 +359,12 @@ def main(argv=None):
     parser.add_argument("--from-dir", default=None, help="build: this folder's text files instead of the wheels "
                                                           "(smoke runs)")
     parser.add_argument("--vocab-size", type=int, default=None, help="with --from-dir (default: the manifest's)")
-    parser.add_argument("--no-strict", dest="strict", action="store_false",
-                        help="build on when a digest differs from the manifest's (warn instead)")
     args = parser.parse_args(argv)
     if args.step == "build" and args.from_dir:
         print(json.dumps(build_from_dir(args.dir, os.path.abspath(args.from_dir),
                                         args.vocab_size or load_manifest()["vocab_size"]), indent=1))
     elif args.step == "build":
-        print(json.dumps(build(args.dir, strict=args.strict), indent=1))
+        print(json.dumps(build(args.dir), indent=1))
     elif args.step == "check":
         result = check(args.dir)
         print(json.dumps(result, indent=1))

@@ -18,13 +18,22 @@ call of a few minutes on four GPUs:
   the paper's independent weight decay 1e-4 at LR, 1e-1 and 3e-1 with c in {0, 1e-4} x 2 seeds;
   hidden 1024 and 512 (4 layers, head size 64) at 1e-2 .. 3e-1 with c in {0, 1e-4}, one seed.
 
+* ``--phase pilot`` / ``--phase study``: does the z-loss prevent divergence? Long runs (a 10 000-iteration
+  schedule, 16 x 256 tokens an iteration, learning rates up to 1) stopped as soon as they meet the
+  divergence rule of ``zloss_divergence.py``, fixed before the runs; the pilot looks for where c = 0
+  fails (learning rates 0.1, 0.3, 1; three weight-decay modes; with and without clipping), the study
+  counts it (``--edge-lrs``, ``--below-lrs``, seeds, ``--coeffs``, judged at ``--horizon``).
+
 Runs start in that order of priority (the widest first within phase B, so they are not the ones cut);
 a run still going at ``--budget-s`` is stopped and recorded as stopped, one never started as such.
 
-    pip install "megatron-core>=0.18" tokenizers tensorboard matplotlib     # what it needs besides torch
+    pip install ".[sweep]"      # what it and its report need besides torch (megatron-core, tokenizers, ...)
     python examples/pypi_text_corpus.py build --dir data/pypi_32k           # the data, once (CPU, network)
     python examples/zloss_lr_sweep.py --data data/pypi_32k --phase A --out out/zloss_A       # 4 GPUs: ~7 min
     python examples/zloss_lr_sweep.py --data data/pypi_32k --phase B --best-lr 0.01 --out out/zloss_B
+    python examples/zloss_lr_sweep.py --data data/pypi_32k --phase pilot --out out/zloss_pilot
+    python examples/zloss_lr_sweep.py --data data/pypi_32k --phase study --edge-lrs 0.3 0.2 --below-lrs 0.1 \
+        --gpu-capacity 13 --horizon 4000 --out out/zloss_study
     python examples/zloss_lr_sweep.py --quick --out out/zloss_quick          # CPU smoke run of the plumbing
     python examples/zloss_sweep_report.py out/zloss_A out/zloss_B --out report   # the report of both
 
@@ -47,7 +56,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 # module -> pip requirement: what every run needs, and tokenizers to build the data (not to train on a build)
-NEEDS = {"megatron.training": "megatron-core>=0.18", "tensorboard": "tensorboard", "tokenizers": "tokenizers"}
+# (pyproject's "sweep" extra holds them all, matplotlib for the report too)
+NEEDS = {"megatron.training": "megatron-core>=0.18", "tensorboard": "tensorboard", "tokenizers": "tokenizers==0.23.3"}
 
 
 def missing_requirements(modules=tuple(NEEDS)):
@@ -65,6 +75,7 @@ def missing_requirements(modules=tuple(NEEDS)):
 
 
 sys.path.insert(0, HERE)
+from zloss_divergence import Divergence, parse_line  # noqa: E402
 
 # The paper's proxy at the small end: 4 layers, hidden 256, sized so 55 runs share 4 GPUs in minutes
 # (12 units a GPU: 12 runs of hidden 256 at once, about 5 GB each). unit_s: the GPU seconds of one
@@ -76,6 +87,11 @@ FULL = dict(layers=4, hidden=256, seq=512, micro_batch=32, steps=1500, vocab=327
 # --quick: the same plumbing on the CPU (gloo, the CPU shims of pretrain_gpt.py), a few steps of a tiny model.
 QUICK = dict(layers=2, hidden=64, seq=64, micro_batch=4, steps=12, vocab=4096, log_interval=4, tb_interval=1,
              lrs=[1e-3, 1e-1], seeds=[1, 2], coeffs=[0.0, 1e-3], gpu_capacity=1, unit_s=None, startup_s=0)
+# pilot / study: long runs of fewer tokens a step (smaller batches are also less stable), stopped as soon as
+# they meet the divergence rule (zloss_divergence.py); every log line kept, no TensorBoard (its per-step syncs)
+LONG = dict(layers=4, hidden=256, seq=256, micro_batch=16, steps=10000, vocab=32768, log_interval=10,
+            tb_interval=None, lrs=[1e-1, 3e-1, 1.0], seeds=[1, 2, 3, 4, 5], gpu_capacity=8, unit_s=None, startup_s=0)
+QUICK_LONG = dict(QUICK, steps=40, tb_interval=None, lrs=[1e-2, 1.0], seeds=[1, 2])
 MAIN_COEFFS = [0.0, 1e-4, 1e-3]
 COEFF_SWEEP = [0.0, 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2]
 RERUN = dict(lr=1e-2, coeff=0.0, seed=1)  # the same-seed rerun (phase A)
@@ -83,22 +99,25 @@ SHORT_STEPS = 500  # phase B's wider models: as many steps as one call of a few 
 WORK = {512: 2.3, 1024: 5.7}  # GPU time per step against hidden 256 (the FLOPs of the layers and the output layer)
 WEIGHT_DECAY = {"none": 0.0, "decoupled": 0.1, "independent": 1e-4}
 MIN_LR = 1e-5
+NO_CLIP = 1e9  # "no clipping": a norm never reached (Megatron logs the gradient norm only when it clips)
 WARMUP_FRACTION = 0.05  # the paper's linear warmup
 
 
 def run_name(run):
     wd = "" if run["wd_mode"] == "none" else f"_{run['wd_mode'][:3]}wd{run['wd']:g}"
     steps = "" if run.get("steps") is None else f"_{run['steps']}st"
-    return (f"h{run['hidden']}_lr{run['lr']:g}_c{run['coeff']:g}{wd}_s{run['seed']}{steps}"
+    clip = "" if run.get("clip", 1.0) == 1.0 else "_noclip" if not run["clip"] else f"_clip{run['clip']:g}"
+    return (f"h{run['hidden']}_lr{run['lr']:g}_c{run['coeff']:g}{wd}{clip}_s{run['seed']}{steps}"
             + ("_rerun" if run.get("rerun") else ""))
 
 
-def make_run(group, lr, coeff, seed, hidden, wd_mode="none", rerun=False, steps=None):
+def make_run(group, lr, coeff, seed, hidden, wd_mode="none", rerun=False, steps=None, clip=1.0):
     """One run; ``steps`` None: the configuration's. ``cost``: its share of a GPU's memory (about 5 GB
-    a unit); ``work``: its GPU time per step, both against the hidden-256 run."""
+    a unit); ``work``: its GPU time per step, both against the hidden-256 run. ``clip``: the gradient
+    clipping norm (0: none: Megatron then clips at NO_CLIP, so the gradient norm is still logged)."""
     run = dict(group=group, lr=lr, coeff=coeff, seed=seed, hidden=hidden, wd_mode=wd_mode,
                wd=WEIGHT_DECAY[wd_mode], rerun=rerun, steps=steps, cost={512: 2, 1024: 4}.get(hidden, 1),
-               work=WORK.get(hidden, 1.0))
+               work=WORK.get(hidden, 1.0), clip=clip)
     run["name"] = run_name(run)
     return run
 
@@ -129,9 +148,13 @@ def missing_from(summary_path):
     return originals
 
 
-def plan_phase(phase, cfg, best_lr=None, quick=False):
+def plan_phase(phase, cfg, best_lr=None, quick=False, study=None):
     """The runs of a phase, in the order they start."""
     h, seeds, lrs = cfg["hidden"], cfg["seeds"], cfg["lrs"]
+    if phase == "pilot":
+        return plan_pilot(cfg, quick)
+    if phase == "study":
+        return plan_study(cfg, quick=quick, **(study or {}))
     if phase == "A":
         # seed by seed (a seed cut by the budget is the last one), the rerun right after the first seed
         runs = [make_run("main", lr, c, s, h) for s in seeds for lr in lrs for c in cfg.get("coeffs", MAIN_COEFFS)]
@@ -164,6 +187,41 @@ def plan_phase(phase, cfg, best_lr=None, quick=False):
     return list(unique.values())
 
 
+def plan_pilot(cfg, quick=False):
+    """Where does c = 0 fail? The settings most likely to diverge first (no weight decay and the paper's
+    independent 1e-4 at the highest learning rates), with and without clipping, a c = 1e-4 pair for the
+    most likely ones, decoupled 0.1 (Megatron's usual), a second seed and one wider model."""
+    h = cfg["hidden"]
+    if quick:
+        return [make_run("pilot", lr, c, 1, h, clip=clip) for lr in cfg["lrs"] for c in (0.0, 1e-4) for clip in (1.0,)]
+    lo, mid, hi = cfg["lrs"]
+    runs = [make_run("pilot", lr, 0.0, 1, h, wd) for lr in (hi, mid, lo) for wd in ("none", "independent", "decoupled")]
+    runs += [make_run("pilot", lr, 0.0, 1, h, wd, clip=0.0) for lr in (hi, mid) for wd in ("none", "independent")]
+    runs += [make_run("pilot", hi, 0.0, 1, h, "decoupled", clip=0.0)]
+    runs += [make_run("pilot", lr, 1e-4, 1, h, wd) for lr in (hi, mid) for wd in ("none", "independent")]
+    runs += [make_run("pilot", hi, 1e-4, 1, h, wd, clip=0.0) for wd in ("none", "independent")]
+    runs += [make_run("pilot", lr, 0.0, 2, h) for lr in (hi, mid)]
+    runs += [make_run("pilot", hi, 0.0, 1, 2 * h)]
+    return runs
+
+
+STUDY_COEFFS = [0.0, 1e-4, 1e-3, 1e-6]  # 1e-6: a near-zero arm, the run-to-run noise of "a coefficient at all"
+
+
+def plan_study(cfg, edge_lrs, below_lrs=(), wd_mode="none", clip=1.0, seeds_edge=5, seeds_below=3,
+               coeffs=STUDY_COEFFS, quick=False):
+    """The coefficients at the learning rates around the edge the pilot found: ``seeds_edge`` seeds at each
+    of ``edge_lrs``, ``seeds_below`` at ``below_lrs``. In order of priority (what the budget cuts is the
+    end): seed by seed, c = 0 and 1e-4 (the pair the question is about) before 1e-3 and the near-zero arm."""
+    h = cfg["hidden"]
+    order = sorted(coeffs, key=lambda c: STUDY_COEFFS.index(c) if c in STUDY_COEFFS else len(STUDY_COEFFS))
+    runs = []
+    for seed in range(1, max(seeds_edge, seeds_below) + 1):
+        lrs = [lr for lr in edge_lrs if seed <= seeds_edge] + [lr for lr in below_lrs if seed <= seeds_below]
+        runs += [make_run("study", lr, c, seed, h, wd_mode, clip=clip) for c in order for lr in lrs]
+    return runs
+
+
 def eval_iters_for(data, cfg, valid_prefix):
     """Validation batches that cover the held-out split once (Megatron's samples of one epoch)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -191,8 +249,8 @@ def megatron_args(cfg, run, data, run_dir, on_gpu, eval_iters, prefixes):
         "--hidden-dropout", "0", "--attention-dropout", "0", "--init-method-std", f"{h ** -0.5:.6g}",
         # AdamW (0.9, 0.95, 1e-8), clipping at 1, linear warmup then cosine decay to MIN_LR
         "--optimizer", "adam", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8",
-        "--weight-decay", f"{wd:.6g}", "--clip-grad", "1.0", "--lr", f"{run['lr']:g}", "--min-lr", f"{MIN_LR:g}",
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", max(1, int(steps * WARMUP_FRACTION)),
+        "--weight-decay", f"{wd:.6g}", "--clip-grad", f"{run.get('clip', 1.0) or NO_CLIP:g}", "--lr", f"{run['lr']:g}",
+        "--min-lr", f"{MIN_LR:g}", "--lr-decay-style", "cosine", "--lr-warmup-iters", warmup_iters(steps),
         "--lr-decay-iters", steps,
         "--micro-batch-size", cfg["micro_batch"], "--global-batch-size", cfg["micro_batch"],
         "--train-iters", steps, "--seed", run["seed"],
@@ -201,8 +259,7 @@ def megatron_args(cfg, run, data, run_dir, on_gpu, eval_iters, prefixes):
         "--data-cache-path", os.path.join(run_dir, "cache", run["name"]), "--num-workers", "1",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", cfg["vocab"], "--null-tokenizer-eod-id", "0",
         "--eval-iters", eval_iters, "--eval-interval", steps + 1,
-        "--log-interval", cfg["log_interval"], "--tensorboard-dir", os.path.join(run_dir, "tb", run["name"]),
-        "--tensorboard-log-interval", cfg["tb_interval"], "--tensorboard-queue-size", "100",
+        "--log-interval", cfg["log_interval"],
         # megatron-core alone (no Transformer Engine / Apex): the local implementation, no fused kernels
         "--transformer-impl", "local", "--attention-backend", "unfused", "--no-gradient-accumulation-fusion",
         "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
@@ -213,8 +270,15 @@ def megatron_args(cfg, run, data, run_dir, on_gpu, eval_iters, prefixes):
         "--lm-fused-ce", "--lm-z-loss-log-lse", "--lm-z-loss-coeff", f"{run['coeff']:g}",
         "--distributed-backend", "nccl" if on_gpu else "gloo",
     ]
+    if cfg.get("tb_interval"):
+        args += ["--tensorboard-dir", os.path.join(run_dir, "tb", run["name"]),
+                 "--tensorboard-log-interval", cfg["tb_interval"], "--tensorboard-queue-size", "100"]
     args += ["--bf16"] if on_gpu else ["--use-cpu-initialization"]
     return [str(a) for a in args]
+
+
+def warmup_iters(steps):
+    return max(1, int(steps * WARMUP_FRACTION))
 
 
 def free_ports(n):
@@ -264,6 +328,9 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
     pending = list(plan)
     plan_keys = set().union(*(r.keys() for r in plan)) if plan else set()
     running, records = {}, []
+    monitors = {}  # name -> the divergence rule fed from its log, read as it grows
+    stop_diverged = bool(cfg.get("stop_on_divergence"))
+    mps_gpus = [g for g in os.environ.get("ZLOSS_MPS_GPUS", "").split(",") if g] if os.environ.get("ZLOSS_MPS_PIPE") else []
     start = time.time()
     while pending or running:
         over = time.time() - start > budget_s
@@ -281,6 +348,12 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
             pending.remove(next(r for r in pending if r["name"] == run["name"]))
             load[gpu] += cost
             env = dict(base_env, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpus else {}))
+            if str(gpu) in mps_gpus:  # this GPU's runs are clients of the MPS server started for them
+                env.update(CUDA_MPS_PIPE_DIRECTORY=os.environ["ZLOSS_MPS_PIPE"],
+                           CUDA_MPS_LOG_DIRECTORY=os.environ["ZLOSS_MPS_PIPE"] + "_log")
+            else:
+                env.pop("CUDA_MPS_PIPE_DIRECTORY", None)
+                env.pop("CUDA_MPS_LOG_DIRECTORY", None)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
                    "--master-addr", "127.0.0.1", "--master-port", str(free_ports(1)[0]),  # chosen at launch
                    "-m", "mindspeed_cez.launch", os.path.join(HERE, "pretrain_gpt.py"),
@@ -290,9 +363,28 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
             log.flush()
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-            running[run["name"]] = (proc, log, dict(run, gpu=None if not gpus else gpu,
+            running[run["name"]] = (proc, log, dict(run, gpu=None if not gpus else gpu, mps=str(gpu) in mps_gpus,
                                                     started_s=round(time.time() - start, 1)))
+            monitors[run["name"]] = dict(rule=Divergence(warmup_iters(run.get("steps") or cfg["steps"])), offset=0,
+                                         rest="", first=None, last=None)
         time.sleep(1.0)
+        for name, (proc, log, record) in running.items():  # the rule on what each log has grown by
+            mon = monitors[name]
+            with open(log.name, "rb") as fh:
+                fh.seek(mon["offset"])
+                chunk = fh.read()
+            mon["offset"] += len(chunk)
+            lines = (mon["rest"] + chunk.decode("utf-8", "replace")).split("\n")
+            mon["rest"] = lines.pop()
+            now = time.time() - start
+            for point in filter(None, map(parse_line, lines)):
+                mon["first"] = mon["first"] or (point["step"], now)
+                mon["last"] = (point["step"], now)
+                verdict = mon["rule"].add(point)
+            if stop_diverged and mon["rule"].verdict and proc.poll() is None and "stopped_diverged" not in record:
+                os.killpg(proc.pid, signal.SIGTERM)
+                record["stopped_diverged"] = mon["rule"].verdict
+                print(f"[{now:5.0f} s] {name}: diverged ({mon['rule'].verdict}), stopped", flush=True)
         over = time.time() - start > budget_s
         if over:  # out of time: stop every torchrun session still going (all at once), keep what they wrote
             stopping = [(proc, record) for proc, _, record in running.values() if proc.poll() is None]
@@ -324,10 +416,17 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
             if load[where] == 0:  # an idle GPU's admitted work has ended, whatever was predicted
                 busy[where] = min(busy[where], time.time() - start)
             record.update(rc=proc.returncode, wall_s=round(time.time() - start - record["started_s"], 1))
+            mon = monitors.pop(name)
+            if mon["first"] and mon["last"] and mon["last"][1] > mon["first"][1]:  # steady steps/s (startup left out)
+                record["first_log_s"] = round(mon["first"][1] - record["started_s"], 1)
+                record["steps_per_s"] = round((mon["last"][0] - mon["first"][0]) / (mon["last"][1] - mon["first"][1]), 2)
+            record["last_step"] = mon["last"][0] if mon["last"] else 0
             records.append(record)
             del running[name]
-            print(f"[{time.time() - start:5.0f} s] {name}: rc={proc.returncode} in {record['wall_s']:.0f} s"
-                  + (" (stopped: out of time)" if record.get("stopped_at_budget") else ""), flush=True)
+            print(f"[{time.time() - start:5.0f} s] {name}: rc={proc.returncode} in {record['wall_s']:.0f} s, "
+                  f"step {record['last_step']}, {record.get('steps_per_s')} steps/s on GPU {record.get('gpu')}"
+                  + (" (stopped: out of time)" if record.get("stopped_at_budget") else "")
+                  + (" (stopped: diverged)" if record.get("stopped_diverged") else ""), flush=True)
         if pending and (over or (unit_s and not running)):  # out of time, or nothing left that fits in it
             for run in pending:
                 records.append(dict(run, gpu=None, rc=None, not_started=True))
@@ -382,7 +481,7 @@ def environment(gpus):
 def build_data(data, quick, vocab):
     """Build (or check) the corpus in a child process (``tokenizers`` and torch in one process can crash);
     returns the build record. ``quick``: this checkout's own text files through the same builder."""
-    cmd = [sys.executable, os.path.join(HERE, "pypi_text_corpus.py"), "build", "--dir", data, "--no-strict"]
+    cmd = [sys.executable, os.path.join(HERE, "pypi_text_corpus.py"), "build", "--dir", data]
     cmd += ["--from-dir", REPO, "--vocab-size", str(vocab)] if quick else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -399,8 +498,22 @@ def main(argv=None):
                              "tokenizer are there); --quick without it: a small corpus of this checkout in OUT/data")
     parser.add_argument("--data-archive", default=None,
                         help="a .tar.xz of the built corpus (pypi_text_corpus.py pack): unpacked into --data first")
-    parser.add_argument("--phase", choices=["A", "B"], default="A", help="A: the main sweep; B: coefficients, "
-                                                                         "weight decay, widths (needs --best-lr)")
+    parser.add_argument("--phase", choices=["A", "B", "pilot", "study"], default="A",
+                        help="A: the main sweep; B: coefficients, weight decay, widths (needs --best-lr); pilot: where "
+                             "c = 0 diverges; study: the coefficients at the learning rates around that edge")
+    parser.add_argument("--steps", type=int, default=None, help="pilot / study: iterations of a run (default 10000)")
+    parser.add_argument("--gpu-capacity", type=int, default=None, help="runs sharing one GPU (pilot / study: 8)")
+    parser.add_argument("--edge-lrs", type=float, nargs="+", default=None, help="study: learning rates at the edge")
+    parser.add_argument("--below-lrs", type=float, nargs="+", default=[], help="study: learning rates below it")
+    parser.add_argument("--seeds-edge", type=int, default=5, help="study: seeds at each edge learning rate")
+    parser.add_argument("--seeds-below", type=int, default=3, help="study: seeds at each learning rate below it")
+    parser.add_argument("--coeffs", type=float, nargs="+", default=STUDY_COEFFS, help="study: the coefficients")
+    parser.add_argument("--wd-mode", choices=sorted(WEIGHT_DECAY), default="none", help="study: the weight decay")
+    parser.add_argument("--clip", type=float, default=1.0, help="study: gradient clipping norm (0: none)")
+    parser.add_argument("--hidden", type=int, default=None, help="pilot / study: the model width (default 256)")
+    parser.add_argument("--horizon", type=int, default=None,
+                        help="pilot / study: the iteration by which a run is judged (diverged by then, or not), fixed "
+                             "before the runs; runs go on to --steps or the budget (default: --steps)")
     parser.add_argument("--best-lr", type=float, default=None, help="phase B: the learning rate of its sweeps")
     parser.add_argument("--complete", default=None, metavar="SUMMARY",
                         help="first rerun the runs that did not complete in this earlier phase's summary.json")
@@ -417,11 +530,22 @@ def main(argv=None):
     import zloss_sweep_report
 
     built = args.data and all(os.path.exists(os.path.join(args.data, f)) for f in corpus.INDEXED)
-    missing = missing_requirements([m for m in NEEDS if m != "tokenizers" or not (built or args.data_archive)])
+    missing = missing_requirements([m for m in NEEDS if (m != "tokenizers" or not (built or args.data_archive))
+                                    and (m != "tensorboard" or args.phase in ("A", "B"))])
     if missing:
-        raise SystemExit("zloss_lr_sweep.py needs: pip install " + " ".join(f'"{m}"' for m in missing))
+        raise SystemExit('zloss_lr_sweep.py needs: pip install ".[sweep]" (missing: ' + ", ".join(missing) + ")")
 
-    cfg = dict(QUICK if args.quick else FULL)
+    long_phase = args.phase in ("pilot", "study")
+    cfg = dict((QUICK_LONG if args.quick else LONG) if long_phase else (QUICK if args.quick else FULL))
+    cfg["stop_on_divergence"] = long_phase
+    if args.steps:
+        cfg["steps"] = args.steps
+    if args.hidden:
+        cfg["hidden"] = args.hidden
+    if args.horizon:
+        cfg["horizon"] = args.horizon
+    if args.gpu_capacity:
+        cfg["gpu_capacity"] = args.gpu_capacity
     gpus = [] if args.quick else detect_gpus()
     if args.gpus is not None and not args.quick:
         if args.gpus > len(gpus):
@@ -453,7 +577,13 @@ def main(argv=None):
     env = environment(gpus)
     print("environment:", json.dumps(env), flush=True)
     try:
-        plan = plan_phase(args.phase, cfg, args.best_lr, args.quick)
+        study = None
+        if args.phase == "study":
+            if not args.edge_lrs:
+                parser.error("--phase study needs --edge-lrs (the learning rates where the pilot's c = 0 diverged)")
+            study = dict(edge_lrs=args.edge_lrs, below_lrs=args.below_lrs, wd_mode=args.wd_mode, clip=args.clip,
+                         seeds_edge=args.seeds_edge, seeds_below=args.seeds_below, coeffs=args.coeffs)
+        plan = plan_phase(args.phase, cfg, args.best_lr, args.quick, study)
     except ValueError as e:
         parser.error(str(e))
     if args.complete:
@@ -477,6 +607,20 @@ def main(argv=None):
                                                     (corpus.TRAIN, corpus.VALID)) if plan else None}
     with open(os.path.join(out, "sweep.json"), "w") as fh:
         json.dump(sweep, fh, indent=1)
+    if gpus:  # what the GPUs held: the study is sized from these
+        for g in gpus:
+            rates = [r["steps_per_s"] for r in records if r.get("gpu") == g and r.get("steps_per_s")]
+            print(f"GPU {g}: {len(rates)} runs, {sum(rates):.1f} steps/s together "
+                  f"(hidden-256-equivalent: {sum(r['steps_per_s'] * r['work'] for r in records if r.get('gpu') == g and r.get('steps_per_s')):.1f}), "
+                  f"MPS {'on' if any(r.get('mps') for r in records if r.get('gpu') == g) else 'off'}", flush=True)
+    if long_phase:
+        summary = zloss_sweep_report.summarize_logs(out)
+        failed = [r["name"] for r in records if r.get("rc") not in (0, None) and not r.get("stopped_at_budget")
+                  and not r.get("stopped_diverged")]
+        print(f"done in {time.time() - start:.0f} s; diverged: "
+              f"{[r['name'] for r in summary['runs'] if r.get('diverged')]}"
+              + (f"; failed: {failed}" if failed else ""), flush=True)
+        return 1 if failed else 0
     summary = zloss_sweep_report.summarize(out)
     if importlib.util.find_spec("matplotlib") is None:
         print("no plots: pip install matplotlib, then: python examples/zloss_sweep_report.py " + out, flush=True)

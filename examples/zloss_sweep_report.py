@@ -33,11 +33,15 @@ incomplete, never computed from fewer learning rates.
 import argparse
 import concurrent.futures
 import gzip
+import importlib.util
 import json
 import math
 import os
 import re
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 TAGS = ("lm loss", "lm_z_loss", "lm_lse", "lm_lse_max", "grad-norm", "lm loss validation")
 DIVERGED_NATS = 1.0
@@ -176,6 +180,54 @@ def summarize(run_dir):
         json.dump(summary, fh)
     with gzip.open(os.path.join(run_dir, "series_full.json.gz"), "wt") as fh:
         json.dump(full, fh)
+    return summary
+
+
+def _compact(x):
+    return x if x is None or not math.isfinite(x) else float(f"{x:.5g}")
+
+
+def summarize_logs(run_dir):
+    """The long runs (pilot / study) from their logs alone: per run its settings, how it ended, the
+    divergence verdict (zloss_divergence.py, the rule the sweep stopped runs by), the final validation
+    loss when it got there, and every log line's values as columns (``series``: step, loss, z_loss,
+    lse, lse_max, grad_norm, lr, nan_iters). Writes and returns ``RUN/summary.json``."""
+    from zloss_divergence import COLUMNS, divergence, parse_log
+
+    with open(os.path.join(run_dir, "sweep.json")) as fh:
+        sweep = json.load(fh)
+    warmup_fraction = sweep.get("warmup_fraction", 0.05)
+    runs = []
+    for record in sweep["runs"]:
+        try:
+            with open(os.path.join(run_dir, "logs", record["name"] + ".log"), errors="replace") as fh:
+                text = fh.read()
+        except OSError:
+            text = ""
+        points = parse_log(text)
+        steps = record.get("steps") or sweep["config"]["steps"]
+        verdict = divergence(points, max(1, int(steps * warmup_fraction)))
+        vals = [(int(i), float(v)) for i, v in VALIDATION.findall(text)]
+        last = points[-1]["step"] if points else 0
+        run = dict(record, steps=steps, last_step=last, verdict=verdict, diverged=verdict is not None,
+                   horizon=sweep["config"].get("horizon") or steps,
+                   init_loss=points[0].get("loss") if points else None,
+                   final_validation=vals[-1][1] if vals and vals[-1][0] == steps else None)
+        run["status"] = ("diverged (stopped)" if record.get("stopped_diverged") else
+                         "diverged" if verdict else "complete" if run["final_validation"] is not None else
+                         f"stopped at the budget (step {last})" if record.get("stopped_at_budget") else
+                         "not started" if record.get("not_started") else f"failed (rc {record.get('rc')})")
+        cols = [c for c in COLUMNS if any(c in p for p in points)]
+        run["series"] = {"columns": cols, "rows": [[_compact(p.get(c)) if c != "step" else p["step"] for c in cols]
+                                                   for p in points]}
+        runs.append(run)
+    summary = {k: v for k, v in sweep.items() if k != "runs"}
+    from zloss_divergence import RECOVER_NATS, RECOVER_STEPS, SMOOTH, SPIKE_NATS
+
+    summary.update(runs=runs, divergence_rule=dict(smooth_log_lines=SMOOTH, spike_nats=SPIKE_NATS,
+                                                   recover_nats=RECOVER_NATS, recover_steps=RECOVER_STEPS))
+    with open(os.path.join(run_dir, "summary.json"), "w") as fh:
+        json.dump(summary, fh, separators=(",", ":"))
     return summary
 
 
@@ -457,18 +509,33 @@ def report(summaries, out_dir):
     # LR sensitivity: the paired difference per learning rate, the absolute loss zoomed beside it
     main_coeffs = [c for c in base_coeffs if any(cell.get((cfg["hidden"], "none", lr, c), {}).get("final_validation",
                                                    {}).get("n", 0) > 1 for lr in main_lrs)]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5), gridspec_kw={"width_ratios": [0.6, 1, 1]})
+    sens = next((e for e in stats["lr_sensitivity"] if (e["hidden"], e["wd_mode"]) == (cfg["hidden"], "none")
+                 and not e.get("compare_with")), None)
+    if sens:  # the LR sensitivity itself: every seed a dot, the mean and its 95 % interval beside them
+        for i, (c, v) in enumerate(sorted(sens["by_coeff"].items())):
+            seeds = sorted(v["per_seed"].items())
+            axes[0].scatter([i - 0.1] * len(seeds), [x for _, x in seeds], color=f"C{i}", s=16)
+            if v["mean"] is not None:
+                axes[0].errorbar([i + 0.1], [v["mean"]], yerr=[v["ci95"] or 0], color=f"C{i}", marker="o", capsize=3)
+        axes[0].set_xticks(range(len(sens["by_coeff"])))
+        axes[0].set_xticklabels([f"{_label(c)}\n{v['n']} seeds" for c, v in sorted(sens["by_coeff"].items())],
+                                fontsize=8)
+        axes[0].set_ylabel("LR sensitivity (nats): dots per seed, mean and 95 % interval")
+        axes[0].set_title(f"over LR {', '.join(f'{lr:g}' for lr in sens['lrs'])}", fontsize=8)
+        axes[0].grid(alpha=0.3)
     for i, c in enumerate(main_coeffs):
         rows = [cell.get((cfg["hidden"], "none", lr, c), {}) for lr in main_lrs]
-        errorbar(axes[1], main_lrs, [r.get("final_validation") for r in rows], shift=i - 1, color=f"C{i}",
-                 label=_label(c))
+        n = sorted({(r.get("final_validation") or {}).get("n", 0) for r in rows} - {0})
+        errorbar(axes[2], main_lrs, [r.get("final_validation") for r in rows], shift=i - 1, color=f"C{i}",
+                 label=f"{_label(c)} ({'/'.join(map(str, n))} seeds)")
         if c != 0.0:
-            errorbar(axes[0], main_lrs, [r.get("final_validation_minus_c0") for r in rows], shift=i - 1.5,
-                     color=f"C{i}", label=f"{_label(c)} minus c=0")
-    axes[0].axhline(0, color="gray", linewidth=1)
-    axes[0].set_ylabel("final validation loss, paired difference from c=0 (nats)")
-    axes[1].set_ylabel("final validation loss (zoomed)")
-    _learning_rate_axes(axes)
+            errorbar(axes[1], main_lrs, [r.get("final_validation_minus_c0") for r in rows], shift=i - 1.5,
+                     color=f"C{i}", label=f"{_label(c)} minus c=0 ({'/'.join(map(str, n))} seeds)")
+    axes[1].axhline(0, color="gray", linewidth=1)
+    axes[1].set_ylabel("final validation loss, paired difference from c=0 (nats)")
+    axes[2].set_ylabel("final validation loss (zoomed)")
+    _learning_rate_axes(axes[1:])
     fig.suptitle(f"hidden {cfg['hidden']}, no weight decay: {subtitle}", fontsize=9)
     fig.tight_layout()
     paths["lr_sensitivity"] = os.path.join(out_dir, "lr_sensitivity.png")
@@ -480,8 +547,11 @@ def report(summaries, out_dir):
     if best_lr is not None:
         coeffs = sorted(k[3] for k in cell if k[:3] == (cfg["hidden"], "none", best_lr) and k[3] > 0)
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
-        errorbar(ax, coeffs, [cell[(cfg["hidden"], "none", best_lr, c)].get("final_validation_minus_c0")
-                              for c in coeffs], color="C0")
+        diffs = [cell[(cfg["hidden"], "none", best_lr, c)].get("final_validation_minus_c0") for c in coeffs]
+        errorbar(ax, coeffs, diffs, color="C0")
+        for c, d in zip(coeffs, diffs):
+            if d and d.get("mean") is not None:
+                ax.annotate(f"{d['n']} seeds", (c, d["mean"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.axhline(0, color="gray", linewidth=1)
         ax.set_xscale("log")
         ax.set_xlabel("z-loss coefficient c")
@@ -497,9 +567,15 @@ def report(summaries, out_dir):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, c in enumerate(main_coeffs):
         rows = [cell.get((cfg["hidden"], "none", lr, c), {}) for lr in main_lrs]
-        errorbar(axes[0], main_lrs, [r.get("lse_max_run") for r in rows], shift=i - 1, color=f"C{i}", label=_label(c))
-        errorbar(axes[1], main_lrs, [r.get("lse_last100") for r in rows], shift=i - 1, color=f"C{i}", label=_label(c))
-    axes[0].set_ylabel("largest lm_lse_max of the run")
+        n = sorted({(r.get("lse_max_run") or {}).get("n", 0) for r in rows} - {0})
+        for lr, r in zip(main_lrs, rows):  # a maximum is skewed: every seed's value, no symmetric bar
+            vals = list((r.get("lse_max_run") or {}).get("per_seed", {}).values())
+            axes[0].scatter([lr * 1.06 ** (i - 1)] * len(vals), vals, color=f"C{i}", s=14,
+                            label=f"{_label(c)} ({'/'.join(map(str, n))} seeds)" if lr == main_lrs[0] else None)
+        errorbar(axes[1], main_lrs, [r.get("lse_last100") for r in rows], shift=i - 1, color=f"C{i}",
+                 label=f"{_label(c)} ({'/'.join(map(str, n))} seeds)")
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("largest lm_lse_max of the run (each seed)")
     axes[1].set_ylabel("mean lm_lse, last 100 steps")
     _learning_rate_axes(axes)
     fig.suptitle(f"log-sum-exp of the logits, hidden {cfg['hidden']}: {subtitle}", fontsize=9)
@@ -514,7 +590,10 @@ def report(summaries, out_dir):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         for i, arm in enumerate([(cfg["hidden"], "none")] + arms):
             lrs = sorted({k[2] for k in cell if k[:2] == arm})
-            label = f"hidden {arm[0]}" + ("" if arm[1] == "none" else f", {arm[1]} wd")
+            n = max((cell.get((*arm, lr, 0.0), {}).get("final_validation") or {}).get("n", 0) for lr in lrs)
+            wd, _, steps = arm[1].partition(", ")
+            label = (f"hidden {arm[0]}" + ("" if wd == "none" else f", {wd} wd") + f", {steps or str(cfg['steps']) + ' steps'}"
+                     + f", {n} seed{'s' if n != 1 else ''}")
             errorbar(axes[0], lrs, [cell.get((*arm, lr, 1e-4), {}).get("final_validation_minus_c0") for lr in lrs],
                      shift=i - len(arms) / 2, color=f"C{i}", label=label)
             errorbar(axes[1], lrs, [cell.get((*arm, lr, 0.0), {}).get("final_validation") for lr in lrs],
@@ -523,7 +602,8 @@ def report(summaries, out_dir):
         axes[0].set_ylabel("final validation loss, c=1e-4 minus c=0 (paired)")
         axes[1].set_ylabel("final validation loss at c=0")
         _learning_rate_axes(axes)
-        fig.suptitle("wider models (one seed: no bars) and weight decay: " + subtitle, fontsize=9)
+        fig.suptitle("wider models and weight decay (one seed: no bars; steps and seeds in the legend): "
+                     + f"{cfg['layers']}-layer GPT, seq {cfg['seq']}, batch {cfg['micro_batch']}", fontsize=9)
         fig.tight_layout()
         paths["widths_wd"] = os.path.join(out_dir, "widths_wd.png")
         fig.savefig(paths["widths_wd"], dpi=110)
@@ -557,6 +637,198 @@ def report(summaries, out_dir):
     return paths
 
 
+# ------------------------------------------------------------------------------------- the long runs
+WARNING_GRID = {"loss_rise": [0.5, 1.0, 1.5, 2.0], "lse_max": [20, 30, 40, 50, 60, 80, 100, 150, 200, 300], "lse": [12, 13, 14, 15, 16, 18, 20, 25, 30],
+                "z_loss": [0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0], "grad_norm": [1, 2, 3, 5, 10, 20, 50]}
+
+
+def pooled_long_runs(summaries):
+    """The started runs of the summaries with their log points; a run of the same setting and seed in a
+    later summary replaces the earlier one (the study repeats a pilot run that the budget cut)."""
+    import zloss_divergence as zd
+
+    runs = {}
+    for summary in summaries:
+        for run in summary["runs"]:
+            if run.get("not_started"):
+                continue
+            pts = zd.run_points(run)
+            finite = [p.get("lse_max") for p in pts if p.get("lse_max") is not None and math.isfinite(p["lse_max"])]
+            runs[(zd.arm_key(run), run["seed"])] = dict(
+                {k: v for k, v in run.items() if k != "series"}, phase=summary.get("phase"), points=pts,
+                tail_loss=(zd.tail_loss(pts, at=zd.horizon_of(run)) if pts and pts[-1]["step"] >= zd.horizon_of(run)
+                           and not (run.get("verdict") and run["verdict"]["step"] <= zd.horizon_of(run))
+                           else None),
+                lse_max_run=max(finite) if finite else None, lse_last=pts[-1].get("lse") if pts else None,
+                last_loss=zd.tail_loss(pts) if pts else None)
+    return list(runs.values())
+
+
+def long_statistics(summaries):
+    """The long runs (pilot, study) pooled: per run its outcome, per arm the diverged seeds and Fisher's
+    test against c = 0, the paired final losses against c = 0, and the early-warning rules."""
+    import zloss_divergence as zd
+
+    runs = pooled_long_runs(summaries)
+    table = zd.arms(runs)
+    arms = [{"arm": dict(zip(("hidden", "wd_mode", "clip", "steps", "lr", "coeff"), key)),
+             **{k: v for k, v in arm.items() if k != "verdicts"},
+             "verdicts": {str(s): v for s, v in arm["verdicts"].items()}} for key, arm in sorted(table.items())]
+    fisher = [dict(row, arm=dict(zip(("hidden", "wd_mode", "clip", "steps", "lr", "coeff"), row["arm"])))
+              for row in zd.compare_to_zero(table)]
+    by = {(zd.arm_key(r), r["seed"]): r for r in runs}
+    paired_rows = []
+    for key in sorted(table):
+        if key[-1] == 0:
+            continue
+        for what in ("tail_loss", "final_validation"):
+            diffs = {}
+            for seed in table[key]["seeds"]:
+                a, b = by.get((key, seed)), by.get((key[:-1] + (0.0,), seed))
+                if a and b and a.get(what) is not None and b.get(what) is not None:
+                    diffs[seed] = a[what] - b[what]
+            if diffs:
+                paired_rows.append({"arm": dict(zip(("hidden", "wd_mode", "clip", "steps", "lr", "coeff"), key)),
+                                    "value": what, **interval(list(diffs.values())), "per_seed": diffs})
+    # every run that logged: a diverged one (whenever) gives the lead, one that did not a false alarm or not, over
+    # the iterations it ran (``observed``: how many a non-diverged run had for a false alarm to fire)
+    logged = [r for r in runs if r["points"]]
+    warnings = {key: [zd.early_warning([{"points": zd.with_loss_rise(r["points"]), "verdict": r.get("verdict")}
+                                        for r in logged
+                                        if key != "z_loss" or r["coeff"] > 0], key, t, skip=100) for t in grid]
+                for key, grid in WARNING_GRID.items()}
+    observed = sorted(r["last_step"] for r in logged if not r.get("verdict"))
+    return {"runs": [{k: v for k, v in r.items() if k != "points"} for r in runs], "arms": arms, "fisher": fisher,
+            "paired": paired_rows, "early_warning": warnings, "not_diverged_iterations": observed}
+
+
+def _arm_label(arm):
+    clip = "no clip" if arm["clip"] != 1.0 else "clip 1"
+    return (f"h{arm['hidden']}, wd {arm['wd_mode']}, {clip}, {arm['steps']} steps, LR {arm['lr']:g}, "
+            f"c = {arm['coeff']:g}")
+
+
+def long_tables_md(stats):
+    lines = ["## Diverged seeds per arm (the rule: examples/zloss_divergence.py), judged at each run's horizon", "",
+             "| arm | seeds started | diverged by the horizon | reached it, not diverged (diverged later) | "
+             "stopped by the budget before it | rules (seed: rule @ step) |", "|---|---|---|---|---|---|"]
+    for arm in stats["arms"]:
+        rules = ", ".join(f"{s}: {v['rule']} @ {v['step']}" for s, v in arm["verdicts"].items())
+        later = f" ({len(arm['later'])})" if arm.get("later") else ""
+        lines.append(f"| {_arm_label(arm['arm'])} | {len(arm['seeds'])} | {len(arm['diverged'])} | "
+                     f"{len(arm['complete'])}{later} | {len(arm['undecided'])} | {rules} |")
+    lines += ["", "## Fisher's exact test against c = 0 (two-sided; decided seeds only)", "",
+              "| arm | diverged / decided | c = 0: diverged / decided | p |", "|---|---|---|---|"]
+    for row in stats["fisher"]:
+        p = "" if row["p"] is None else f"{row['p']:.3g}"
+        lines.append(f"| {_arm_label(row['arm'])} | {row['diverged']} / {row['decided']} | "
+                     f"{row['diverged_c0']} / {row['decided_c0']} | {p} |")
+    lines += ["", "## Paired differences against c = 0 (same seed; runs that neither diverged nor were cut)", "",
+              "| arm | value | seeds | mean difference | 95 % interval half-width |", "|---|---|---|---|---|"]
+    for row in stats["paired"]:
+        lines.append(f"| {_arm_label(row['arm'])} | {row['value']} | {row['n']} | {_fmt(row['mean'], '+.3f')} | "
+                     f"{_fmt(row['ci95'], '.3f') if row['ci95'] is not None else '(one seed)'} |")
+    lines += ["", "## Early warning: a threshold on one logged value (first 100 iterations ignored)", "",
+              "Every run that logged: a diverged one gives the steps between the first log line at or above the "
+              "threshold and its divergence; one that did not diverge (iterations it ran: "
+              + ", ".join(map(str, stats.get("not_diverged_iterations", []))) + ") a false alarm if it ever crossed.", "",
+              "| value | threshold | diverged runs warned | steps ahead (each) | runs not diverged where it fired |",
+              "|---|---|---|---|---|"]
+    for key, rows in stats["early_warning"].items():
+        for row in rows:
+            lines.append(f"| {key} | {row['threshold']:g} | {row['warned']} / {row['diverged']} | "
+                         f"{', '.join('-' if x is None else str(x) for x in row['leads'])} | "
+                         f"{row['false_alarms']} / {row['not_diverged']} |")
+    lines += ["", "## Runs", "", "| run | phase | status | last step | steps/s | GPU (MPS) | train loss, last 100 | "
+              "final val. loss | largest lm_lse_max | last lm_lse |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in stats["runs"]:
+        lines.append(f"| {r['name']} | {r['phase']} | {r['status']} | {r.get('last_step')} | {r.get('steps_per_s')} | "
+                     f"{r.get('gpu')} ({'on' if r.get('mps') else 'off'}) | {_fmt(r.get('tail_loss'))} | "
+                     f"{_fmt(r.get('final_validation'))} | {_fmt(r.get('lse_max_run'), '.1f')} | "
+                     f"{_fmt(r.get('lse_last'), '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def report_long(summaries, out_dir, setting=None):
+    """``long_stats.json``, ``long_tables.md`` and ``divergence.png`` of the long runs. ``setting``:
+    (hidden, wd_mode, clip, steps) of the plot (default: the study's, else the pilot's most common)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import zloss_divergence as zd
+
+    os.makedirs(out_dir, exist_ok=True)
+    stats = long_statistics(summaries)
+    with open(os.path.join(out_dir, "long_stats.json"), "w") as fh:
+        json.dump(stats, fh, indent=1)
+    with open(os.path.join(out_dir, "long_tables.md"), "w") as fh:
+        fh.write(long_tables_md(stats))
+    pooled = pooled_long_runs(summaries)
+    points = {r["name"] + r["phase"]: r["points"] for r in pooled}
+    runs = stats["runs"]
+    if setting is None:
+        study = [r for r in runs if r["phase"] == "study"] or runs
+        keys = [(r["hidden"], r["wd_mode"], r.get("clip", 1.0), r["steps"]) for r in study]
+        setting = max(set(keys), key=keys.count)
+    runs = [r for r in runs if (r["hidden"], r["wd_mode"], r.get("clip", 1.0), r["steps"]) == tuple(setting)]
+    coeffs = sorted({r["coeff"] for r in runs})
+    colors = {c: plt.cm.viridis(i / max(1, len(coeffs) - 1)) for i, c in enumerate(coeffs)}
+    lrs = sorted({r["lr"] for r in runs})
+    top = lrs[-2:]
+    fig = plt.figure(figsize=(11, 11), constrained_layout=True)
+    grid = fig.add_gridspec(3, max(1, len(top)))
+    ax = fig.add_subplot(grid[0, :])
+    init = [r["init_loss"] for r in runs if r.get("init_loss")]
+    threshold = sum(init) / len(init) if init else math.log(32768)
+    ax.axhline(threshold, color="red", lw=1, ls="--", label=f"loss at initialization ({threshold:.2f}): diverged above")
+    for i, c in enumerate(coeffs):
+        shift = 1 + 0.06 * (i - (len(coeffs) - 1) / 2)
+        mine = [r for r in runs if r["coeff"] == c]
+        ok = [r for r in mine if r.get("tail_loss") is not None]
+        bad = [r for r in mine if r.get("verdict") and r["verdict"]["step"] <= zd.horizon_of(r)]
+        cut = [dict(r, tail_loss=r["last_loss"]) for r in mine if r.get("tail_loss") is None and r not in bad
+               and r.get("last_loss") is not None]
+        n = {lr: sum(1 for r in mine if r["lr"] == lr) for lr in lrs}
+        ax.scatter([r["lr"] * shift for r in ok], [r["tail_loss"] for r in ok], color=colors[c], s=18,
+                   label=f"c = {c:g} ({', '.join(f'{n[lr]}' for lr in lrs)} seeds by LR)")
+        ax.scatter([r["lr"] * shift for r in cut], [r["tail_loss"] for r in cut], facecolors="none",
+                   edgecolors=[colors[c]], s=18)
+        ax.scatter([r["lr"] * shift for r in bad], [threshold + 0.3 + 0.15 * (r["seed"] % 5) for r in bad], marker="x",
+                   color=colors[c], s=30)
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    horizon = max(zd.horizon_of(r) for r in runs)
+    ax.set_ylabel(f"training loss, iterations {horizon - 100}-{horizon}")
+    ax.set_title(f"hidden {setting[0]}, weight decay {setting[1]}, clip {setting[2]:g}, a {setting[3]}-iteration schedule "
+                 f"judged at iteration {horizon}\nevery seed (open: stopped by the time budget before it, at its last "
+                 "loss; x above the line: diverged by then)", fontsize=8)
+    ax.legend(fontsize=7)
+    for col, lr in enumerate(top):
+        ax_loss, ax_lse = fig.add_subplot(grid[1, col]), fig.add_subplot(grid[2, col])
+        for r in runs:
+            if r["lr"] != lr:
+                continue
+            pts = points[r["name"] + r["phase"]]
+            steps = [p["step"] for p in pts]
+            ax_loss.plot(steps, [p.get("loss") for p in pts], color=colors[r["coeff"]], lw=0.7, alpha=0.8)
+            ax_lse.plot(steps, [p.get("lse") for p in pts], color=colors[r["coeff"]], lw=0.7, alpha=0.8)
+        ax_loss.axhline(threshold, color="red", lw=1, ls="--")
+        ax_loss.set_ylim(0, threshold + 2)  # a diverged run's loss in the hundreds would flatten the rest
+        ax_loss.set_title(f"LR {lr:g}: training loss (log line, every 10 iterations)", fontsize=9)
+        if horizon < setting[3]:  # the study's horizon (the pilot's runs are judged at their end)
+            ax_loss.axvline(horizon, color="gray", lw=0.8, ls=":")
+            ax_lse.axvline(horizon, color="gray", lw=0.8, ls=":")
+        ax_lse.set_title(f"LR {lr:g}: mean log Z (lm_lse)", fontsize=9)
+        ax_lse.set_xlabel("iteration")
+    path = os.path.join(out_dir, "divergence.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return {"stats": os.path.join(out_dir, "long_stats.json"), "tables": os.path.join(out_dir, "long_tables.md"),
+            "plot": path}
+
+
 def load(run):
     """A run folder's summary (summarized now when its TensorBoard events are there), or a summary file."""
     if os.path.isfile(run):
@@ -576,7 +848,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     summaries = [load(run) for run in args.runs]
     first = args.runs[0] if os.path.isdir(args.runs[0]) else os.path.dirname(os.path.abspath(args.runs[0]))
-    paths = report(summaries, args.out or os.path.join(first, "report"))
+    if importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit('zloss_sweep_report.py needs: pip install ".[sweep]" (missing: matplotlib)')
+    if all(s.get("phase") in ("pilot", "study") for s in summaries):
+        paths = report_long(summaries, args.out or os.path.join(first, "report"))
+    else:
+        paths = report(summaries, args.out or os.path.join(first, "report"))
     print("\n".join(paths.values()))
 
 

@@ -110,4 +110,5 @@ def test_missing_requirement_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("zloss_lr_sweep.py needs: pip install") and '"tensorboard"' in last, proc.stderr[-2000:]
+    assert last.startswith('zloss_lr_sweep.py needs: pip install ".[sweep]" (missing: ') and "tensorboard" in last, \
+        proc.stderr[-2000:]
