@@ -380,7 +380,7 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
             for point in filter(None, map(parse_line, lines)):
                 mon["first"] = mon["first"] or (point["step"], now)
                 mon["last"] = (point["step"], now)
-                verdict = mon["rule"].add(point)
+                mon["rule"].add(point)
             if stop_diverged and mon["rule"].verdict and proc.poll() is None and "stopped_diverged" not in record:
                 os.killpg(proc.pid, signal.SIGTERM)
                 record["stopped_diverged"] = mon["rule"].verdict

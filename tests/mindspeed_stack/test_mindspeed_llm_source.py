@@ -296,7 +296,7 @@ def _probe(order, *launch_args):
     command = [sys.executable, *(["-m", "mindspeed_cez.launch"] if order == "launched" else []), script, order, *SOURCES]
     if launch_args:
         command = [sys.executable, "-m", "mindspeed_cez.launch", *launch_args]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=repo)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
 @pytest.mark.parametrize("order", PROBE_ORDERS)

@@ -102,9 +102,9 @@ def _worker(rank, world_size, source):
     from megatron.core import parallel_state as ps
 
     batches = gpt.micro_batches(0)
-    losses, captured, _ = gpt._iteration(model, batches)
+    losses, captured, _ = gpt.iteration(model, batches)
     scalars = metrics.report(1, len(batches), gpt.LAYERS, track_names=["load_balancing_loss"])
-    ref = gpt._reference(captured, batches, ps.get_tensor_model_parallel_group(), 0)
+    ref = gpt.reference(captured, batches, ps.get_tensor_model_parallel_group(), 0)
     for loss, r, cap in zip(losses, ref, captured):
         torch.testing.assert_close(loss.double(), r["ce"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(cap["grad"].double(), r["grad"], rtol=1e-4, atol=1e-7)

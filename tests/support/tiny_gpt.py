@@ -1,6 +1,7 @@
 """The tiny megatron-core MoE GPTModel the adaptor's and MindSpeed's CPU tests share: its configuration
 (:func:`build`, after the CPU shims), its micro-batches with unequal loss masks (:func:`micro_batches`)
-and the full-vocabulary logits gathered over the TP shards (:func:`full_vocab`)."""
+the full-vocabulary logits gathered over the TP shards (:func:`full_vocab`) and one training iteration
+with the logits and their gradients captured (:func:`iteration`), and its float64 reference (:func:`reference`)."""
 
 import torch
 
@@ -50,3 +51,59 @@ def full_vocab(logits_shard, tp_group):
     parts = [torch.empty_like(logits_shard) for _ in range(dist.get_world_size(tp_group))]
     dist.all_gather(parts, logits_shard.contiguous(), group=tp_group)
     return torch.cat(parts, dim=-1)
+
+
+def iteration(model, batches, grad_of_logits=None):
+    """Forward + backward of every micro-batch with the objective ``sum(loss*mask) / sum(mask)``.
+
+    Returns per micro-batch ``(per-token loss, logits, logits grad)`` and the parameter grads.
+    With ``grad_of_logits`` (a list, one per micro-batch), the model is run without labels and
+    those gradients are fed into its logits instead (the float64 reference's backward).
+    """
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    mask = shims.causal_attention_mask(SEQ)
+    tokens_total = sum(float(m.sum()) for _, _, m in batches)
+    captured = []
+
+    def keep_logits(module, inputs, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        captured.append({"logits": logits.detach().clone(), "live": logits})
+        logits.register_hook(lambda g: captured[-1].__setitem__("grad", g.detach().clone()))
+
+    handle = model.output_layer.register_forward_hook(keep_logits)
+    model.zero_grad(set_to_none=True)
+    losses = []
+    try:
+        for i, (tokens, labels, loss_mask) in enumerate(batches):
+            if grad_of_logits is None:
+                loss = model(tokens, position_ids, mask, labels=labels, loss_mask=loss_mask)
+                losses.append(loss.detach().clone())
+                ((loss * loss_mask).sum() / tokens_total).backward()
+            else:
+                model(tokens, position_ids, mask)
+                live = captured[-1]["live"]
+                live.backward(grad_of_logits[i].to(live.dtype))
+    finally:
+        handle.remove()
+    for cap in captured:
+        del cap["live"]
+    shims.allreduce_sequence_parallel_grads(model)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return losses, captured, grads
+
+
+def reference(captured, batches, tp_group, tp_rank):
+    """float64: CE, lse and the logits gradient of sum((CE + c*lse^2)*mask)/sum(mask), per micro-batch."""
+    tokens_total = sum(float(m.sum()) for _, _, m in batches)
+    out = []
+    for cap, (_, labels, loss_mask) in zip(captured, batches):
+        full = full_vocab(cap["logits"], tp_group).double().requires_grad_()  # [s, b, V]
+        lse = torch.logsumexp(full, dim=-1)
+        target = labels.transpose(0, 1)
+        ce = lse - full.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        m = loss_mask.transpose(0, 1).double()
+        (((ce + COEFF * lse**2) * m).sum() / tokens_total).backward()
+        v_local = cap["logits"].shape[-1]
+        grad = full.grad[..., tp_rank * v_local:(tp_rank + 1) * v_local]
+        out.append({"ce": ce.detach().transpose(0, 1), "lse": lse.detach().transpose(0, 1), "grad": grad})
+    return out
