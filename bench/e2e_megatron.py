@@ -63,6 +63,7 @@ VARIANTS = {
 }
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")
+ALLOCATOR = re.compile(r"CEZ_BENCH allocator=(\{.*\})")
 
 
 # --------------------------------------------------------------------------- the profiled step
@@ -116,9 +117,26 @@ def profile_summary(directory, vocab):
             "_merge_kernel")
     clip = [(k, (max(k["ts"], start), min(k["ts"] + k["dur"], end))) for k in kernels]
     head = [span for k, span in clip if k["name"].startswith(ours) or in_vocab_op(k)]
-    return {"steps": len({e["name"] for e in steps}), "window_ms": (end - start) / 1e3,
-            "gpu_busy_share": sum(b - a for a, b in _union([span for _, span in clip])) / (end - start),
-            "lm_head_share": sum(b - a for a, b in _union(head)) / (end - start)}
+    n_steps = len({e["name"] for e in steps})
+    busy = _union([span for _, span in clip])
+    per_kernel = {}
+    for k, (a, b) in clip:
+        per_kernel[k["name"][:100]] = per_kernel.get(k["name"][:100], 0.0) + (b - a) / 1e3 / n_steps
+    ordered = sorted(clip, key=lambda ks: ks[1][0])
+    gaps, reach, before = [], start, "(step start)"
+    for k, (a, b) in ordered:  # idle stretches between kernels, with the kernels on either side
+        if a - reach > 0:
+            gaps.append(((a - reach) / 1e3, before[:60], k["name"][:60]))
+        if b > reach:
+            reach, before = b, k["name"]
+    return {"steps": n_steps, "window_ms": (end - start) / 1e3,
+            "gpu_busy_share": sum(b - a for a, b in busy) / (end - start),
+            "lm_head_share": sum(b - a for a, b in _union(head)) / (end - start),
+            "kernel_ms_per_step": sum(b - a for _, (a, b) in clip) / 1e3 / n_steps,
+            "lm_head_ms_per_step": sum(b - a for a, b in _union(head)) / 1e3 / n_steps,
+            "top_kernels_ms_per_step": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])[:30]),
+            "idle_ms_per_step": (end - start - sum(b - a for a, b in busy)) / 1e3 / n_steps,
+            "longest_gaps_ms": sorted(gaps, reverse=True)[:15]}
 
 
 # --------------------------------------------------------------------------- the runs
@@ -153,7 +171,9 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
             "steps_ms": {int(i): float(ms) for i, ms in STEP.findall(proc.stdout)},
             # the output layer's ops carry this rank's vocab slice
             "profile": profile_summary(profile_dir, vocab_per_rank(tp)) if profile_dir else None,
-            "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)]}
+            "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)],
+            # the caching allocator's retries (each frees cached blocks after a device sync) and cudaMalloc / free
+            "allocator": [json.loads(v) for v in ALLOCATOR.findall(proc.stdout)]}
 
 
 def steady_steps(run, skip):
@@ -256,7 +276,11 @@ def main(argv=None):
             print(f"rep {rep + 1} {variant:10s} rc={run['rc']} median step "
                   + (f"{statistics.median(steady):.1f} ms" if steady else "-")
                   + (f" peak {peak / 1e9:.2f} GB" if peak else " peak -") + f" wall {run['wall_s']:.0f} s"
-                  + (f" gpu busy {prof['gpu_busy_share']:.1%}, lm head {prof['lm_head_share']:.1%}" if prof else ""),
+                  + (f" gpu busy {prof['gpu_busy_share']:.1%}, lm head {prof['lm_head_share']:.1%}; per traced step: "
+                     f"kernels {prof['kernel_ms_per_step']:.0f} ms, lm head {prof['lm_head_ms_per_step']:.1f} ms, "
+                     f"idle {prof['idle_ms_per_step']:.0f} ms" if prof else "")
+                  + (f"; allocator retries {run['allocator'][0]['num_alloc_retries']}, cudaMalloc "
+                     f"{run['allocator'][0]['num_device_alloc']}" if run.get("allocator") else ""),
                   flush=True)
     summary = summarize(runs, args.skip)
     data = {"config": args.config, "run": run_info(), "args": vars(args),
@@ -314,8 +338,15 @@ def worker():
 
         DotProductAttention.forward = _sdpa_forward
         print("CEZ_BENCH attention: torch scaled_dot_product_attention (causal)", flush=True)
-    atexit.register(lambda: torch.cuda.is_available() and print(
-        f"CEZ_BENCH peak_allocated_bytes={torch.cuda.max_memory_allocated()}", flush=True))
+    def report():
+        if torch.cuda.is_available():
+            stats = torch.cuda.memory_stats()
+            print(f"CEZ_BENCH peak_allocated_bytes={torch.cuda.max_memory_allocated()}", flush=True)
+            print("CEZ_BENCH allocator=" + json.dumps({k: stats.get(k) for k in (
+                "num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free", "num_ooms")}),
+                flush=True)
+
+    atexit.register(report)
     from mindspeed_cez import launch
 
     sys.exit(launch.main([os.path.join(REPO, "examples", "pretrain_gpt.py"), *sys.argv[1:]]))

@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import kernel_ms, step_timeline, time_and_peak, timed, write_report  # noqa: E402
+from harness import GEMM_KERNELS, kernel_ms, run_stamp, short, step_timeline, time_and_peak, timed, write_report  # noqa: E402
 
 Z = 1e-4
 # issue 31's table; the last: a DeepSeek-V3-like vocab slice (V/8)
@@ -237,6 +237,130 @@ def overhead(args):
     return lines + tables
 
 
+BREAKDOWN_FRACTIONS = (0.5, 1.0, 0.25)  # the former default, one block, a leaner setting
+TORCH_KERNELS = ("at::", "at_cuda_detail", "cub", "memcpy", "memset", "nccl")
+
+
+def _kernel_kind(name):
+    low = name.lower()
+    if any(k in low for k in (*GEMM_KERNELS, "cublas")):
+        return "gemm"
+    return "torch" if any(k in low for k in TORCH_KERNELS) else "triton"
+
+
+def kernel_table(step, steps=3):
+    """Per kernel name: (calls per step, device ms per step), from the torch profiler over ``steps``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    table = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            calls, us = table.get(e.name, (0, 0.0))
+            table[e.name] = (calls + 1, us + e.device_time)
+    return {name: (calls / steps, us / 1e3 / steps) for name, (calls, us) in table.items()}
+
+
+def gemm_pieces_ms(n, h, v, args):
+    """The layer's GEMMs alone (events, median): logits, dhidden, the 16-bit weight gradient, and the
+    weight gradient added into an fp32 main_grad over all n rows at once and as two halves; the
+    halves' excess is what one more block costs (one more read-modify-write of main_grad, 8 V h bytes)."""
+    x, w = torch.randn(n, h, device="cuda").bfloat16(), torch.randn(v, h, device="cuda").bfloat16()
+    g = torch.randn(n, v, device="cuda").bfloat16()
+    main_grad = torch.zeros(v, h, device="cuda")
+    half = n // 2
+    ms = {"logits": timed(lambda: x @ w.t(), args.warmup, args.iters),
+          "dhidden": timed(lambda: g @ w, args.warmup, args.iters),
+          "dweight 16-bit": timed(lambda: g.t() @ x, args.warmup, args.iters),
+          "dweight into fp32, 1 block": timed(lambda: torch.addmm(main_grad, g.t(), x, out_dtype=torch.float32,
+                                                                  out=main_grad), args.warmup, args.iters),
+          "dweight into fp32, 2 blocks": timed(lambda: [torch.addmm(main_grad, g[i:i + half].t(), x[i:i + half],
+                                                                    out_dtype=torch.float32, out=main_grad)
+                                                        for i in (0, half)], args.warmup, args.iters)}
+    del x, w, g, main_grad
+    torch.cuda.empty_cache()
+    return ms
+
+
+def breakdown(args):
+    """Per shape: what each path spends, from the torch profiler (device time, kernels summed by kind:
+    cuBLAS GEMMs, this package's Triton kernels, torch's elementwise / reduction kernels) beside its
+    events (median, synchronized: host included), against the unfused layer into fp32 main_grad (what
+    Megatron runs) and the GEMMs alone; per-kernel tables in ``--detail``."""
+    from mindspeed_cez.linear_cross_entropy import default_row_block
+
+    impls = {"unfused into main_grad": unfused_into_main_grad, "fused default": into_main_grad}
+    for fraction in args.fractions:
+        impls[f"fused, fraction {fraction}"] = functools.partial(into_main_grad, block_fraction=fraction)
+    lines = [f"Where the time goes, fwd+bwd into fp32 main_grad, bf16: device ms from the torch profiler (3 steps), "
+             f"events ms median of {args.iters} (synchronized, host included)", "",
+             "| N x h x V | path | blocks | events ms | device ms | / unfused (device) | GEMM ms | Triton ms "
+             "| torch ms | kernels |", "|---|---|---|---|---|---|---|---|---|---|"]
+    pieces = ["", "GEMMs alone (cuBLAS, events median): the 3-GEMM floor into main_grad = logits + dhidden + "
+              "dweight into fp32 (1 block); one more block costs the 2-block excess", "",
+              "| N x h x V | logits | dhidden | dweight 16-bit | dweight into fp32, 1 block | 2 blocks | "
+              "extra per block | floor into main_grad |", "|---|---|---|---|---|---|---|---|"]
+    detail, summary = [], {}
+    for shape in args.shapes:
+        n, hdim, v = dims(shape)
+        g = gemm_pieces_ms(n, hdim, v, args)
+        floor = g["logits"] + g["dhidden"] + g["dweight into fp32, 1 block"]
+        pieces.append(f"| {shape} | {g['logits']:.3f} | {g['dhidden']:.3f} | {g['dweight 16-bit']:.3f} | "
+                      f"{g['dweight into fp32, 1 block']:.3f} | {g['dweight into fp32, 2 blocks']:.3f} | "
+                      f"{g['dweight into fp32, 2 blocks'] - g['dweight into fp32, 1 block']:.3f} | {floor:.3f} |")
+        print(pieces[-1], flush=True)
+        base = None
+        for name, fn in impls.items():
+            hidden, weight, target = inputs(n, hdim, v)
+            fraction = getattr(fn, "keywords", {}).get("block_fraction")
+            blocks = -(-n // default_row_block(n, v, fraction)) if name.startswith("fused") else ""
+            try:
+                step = stepper(fn, hidden.requires_grad_(), weight.requires_grad_(), target)
+                events = timed(step, args.warmup, args.iters)
+                table = kernel_table(step)
+            except Exception as exc:  # noqa: BLE001
+                lines.append(f"| {shape} | {name} | failed: {short(exc, 100)} |" + " |" * 7)
+                print(lines[-1], flush=True)
+                continue
+            kinds = {"gemm": 0.0, "triton": 0.0, "torch": 0.0}
+            for kname, (calls, ms) in table.items():
+                kinds[_kernel_kind(kname)] += ms
+            device = sum(kinds.values())
+            base = device if name.startswith("unfused") else base
+            summary.setdefault(shape, {"extra": g["dweight into fp32, 2 blocks"] - g["dweight into fp32, 1 block"],
+                                       "floor": floor})[name] = (device, blocks)
+            lines.append(f"| {shape} | {name} | {blocks} | {events:.3f} | {device:.3f} | "
+                         f"{device / base if base else float('nan'):.3f} | {kinds['gemm']:.3f} | "
+                         f"{kinds['triton']:.3f} | {kinds['torch']:.3f} | "
+                         f"{sum(c for c, _ in table.values()):.0f} |")
+            print(lines[-1], flush=True)
+            detail += ["", f"{shape}, {name}: per kernel (calls per step, device ms per step)", "",
+                       "| kernel | kind | calls | ms |", "|---|---|---|---|"]
+            detail += [f"| {kname[:110]} | {_kernel_kind(kname)} | {calls:.0f} | {ms:.3f} |"
+                       for kname, (calls, ms) in sorted(table.items(), key=lambda kv: -kv[1][1])]
+            del hidden, weight, target, step
+            torch.cuda.empty_cache()
+    names = list(impls)
+    short_table = ["", "Summary: device ms (profiler) of the unfused layer into main_grad, the others / it (blocks); "
+                   "floor: the GEMMs alone into main_grad; +block: one more block's dweight excess (ms)", "",
+                   "| N x h x V | unfused ms | floor | " + " | ".join(names[1:]) + " | +block ms |",
+                   "|---|---|---|" + "---|" * len(names)]
+    for shape, row in summary.items():
+        ref = row.get(names[0], (float("nan"), ""))[0]
+        cells = [f"{row[n][0] / ref:.3f} ({row[n][1]})" if n in row else "-" for n in names[1:]]
+        short_table.append(f"| {shape} | {ref:.2f} | {row['floor'] / ref:.3f} | " + " | ".join(cells)
+                           + f" | {row['extra']:.2f} |")
+    if args.detail:
+        with open(args.detail, "w") as fh:
+            fh.write(run_stamp() + "\n" + "\n".join(detail) + "\n")
+    return lines + pieces + short_table
+
+
 TUNE_ACCUMULATE = [  # block_m, block_n, block_k, group_m, warps, stages, programs per SM, main_grad tile read first
     (128, 256, 64, 8, 8, 3, 1, False), (128, 256, 32, 8, 8, 5, 1, False), (128, 128, 64, 8, 8, 4, 1, False),
     (128, 128, 64, 8, 8, 4, 1, True), (128, 128, 64, 8, 8, 3, 1, True), (128, 128, 32, 8, 8, 5, 1, True),
@@ -343,6 +467,12 @@ def main(argv=None):
     parser.add_argument("--tune-accumulate", action="store_true", help="the Triton accumulation kernel's tile sweep")
     parser.add_argument("--overhead", action="store_true",
                         help="each call's time outside its kernels (events beside the profiler's timeline)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="where each path's device time goes (profiler, by kernel kind) against the unfused "
+                             "layer into main_grad and the GEMMs alone; per-kernel tables to --detail")
+    parser.add_argument("--fractions", nargs="*", type=float, default=list(BREAKDOWN_FRACTIONS),
+                        help="--breakdown: block fractions beside the default")
+    parser.add_argument("--detail", default=None, help="--breakdown: the per-kernel tables' file")
     parser.add_argument("--tp", action="store_true", help="TP=2 + SP over NCCL (torchrun --nproc-per-node 2): the dial")
     parser.add_argument("--tune-shapes", nargs="+", default=TUNE_SHAPES, help="V x h x rows for --tune-accumulate")
     parser.add_argument("--impls", nargs="*", default=[], help="only the implementations whose names hold one of these")
@@ -352,7 +482,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the op's CPU smoke run: python bench/op.py --smoke)")
-    report = (sweep_tp if args.tp else tune_accumulate if args.tune_accumulate else overhead if args.overhead
+    report = (sweep_tp if args.tp else breakdown if args.breakdown else tune_accumulate if args.tune_accumulate else overhead if args.overhead
               else run)(args)
     if report is not None:
         print(write_report(args.out, report))

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# One device-tool call from the repository root, .whl carried: bash bench/run_device.sh STEP [STEP ...]
-# (no STEP: env tests peers). Installs the wheels and this tree into $SITE, keeps NVLink multicast off;
+# One device-tool call from the repository root: [WHEELS=DIR] bash bench/run_device.sh STEP [STEP ...]
+# (no STEP: env tests peers; WHEELS: the folder of wheels, default .whl). Installs the wheels and this tree into $SITE, keeps NVLink multicast off;
 # each step writes to $OUT. Steps, outputs, $LINEAR_ARGS / $E2E_ARGS: bench/README.md.
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-OUT=${OUT:-$PWD/out} SITE=${SITE:-/tmp/site} PY=${PYTHON:-python3}
+OUT=${OUT:-$PWD/out} SITE=${SITE:-/tmp/site} PY=${PYTHON:-python3} WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUT"
-ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: carry .whl" >&2; exit 2; }
+ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "no wheels in $WHEELS/: carry them, or set WHEELS=DIR" >&2; exit 2; }
 pip_install() { $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$SITE" "$@" || exit 1; }
-pip_install --no-compile .whl/*.whl
+pip_install --no-compile "$WHEELS"/*.whl
 pip_install --no-build-isolation .
 export PYTHONPATH=$SITE
 
@@ -36,10 +36,15 @@ step_peers-tp() {  # op.py --tp at world size 1, 2, 4, 8 while the GPUs found al
             bench/op.py --tp --out "$OUT/bench_tp$world.md" 2>&1 | tee "$OUT/bench_tp$world.log" | tail -6
     done
 }
+step_breakdown() {  # where the fused layer's time goes, per shape: breakdown.md/.json, breakdown_detail.md
+    timeout "${BREAKDOWN_S:-300}" $PY bench/linear_cross_entropy.py --breakdown ${BREAKDOWN_ARGS:-} \
+        --detail "$OUT/breakdown_detail.md" --out "$OUT/breakdown.md" 2>&1 | tail -4
+}
 step_linear-ce() { timeout 400 $PY bench/linear_cross_entropy.py ${LINEAR_ARGS:-} --out "$OUT/linear_ce.md" 2>&1 | tail -24; }
 step_e2e() {
-    timeout 560 $PY bench/e2e_megatron.py ${E2E_ARGS:---config busy --variants native cez --pairs 3 --profile} \
+    timeout "${E2E_S:-560}" $PY bench/e2e_megatron.py ${E2E_ARGS:---config busy --variants native cez --pairs 3 --profile} \
         --out "$OUT/e2e" 2>&1 | grep -v '^ *\[20' | tail -40
+    tar -czf "$OUT/e2e.tar.gz" -C "$OUT" e2e && rm -r "$OUT/e2e"
 }
 step_e2e-tp12() {  # TP=1 on the first GPU and TP=2 + SP on the last two, at once (3+ GPUs); each packed in one file
     local args=${E2E_ARGS:---config busy --variants cez cez_fol --pairs 3 --iters 20 --profile} n

@@ -186,14 +186,26 @@ def test_grad_scale_needs_that_upstream_gradient():
 
 
 def test_default_row_block():
-    """``block_fraction`` of the tokens (default 1/2, lean 1/8), a power of two, at least 1024 rows,
-    never more than the tokens; a bad dial names itself and its range."""
+    """The default: one block while the logits fit in ONE_BLOCK_LOGITS_BYTES, else halves; a fraction:
+    ceil(1 / fraction) equal blocks (a multiple of 128 rows), at least 1024 rows, never more than the
+    tokens; a bad dial names itself and its range."""
     from mindspeed_cez.linear_cross_entropy import default_row_block
-    assert [default_row_block(n, 151936) for n in (100, 3000, 8192, 16384, 20000, 32768)] == \
-        [100, 1024, 4096, 8192, 8192, 16384]
-    assert [default_row_block(n, 151936, 0.125) for n in (100, 3000, 8192, 16384, 20000, 32768)] == \
-        [100, 1024, 1024, 2048, 2048, 4096]
+    from mindspeed_cez.linear_forward_grads import ONE_BLOCK_LOGITS_BYTES
+    tokens = (100, 3000, 8192, 12288, 16384, 20000, 32768)
+    assert [default_row_block(n, 151936) for n in tokens] == [100, 3000, 8192, 12288, 8192, 10112, 16384]
+    assert [default_row_block(n, 151936, 0.5) for n in tokens] == [100, 1536, 4096, 6144, 8192, 10112, 16384]
+    assert [default_row_block(n, 151936, 0.125) for n in tokens] == [100, 1024, 1024, 1536, 2048, 2560, 4096]
+    assert [default_row_block(n, 151936, 1.0) for n in tokens] == list(tokens)
     assert [default_row_block(8192, 16160, f) for f in (1.0, 0.5, 0.25, 0.125, 0.01)] == [8192, 4096, 2048, 1024, 1024]
+    at_limit = ONE_BLOCK_LOGITS_BYTES // (2 * 8192)  # 8192 rows of this vocab fill the limit in bf16
+    assert default_row_block(8192, at_limit) == 8192 and default_row_block(8192, at_limit + 1) == 4096
+    assert default_row_block(8192, at_limit, itemsize=4) == 4096  # fp32 logits: twice the bytes
+    for n in (1, 1000, 3001, 8191, 20000, 65537):  # every block but the last full, the last never empty
+        for fraction in (None, 1.0, 0.5, 0.3, 0.125):
+            rows = default_row_block(n, 151936, fraction)
+            assert 1 <= rows <= n and (n - 1) // rows + 1 == -(-n // rows)
+            if fraction is not None and n >= 1024:
+                assert rows <= max(1024, n * fraction) + 127
     gen = torch.Generator().manual_seed(17)
     hidden, weight, target, _ = _problem(torch.float32, 1, gen)
     mask, _ = _token_weights(target, gen)
