@@ -64,6 +64,8 @@ VARIANTS = {
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")
 ALLOCATOR = re.compile(r"CEZ_BENCH allocator=(\{.*\})")
+ALTERNATE_STEP = re.compile(r"CEZ_BENCH step=(\d+) fused=([01]) peak=(\d+)")
+ALTERNATE = ("cez", "cez_fol")  # --alternate: the op, the fused layer; steps A B B A, A B B A, ...
 
 
 # --------------------------------------------------------------------------- the profiled step
@@ -129,7 +131,18 @@ def profile_summary(directory, vocab):
             gaps.append(((a - reach) / 1e3, before[:60], k["name"][:60]))
         if b > reach:
             reach, before = b, k["name"]
-    return {"steps": n_steps, "window_ms": (end - start) / 1e3,
+    fused_ops = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "cpu_op" and "dur" in e
+                 and "LinearCrossEntropyZLossForwardGrads" in e["name"]]
+    per_step = []  # each traced step: whether the fused layer ran in it, its kernel, idle and output-layer time
+    for st in sorted(steps, key=lambda e: e["ts"]):
+        a0, b0 = st["ts"], st["ts"] + st["dur"]
+        spans = [(max(a, a0), min(b, b0)) for _, (a, b) in clip if b > a0 and a < b0]
+        mine = _union(spans)
+        per_step.append({"step": st["name"], "fused": any(a0 <= a < b0 for a, _ in fused_ops),
+                         "wall_ms": (b0 - a0) / 1e3, "kernel_ms": sum(b - a for a, b in spans) / 1e3,
+                         "idle_ms": (b0 - a0 - sum(b - a for a, b in mine)) / 1e3,
+                         "lm_head_ms": sum(min(b, b0) - max(a, a0) for a, b in _union(head) if b > a0 and a < b0) / 1e3})
+    return {"steps": n_steps, "window_ms": (end - start) / 1e3, "per_step": per_step,
             "gpu_busy_share": sum(b - a for a, b in busy) / (end - start),
             "lm_head_share": sum(b - a for a, b in _union(head)) / (end - start),
             "kernel_ms_per_step": sum(b - a for _, (a, b) in clip) / 1e3 / n_steps,
@@ -149,13 +162,15 @@ def vocab_per_rank(tp, divisible_by=128):
     return -(-VOCAB // multiple) * multiple // tp
 
 
-def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
-    """One Megatron run of ``variant``: its step times, peak memory, LM losses (and profile summary)."""
+def launch(variant, config, iters, log_path, tp=1, profile_dir=None, alternate=False):
+    """One Megatron run of ``variant``: its step times, peak memory, LM losses (and profile summary).
+    ``alternate``: one run of ``cez_fol`` whose worker turns the fused layer off for the steps of
+    ``cez`` (A B B A order); ``alternate_steps``: per step, whether the fused layer ran and its peak."""
     args, env_extra = VARIANTS[variant]
-    env_extra = {**CONFIG_ENV.get(config, {}), **env_extra}
+    env_extra = {**CONFIG_ENV.get(config, {}), **env_extra, **({"CEZ_BENCH_ALTERNATE": "1"} if alternate else {})}
     parallel = ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
-    if profile_dir:  # Megatron's own torch-profiler hook, two steps in the steady state, rank 0
-        parallel += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(iters - 4),
+    if profile_dir:  # Megatron's own torch-profiler hook, two steps in the steady state (alternate: four), rank 0
+        parallel += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(iters - (6 if alternate else 4)),
                      "--profile-step-end", str(iters - 2), "--profile-ranks", "0", "--pytorch-profiler-collect-shapes",
                      "--tensorboard-dir", os.path.join(profile_dir, "tb")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
@@ -173,7 +188,8 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
             "profile": profile_summary(profile_dir, vocab_per_rank(tp)) if profile_dir else None,
             "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)],
             # the caching allocator's retries (each frees cached blocks after a device sync) and cudaMalloc / free
-            "allocator": [json.loads(v) for v in ALLOCATOR.findall(proc.stdout)]}
+            "allocator": [json.loads(v) for v in ALLOCATOR.findall(proc.stdout)],
+            "alternate_steps": {int(i): (f == "1", int(p)) for i, f, p in ALTERNATE_STEP.findall(proc.stdout)}}
 
 
 def steady_steps(run, skip):
@@ -216,6 +232,58 @@ def summarize(runs, skip):
             for v, r in rows.items()}
 
 
+def alternated(runs, skip):
+    """Steps of ``--alternate`` runs: per variant the median step, spread of run medians and peak of its
+    steps; and per A B B A block after ``skip`` (blocks starting at a multiple of 4 steps) the fused
+    layer's step time over the op's, (B1 + B2) / (A1 + A2) - 1: median, quartiles, mean +- 2 standard errors."""
+    per, blocks = {v: {"steps": [], "medians": [], "peaks": []} for v in ALTERNATE}, []
+    for run in runs:
+        steps, marks = dict(run["steps_ms"]), run.get("alternate_steps") or {}
+        if run.get("profile"):  # the profiler's steps (warm-up, traced, the trace's writing) out: host time inflated
+            last = max(steps, default=0)
+            for i in range(last - 7, last):
+                steps.pop(i, None)
+        mine = {v: [] for v in ALTERNATE}
+        for i, ms in steps.items():
+            if i > skip and i in marks:
+                variant = ALTERNATE[int(marks[i][0])]
+                mine[variant].append(ms)
+                per[variant]["peaks"].append(marks[i][1])
+        for v in ALTERNATE:
+            per[v]["steps"] += mine[v]
+            if mine[v]:
+                per[v]["medians"].append(statistics.median(mine[v]))
+        first = -(-(skip + 1 - 1) // 4) * 4 + 1  # iterations k..k+3 with k - 1 a multiple of 4 (A B B A)
+        for k in range(first, max(steps, default=0) - 2, 4):
+            block = [steps.get(k + j) for j in range(4)]
+            fused = [marks.get(k + j, (None,))[0] for j in range(4)]
+            if None not in block and fused == [False, True, True, False]:
+                blocks.append((block[1] + block[2]) / (block[0] + block[3]) - 1)
+    out = {"variants": {v: {"median_ms": statistics.median(d["steps"]) if d["steps"] else None,
+                            "steps": len(d["steps"]), "run_medians": d["medians"],
+                            "peak_gb": max(d["peaks"]) / 1e9 if d["peaks"] else None} for v, d in per.items()},
+           "blocks": len(blocks)}
+    if len(blocks) >= 2:
+        q = statistics.quantiles(blocks, n=4)
+        sem = statistics.stdev(blocks) / len(blocks) ** 0.5
+        out.update(median=statistics.median(blocks), q1=q[0], q3=q[2], mean=statistics.fmean(blocks), two_sem=2 * sem)
+    return out
+
+
+def alternated_table(result):
+    lines = ["| variant | step median (ms) | run medians (ms) | steps | peak allocated in its steps (GB) |",
+             "|---|---|---|---|---|"]
+    for v, d in result["variants"].items():
+        med = f"{d['median_ms']:.1f}" if d["median_ms"] else "-"
+        peak = f"{d['peak_gb']:.2f}" if d["peak_gb"] else "-"
+        lines.append(f"| {v} | {med} | {', '.join(f'{m:.1f}' for m in d['run_medians'])} | {d['steps']} | {peak} |")
+    if "median" in result:
+        lines += ["", f"fused layer / op - 1, per A B B A block ({result['blocks']} blocks): median "
+                      f"{result['median']:+.2%} (quartiles {result['q1']:+.2%} to {result['q3']:+.2%}); mean "
+                      f"{result['mean']:+.2%} +- {result['two_sem']:.2%} (2 standard errors)"]
+    return "\n".join(lines)
+
+
 def table(summary, reference="native"):
     ref = summary.get(reference)
     lines = ["| variant | step median (ms) | spread of run medians (ms) | runs | vs native | peak allocated (GB) "
@@ -246,6 +314,9 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=float, default=540, help="no new launch after this many seconds")
     parser.add_argument("--profile", action="store_true",
                         help="first rep: torch-profile two steady steps per variant, report the GPU-busy share")
+    parser.add_argument("--alternate", action="store_true",
+                        help="cez and cez_fol alternated step by step inside each run (A B B A; --pairs runs): the "
+                             "fused layer turned off for the op's steps; step times and per-step peaks per variant")
     parser.add_argument("--out", default="out/e2e")
     args = parser.parse_args(argv)
     variants = args.variants or [v for v in VARIANTS if v != "z_by_hand" or args.tp == 1]
@@ -259,6 +330,8 @@ def main(argv=None):
         parser.error(f"--tp {args.tp}: {torch.cuda.device_count()} GPUs visible (CUDA_VISIBLE_DEVICES picks them)")
     name = args.config if args.tp == 1 else f"{args.config}_tp{args.tp}"
     os.makedirs(args.out, exist_ok=True)
+    if args.alternate:
+        return main_alternate(args, name)
     start, runs = time.time(), []
     for rep in range(args.pairs):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
@@ -288,6 +361,63 @@ def main(argv=None):
     with open(os.path.join(args.out, f"e2e_{name}.json"), "w") as fh:
         json.dump(data, fh, indent=1)
     print(table(summary))
+
+
+def main_alternate(args, name):
+    start, runs = time.time(), []
+    for rep in range(args.pairs):
+        if runs and time.time() - start > args.budget_s:
+            print(f"budget of {args.budget_s:.0f} s spent: stopping before run {rep + 1}", flush=True)
+            break
+        profile_dir = os.path.join(args.out, f"trace_{name}_alternate") if args.profile and rep == 0 else None
+        run = launch("cez_fol", args.config, args.iters, os.path.join(args.out, f"{name}_alternate_{rep + 1}.log"),
+                     tp=args.tp, profile_dir=profile_dir, alternate=True)
+        if profile_dir:
+            shutil.rmtree(profile_dir, ignore_errors=True)
+            for st in (run.get("profile") or {}).get("per_step", []):
+                print(f"  traced {st['step']}: fused {st['fused']}, wall {st['wall_ms']:.0f} ms, kernels "
+                      f"{st['kernel_ms']:.0f} ms, idle {st['idle_ms']:.0f} ms, output layer + loss {st['lm_head_ms']:.1f} ms",
+                      flush=True)
+        runs.append(run)
+        part = alternated([run], args.skip)
+        print(f"run {rep + 1} rc={run['rc']} wall {run['wall_s']:.0f} s: " + ", ".join(
+            f"{v} {d['median_ms']:.1f} ms ({d['steps']} steps)" for v, d in part["variants"].items() if d["median_ms"])
+            + (f"; fused / op - 1 median {part['median']:+.2%} over {part['blocks']} blocks" if "median" in part else ""),
+            flush=True)
+    result = alternated(runs, args.skip)
+    with open(os.path.join(args.out, f"e2e_{name}_alternate.json"), "w") as fh:
+        json.dump({"config": args.config, "run": run_info(), "args": vars(args), "command": COMMON + CONFIGS[args.config],
+                   "result": result, "runs": runs}, fh, indent=1)
+    print(alternated_table(result))
+
+
+def _alternate_steps():
+    """``CEZ_BENCH_ALTERNATE``: Megatron's ``train_step`` wrapped so that steps 1, 4, 5, 8, 9, ... (A B B A)
+    run with the fused layer off (the op on the logits) and the others with it on, each step's peak
+    allocated memory printed with its iteration number."""
+    import dataclasses
+
+    import torch
+    from megatron.training import training
+
+    from mindspeed_cez.patches import settings as adaptor_settings  # the active settings the patches read
+
+    inner, count = training.train_step, [0]
+
+    def train_step(*args, **kwargs):
+        active = adaptor_settings.get_active()
+        if active is None or (count[0] == 0 and not active.fused_output_layer):
+            raise RuntimeError("CEZ_BENCH_ALTERNATE needs a run with --lm-fused-output-layer")
+        fused = count[0] % 4 in (1, 2)
+        adaptor_settings.set_active(dataclasses.replace(active, fused_output_layer=fused))
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            count[0] += 1
+            print(f"CEZ_BENCH step={count[0]} fused={int(fused)} peak={torch.cuda.max_memory_allocated()}", flush=True)
+
+    training.train_step = train_step
 
 
 # --------------------------------------------------------------------------- one launch (the worker)
@@ -347,6 +477,8 @@ def worker():
                 flush=True)
 
     atexit.register(report)
+    if os.environ.get("CEZ_BENCH_ALTERNATE"):
+        _alternate_steps()
     from mindspeed_cez import launch
 
     sys.exit(launch.main([os.path.join(REPO, "examples", "pretrain_gpt.py"), *sys.argv[1:]]))
