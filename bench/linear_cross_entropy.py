@@ -237,6 +237,108 @@ def overhead(args):
     return lines + tables
 
 
+def liger_cute():
+    """Liger 0.8.5's Hopper CuTe fused linear scaled CE (no z-loss), where its CuTe DSL imports: (loss fn,
+    None) or (None, why not)."""
+    try:
+        from liger_kernel.ops import fused_linear_scaled_cross_entropy as scaled
+
+        scaled._load_sm90_function()  # imports nvidia-cutlass-dsl's cutlass.cute
+    except Exception as exc:  # noqa: BLE001 - not installed, or its DSL packages not on the path
+        return None, f"not run: liger_kernel.ops.fused_linear_scaled_cross_entropy's sm90 path does not import ({short(exc, 120)})"
+    return (lambda h, w, t: scaled.LigerFusedLinearScaledCrossEntropyFunction.apply(h, w, t).sum()), None
+
+
+def peer_impls():
+    """The final table's rows: name -> (loss(h, w, t), with z-loss) or (None, why not run)."""
+    impls = {"3 GEMMs (cuBLAS)": (None, None),
+             "unfused into fp32 main_grad (Megatron)": (unfused_into_main_grad, True),
+             "unfused: cuBLAS + cez op (16-bit dweight)": (unfused, True),
+             "fused layer, default, into main_grad": (into_main_grad, True)}
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        impls["Liger 0.8.5 FLCE, Triton (z-loss)"] = (lambda h, w, t: liger_fused_linear_cross_entropy(
+            h, w, t, lse_square_scale=Z, reduction="sum"), True)
+    except ImportError as exc:
+        impls["Liger 0.8.5 FLCE, Triton (z-loss)"] = (None, f"not run: {short(exc, 100)}")
+    fn, why = liger_cute()
+    impls["Liger 0.8.5 CuTe fused linear scaled CE, sm90 (no z)"] = (fn, False) if fn else (None, why)
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        impls["cut-cross-entropy 25.1.1 (no z)"] = (lambda h, w, t: linear_cross_entropy(h, w, t, reduction="sum"),
+                                                    False)
+    except ImportError as exc:
+        impls["cut-cross-entropy 25.1.1 (no z)"] = (None, f"not run: {short(exc, 100)}")
+    return impls
+
+
+def reference_loss(hidden, weight, target, z_loss, rows=4096):
+    """The summed loss in fp32 (CE + Z lse^2 with ``z_loss``), 4096 rows at a time."""
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    w = weight.float()
+    for r in range(0, hidden.shape[0], rows):
+        logits, t = hidden[r:r + rows].float() @ w.t(), target[r:r + rows]
+        lse = torch.logsumexp(logits, dim=-1)
+        keep = t != -100
+        picked = logits.gather(1, t.clamp_min(0)[:, None])[:, 0]
+        total += ((lse - picked + (Z * lse * lse if z_loss else 0)) * keep).double().sum()
+    return total.item()
+
+
+def peers(args):
+    """The fused layer beside the unfused layer into fp32 main_grad (the reference) and the peers, one
+    run: events (median, synchronized per call, host included) and device time (torch profiler,
+    kernel sums), peak memory beyond inputs and gradients, and each one's summed loss against fp32 once."""
+    impls = peer_impls()
+    ref_name = "unfused into fp32 main_grad (Megatron)"
+    lines = [f"Output layer + CE (+ z-loss, c = {Z}), fwd+bwd, bf16, 10 % ignored targets, loss = sum; events: median "
+             f"of {args.iters} (synchronized per call); device: torch profiler kernel sums (3 steps); peak: beyond the "
+             "inputs and their gradients (main_grad where written), x the bf16 logits; loss: |sum - fp32| / fp32 "
+             "(with the z-term where the row has it). Peers return a 16-bit weight gradient (no main_grad).", "",
+             "| N x h x V | implementation | events ms | / unfused into main_grad | device ms | / unfused into main_grad "
+             "| peak extra (x logits) | loss vs fp32 |", "|---|---|---|---|---|---|---|---|"]
+    for shape in args.shapes:
+        n, hdim, v = dims(shape)
+        refs, base = {}, (None, None)
+        for name, (fn, z_loss) in impls.items():
+            if name.startswith("3 GEMMs"):
+                floor, floor_at = gemm_floor_ms(n, hdim, v, args), len(lines)
+                lines.append(f"| {shape} | {name} | {floor:.3f} | | | | | |")
+                continue
+            if fn is None:
+                lines.append(f"| {shape} | {name} | {z_loss} | | | | | |")
+                print(lines[-1], flush=True)
+                continue
+            hidden, weight, target = inputs(n, hdim, v)
+            try:
+                h, w = hidden.requires_grad_(), weight.requires_grad_()
+                loss = fn(h, w, target)
+                loss.backward()  # the fused layer's forward owes its backward
+                value = loss.item()
+                if z_loss not in refs:
+                    refs[z_loss] = reference_loss(hidden.detach(), weight.detach(), target, z_loss)
+                err = abs(value - refs[z_loss]) / abs(refs[z_loss])
+                step = stepper(fn, h, w, target)
+                ms, extra = time_and_peak(step, args.warmup, args.iters)
+                gemm, other, _ = kernel_ms(step)
+                device = gemm + other
+                if name == ref_name:
+                    base = (ms, device)
+                ratio = (lambda a, b: f"{a / b:.3f}" if b else "-")
+                lines.append(f"| {shape} | {name} | {ms:.3f} | {ratio(ms, base[0])} | {device:.3f} | "
+                             f"{ratio(device, base[1])} | {extra / (n * v * 2):.2f} | {err:.1e} |")
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run a shape is reported
+                lines.append(f"| {shape} | {name} | failed: {short(exc, 100)} | | | | | |")
+            print(lines[-1], flush=True)
+            del hidden, weight, target
+            torch.cuda.empty_cache()
+        if base[0]:
+            lines[floor_at] = f"| {shape} | 3 GEMMs (cuBLAS) | {floor:.3f} | {floor / base[0]:.3f} | | | | |"
+    return lines
+
+
 BREAKDOWN_FRACTIONS = (0.5, 1.0, 0.25)  # the former default, one block, a leaner setting
 TORCH_KERNELS = ("at::", "at_cuda_detail", "cub", "memcpy", "memset", "nccl")
 
@@ -410,23 +512,43 @@ def tune_accumulate(args):
     return lines
 
 
+def _liger_tp():
+    """Liger 0.8.5's TP fused linear scaled CE on its native CUTLASS + NVSHMEM path (no z-loss), or why not."""
+    try:
+        from liger_kernel.ops import fused_linear_scaled_cross_entropy as scaled
+
+        if scaled._load_native_tp_function() is None:
+            return None, "not run: Liger's native TP path is not available here (its 512-token torch fallback is no peer)"
+    except Exception as exc:  # noqa: BLE001
+        return None, f"not run: Liger's native TP path does not import ({short(exc, 100)})"
+    return scaled.LigerFusedLinearScaledCrossEntropyTPFunction.apply, None
+
+
 def sweep_tp(args):
-    """TP=2 over NCCL with sequence parallelism (``torchrun --nproc-per-node 2``): per global shape,
-    the unfused layer (all-gathered hidden, cuBLAS logits of this rank's vocab slice, the op; the
-    all-gather's backward reduce-scatters dhidden) beside the default path into main_grad at each block
-    fraction; rank 0's time and peak (the float64 checks of TP + SP: tests/test_linear_cross_entropy*.py)."""
+    """TP=2 over NCCL with sequence parallelism (``torchrun --nproc-per-node 2``): per global shape, the
+    unfused layer into fp32 main_grad (all-gathered hidden, cuBLAS logits of this rank's vocab slice, the
+    op; the all-gather's backward reduce-scatters dhidden; the weight gradient added into main_grad: what
+    Megatron runs, the reference), the same with a 16-bit weight gradient, the fused layer's default and
+    each ``--fractions`` block fraction, Liger's TP form where it runs; rank 0's time and peak (the float64
+    checks of TP + SP: tests/test_linear_cross_entropy*.py)."""
     import torch.distributed as dist
     from torch.distributed.nn.functional import all_gather
 
     from mindspeed_cez.linear_cross_entropy import default_row_block
 
-    dist.init_process_group("nccl")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # gloo: the CPU smoke test
     rank, tp, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
-    torch.cuda.set_device(rank)
-    lines = [f"TP={tp} + SP over NCCL, fwd+bwd into an fp32 main_grad, bf16; rank 0, median of {args.iters} "
-             "(CUDA events); N x h x V global (each rank: N/2 tokens of hidden, V/2 vocab rows)", "",
-             "| N x h x V | implementation | rows per block | ms | / unfused | peak extra (x this rank's logits) |",
-             "|---|---|---|---|---|---|"]
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    lines = [f"TP={tp} + SP over NCCL, fwd+bwd, bf16; rank 0, median of {args.iters} (CUDA events, synchronized per "
+             f"call); N x h x V global (each rank: N/{tp} tokens of hidden, V/{tp} vocab rows)", "",
+             "| N x h x V | implementation | rows per block | ms | / unfused into main_grad | peak extra (x this rank's "
+             "logits) |", "|---|---|---|---|---|---|"]
+    liger_tp, why = _liger_tp()
+
+    def gathered(h):
+        return torch.cat(all_gather(h, group=group))
+
     for shape in args.shapes:
         n, hdim, v = dims(shape)
         hidden, weight, target = inputs(n, hdim, v)  # the same on every rank; this rank's rows of hidden and weight:
@@ -435,21 +557,36 @@ def sweep_tp(args):
         del hidden, weight
         mask = (target != -100).float()
         torch.cuda.empty_cache()
-        base = time_and_peak(stepper(lambda h, w, t: unfused(torch.cat(all_gather(h, group=group)), w, t, group), h, w,
-                                     target), args.warmup, args.iters)
-        results = [("unfused: all-gather + cuBLAS + cez op", "", base)]
         with_main_grad(w)
-        for fraction in FRACTIONS:
-            label = "default path, fraction 0.5" if fraction == 0.5 else f"dial: fraction {fraction}"
-            results.append((label, default_row_block(n, v // tp, fraction), time_and_peak(stepper(
-                lambda h, w, t: into_main_grad(h, w, t, tp_group=group, sequence_parallel=True, token_weights=mask,
-                                               block_fraction=fraction),
-                h, w, target), args.warmup, args.iters)))
-        for name, block, (ms, extra) in results:
-            lines.append(f"| {shape} | {name} | {block} | {ms:.2f} | {ms / base[0]:.3f} | "
-                         f"{extra / (n * (v // tp) * 2):.2f} |")
+
+        def unfused_main_grad(h, w, t):
+            from mindspeed_cez import vocab_parallel_cross_entropy_zloss
+
+            return vocab_parallel_cross_entropy_zloss(_LinearIntoMainGrad.apply(gathered(h), w), t, Z,
+                                                      tp_group=group)[0].sum()
+
+        results = [("unfused into fp32 main_grad (Megatron)", "", unfused_main_grad),
+                   ("unfused: cuBLAS + cez op (16-bit dweight)", "", lambda h, w, t: unfused(gathered(h), w, t, group))]
+        for fraction in [None, *args.fractions]:
+            label = "fused layer, default" if fraction is None else f"fused layer, fraction {fraction}"
+            results.append((label, default_row_block(n, v // tp, fraction), functools.partial(
+                into_main_grad, tp_group=group, sequence_parallel=True, token_weights=mask, block_fraction=fraction)))
+        if liger_tp is not None:
+            results.append(("Liger 0.8.5 CuTe TP fused linear scaled CE (no z)", "",
+                            lambda h, w, t: liger_tp(gathered(h), w, t, group).sum()))
+        base = None
+        for name, block, fn in results:
+            try:
+                ms, extra = time_and_peak(stepper(fn, h, w, target), args.warmup, args.iters)
+                base = base or ms
+                lines.append(f"| {shape} | {name} | {block} | {ms:.2f} | {ms / base:.3f} | "
+                             f"{extra / (n * (v // tp) * 2):.2f} |")
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
+                lines.append(f"| {shape} | {name} | {block} | failed: {short(exc, 100)} | | |")
             if rank == 0:
                 print(lines[-1], flush=True)
+        if liger_tp is None:
+            lines.append(f"| {shape} | Liger 0.8.5 CuTe TP fused linear scaled CE | | {why} | | |")
         del h, w
         torch.cuda.empty_cache()
     dist.barrier()
@@ -467,6 +604,9 @@ def main(argv=None):
     parser.add_argument("--tune-accumulate", action="store_true", help="the Triton accumulation kernel's tile sweep")
     parser.add_argument("--overhead", action="store_true",
                         help="each call's time outside its kernels (events beside the profiler's timeline)")
+    parser.add_argument("--peers", action="store_true",
+                        help="the final table: the fused layer beside the unfused layer into main_grad and the peers, "
+                             "events and device time, peak memory, each loss against fp32 once")
     parser.add_argument("--breakdown", action="store_true",
                         help="where each path's device time goes (profiler, by kernel kind) against the unfused "
                              "layer into main_grad and the GEMMs alone; per-kernel tables to --detail")
@@ -482,7 +622,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the op's CPU smoke run: python bench/op.py --smoke)")
-    report = (sweep_tp if args.tp else breakdown if args.breakdown else tune_accumulate if args.tune_accumulate else overhead if args.overhead
+    report = (sweep_tp if args.tp else breakdown if args.breakdown else peers if args.peers else tune_accumulate if args.tune_accumulate else overhead if args.overhead
               else run)(args)
     if report is not None:
         print(write_report(args.out, report))
