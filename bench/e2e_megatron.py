@@ -11,6 +11,7 @@ import os
 import re
 import statistics
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -162,43 +163,71 @@ def vocab_per_rank(tp, divisible_by=128):
     return -(-VOCAB // multiple) * multiple // tp
 
 
-def launch(variant, config, iters, log_path, tp=1, profile_dir=None, alternate=False):
+ALTERNATE_TRACE = (8, 12)  # --alternate: Megatron's profile window (steps 9-12: one A B B A block), early in the run
+
+
+def _run_until(cmd, env, timeout_s):
+    """``cmd``'s (return code, stdout, stderr); at ``timeout_s`` its whole process group (torchrun and its
+    workers) is stopped and what it printed so far returned, with return code None."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        out = err = ""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                out, err = proc.communicate(timeout=20)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return None, out, err + f"\n[stopped at the deadline, {timeout_s:.0f} s]"
+
+
+def launch(variant, config, iters, log_path, tp=1, profile_dir=None, alternate=False, timeout_s=600):
     """One Megatron run of ``variant``: its step times, peak memory, LM losses (and profile summary).
     ``alternate``: one run of ``cez_fol`` whose worker turns the fused layer off for the steps of
-    ``cez`` (A B B A order); ``alternate_steps``: per step, whether the fused layer ran and its peak."""
+    ``cez`` (A B B A order); ``alternate_steps``: per step, whether the fused layer ran and its peak.
+    At ``timeout_s`` the run is stopped and the steps it logged kept (``rc`` None)."""
     args, env_extra = VARIANTS[variant]
     env_extra = {**CONFIG_ENV.get(config, {}), **env_extra, **({"CEZ_BENCH_ALTERNATE": "1"} if alternate else {})}
     parallel = ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
+    window = ALTERNATE_TRACE if alternate else (iters - 4, iters - 2)
     if profile_dir:  # Megatron's own torch-profiler hook, two steps in the steady state (alternate: four), rank 0
-        parallel += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(iters - (6 if alternate else 4)),
-                     "--profile-step-end", str(iters - 2), "--profile-ranks", "0", "--pytorch-profiler-collect-shapes",
+        parallel += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(window[0]),
+                     "--profile-step-end", str(window[1]), "--profile-ranks", "0", "--pytorch-profiler-collect-shapes",
                      "--tensorboard-dir", os.path.join(profile_dir, "tb")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), os.path.abspath(__file__), *COMMON, *CONFIGS[config], *parallel,
            "--train-iters", str(iters), *args]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1", CEZ_BENCH_WORKER="1", **env_extra)
     start = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    rc, stdout, stderr = _run_until(cmd, env, timeout_s)
     with open(log_path, "w") as fh:
-        fh.write(" ".join(cmd) + "\n\n" + proc.stdout + proc.stderr)
-    peaks = [int(v) for v in PEAK.findall(proc.stdout)]  # one line per rank
-    return {"variant": variant, "rc": proc.returncode, "wall_s": time.time() - start, "peak_bytes": max(peaks, default=None),
-            "steps_ms": {int(i): float(ms) for i, ms in STEP.findall(proc.stdout)},
+        fh.write(" ".join(cmd) + "\n\n" + stdout + stderr)
+    peaks = [int(v) for v in PEAK.findall(stdout)]  # one line per rank
+    return {"variant": variant, "rc": rc, "wall_s": time.time() - start, "peak_bytes": max(peaks, default=None),
+            "steps_ms": {int(i): float(ms) for i, ms in STEP.findall(stdout)},
+            # the profiler's warm-up, traced steps and the trace's writing: host time inflated
+            "traced": [window[0] - 1, window[1] + 2] if profile_dir else None,
             # the output layer's ops carry this rank's vocab slice
             "profile": profile_summary(profile_dir, vocab_per_rank(tp)) if profile_dir else None,
-            "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)],
+            "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", stdout)],
             # the caching allocator's retries (each frees cached blocks after a device sync) and cudaMalloc / free
-            "allocator": [json.loads(v) for v in ALLOCATOR.findall(proc.stdout)],
-            "alternate_steps": {int(i): (f == "1", int(p)) for i, f, p in ALTERNATE_STEP.findall(proc.stdout)}}
+            "allocator": [json.loads(v) for v in ALLOCATOR.findall(stdout)],
+            "alternate_steps": {int(i): (f == "1", int(p)) for i, f, p in ALTERNATE_STEP.findall(stdout)}}
 
 
 def steady_steps(run, skip):
-    """Step times after ``skip``; in a profiled run without the profiler's steps (``iters - 5`` to
-    ``iters - 2``: warm-up, the two traced steps, the trace's writing), whose host time it inflates."""
-    steps = sorted((int(i), ms) for i, ms in run["steps_ms"].items())
-    iters = max((i for i, _ in steps), default=0)
-    traced = range(iters - 5, iters - 1) if run.get("profile") else range(0)
-    return [ms for i, ms in steps if i > skip and i not in traced]
+    """Step times after ``skip``; in a profiled run without the profiler's steps (warm-up, the traced
+    steps, the trace's writing), whose host time it inflates."""
+    traced = range(*run["traced"]) if run.get("traced") else range(0)
+    return [ms for i, ms in sorted(run["steps_ms"].items()) if i > skip and i not in traced]
 
 
 def unprofiled_shares(run, skip):
@@ -219,7 +248,7 @@ def summarize(runs, skip):
     rows = {}
     for run in runs:
         steady = steady_steps(run, skip)
-        if run["rc"] != 0 or not steady:
+        if run["rc"] not in (0, None) or not steady:
             continue
         row = rows.setdefault(run["variant"], {"medians": [], "peaks": [], "shares": None})
         row["medians"].append(statistics.median(steady))
@@ -239,10 +268,8 @@ def alternated(runs, skip):
     per, blocks = {v: {"steps": [], "medians": [], "peaks": []} for v in ALTERNATE}, []
     for run in runs:
         steps, marks = dict(run["steps_ms"]), run.get("alternate_steps") or {}
-        if run.get("profile"):  # the profiler's steps (warm-up, traced, the trace's writing) out: host time inflated
-            last = max(steps, default=0)
-            for i in range(last - 7, last):
-                steps.pop(i, None)
+        for i in range(*run["traced"]) if run.get("traced") else ():  # the profiler's steps: host time inflated
+            steps.pop(i, None)
         mine = {v: [] for v in ALTERNATE}
         for i, ms in steps.items():
             if i > skip and i in marks:
@@ -317,6 +344,9 @@ def main(argv=None):
     parser.add_argument("--alternate", action="store_true",
                         help="cez and cez_fol alternated step by step inside each run (A B B A; --pairs runs): the "
                              "fused layer turned off for the op's steps; step times and per-step peaks per variant")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="--alternate: runs go on until this many seconds after the start (--iters bounds them), "
+                             "each stopped there with the steps it logged")
     parser.add_argument("--out", default="out/e2e")
     args = parser.parse_args(argv)
     variants = args.variants or [v for v in VARIANTS if v != "z_by_hand" or args.tp == 1]
@@ -364,14 +394,18 @@ def main(argv=None):
 
 
 def main_alternate(args, name):
+    """``--pairs`` runs, each alternating the op and the fused layer step by step; with ``--deadline-s``
+    a run goes on until the deadline (``--iters`` then only bounds it) and keeps the steps it logged.
+    The JSON and the table are written after every run."""
     start, runs = time.time(), []
     for rep in range(args.pairs):
-        if runs and time.time() - start > args.budget_s:
-            print(f"budget of {args.budget_s:.0f} s spent: stopping before run {rep + 1}", flush=True)
+        left = (args.deadline_s or float("inf")) - (time.time() - start)
+        if runs and (time.time() - start > args.budget_s or left < 120):
+            print(f"stopping before run {rep + 1}: {time.time() - start:.0f} s spent", flush=True)
             break
         profile_dir = os.path.join(args.out, f"trace_{name}_alternate") if args.profile and rep == 0 else None
         run = launch("cez_fol", args.config, args.iters, os.path.join(args.out, f"{name}_alternate_{rep + 1}.log"),
-                     tp=args.tp, profile_dir=profile_dir, alternate=True)
+                     tp=args.tp, profile_dir=profile_dir, alternate=True, timeout_s=min(600, left))
         if profile_dir:
             shutil.rmtree(profile_dir, ignore_errors=True)
             for st in (run.get("profile") or {}).get("per_step", []):
@@ -380,15 +414,15 @@ def main_alternate(args, name):
                       flush=True)
         runs.append(run)
         part = alternated([run], args.skip)
-        print(f"run {rep + 1} rc={run['rc']} wall {run['wall_s']:.0f} s: " + ", ".join(
+        print(f"run {rep + 1} rc={run['rc']} wall {run['wall_s']:.0f} s, {len(run['steps_ms'])} steps: " + ", ".join(
             f"{v} {d['median_ms']:.1f} ms ({d['steps']} steps)" for v, d in part["variants"].items() if d["median_ms"])
             + (f"; fused / op - 1 median {part['median']:+.2%} over {part['blocks']} blocks" if "median" in part else ""),
             flush=True)
-    result = alternated(runs, args.skip)
-    with open(os.path.join(args.out, f"e2e_{name}_alternate.json"), "w") as fh:
-        json.dump({"config": args.config, "run": run_info(), "args": vars(args), "command": COMMON + CONFIGS[args.config],
-                   "result": result, "runs": runs}, fh, indent=1)
-    print(alternated_table(result))
+        result = alternated(runs, args.skip)
+        with open(os.path.join(args.out, f"e2e_{name}_alternate.json"), "w") as fh:
+            json.dump({"config": args.config, "run": run_info(), "args": vars(args),
+                       "command": COMMON + CONFIGS[args.config], "result": result, "runs": runs}, fh, indent=1)
+    print(alternated_table(alternated(runs, args.skip)))
 
 
 def _alternate_steps():

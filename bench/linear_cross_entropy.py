@@ -336,7 +336,23 @@ def peers(args):
             torch.cuda.empty_cache()
         if base[0]:
             lines[floor_at] = f"| {shape} | 3 GEMMs (cuBLAS) | {floor:.3f} | {floor / base[0]:.3f} | | | | |"
-    return lines
+    return lines + peers_summary(lines, impls)
+
+
+def peers_summary(lines, impls):
+    """The table again, short: per shape the reference's events ms and every other row's ratio to it."""
+    names = [n for n in impls if n != "unfused into fp32 main_grad (Megatron)"]
+    rows = {}
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 8 and "x" in cells[0] and cells[0][0].isdigit():
+            rows.setdefault(cells[0], {})[cells[1]] = cells[2] if cells[1].startswith("unfused into") else cells[3]
+    out = ["", "Summary: events ms of the unfused layer into fp32 main_grad; every other row / it (events)", "",
+           "| N x h x V | unfused into main_grad ms | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for shape, row in rows.items():
+        out.append(f"| {shape} | {row.get('unfused into fp32 main_grad (Megatron)', '-')} | "
+                   + " | ".join(row.get(n) or "-" for n in names) + " |")
+    return out
 
 
 BREAKDOWN_FRACTIONS = (0.5, 1.0, 0.25)  # the former default, one block, a leaner setting

@@ -11,6 +11,13 @@ pip_install() { $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgr
 pip_install --no-compile "$WHEELS"/*.whl
 pip_install --no-build-isolation .
 export PYTHONPATH=$SITE
+for pth in "$SITE"/*.pth; do  # pip --target leaves .pth files unread (nvidia-cutlass-dsl's dsl_packages)
+    [ -f "$pth" ] || continue
+    while read -r line; do
+        case "$line" in ''|'#'*|import*) ;; *) [ -d "$SITE/$line" ] && PYTHONPATH=$PYTHONPATH:$SITE/$line
+                                            [ -d "$line" ] && PYTHONPATH=$PYTHONPATH:$line ;; esac
+    done <"$pth"
+done
 
 step_env() {
     {
@@ -58,6 +65,35 @@ step_e2e-tp12() {  # TP=1 on the first GPU and TP=2 + SP on the last two, at onc
         echo "-- TP=$tp"; grep -v '^ *\[20' "$OUT/e2e_tp$tp.txt" | tail -12
         tar -czf "$OUT/e2e_tp$tp.tar.gz" -C "$OUT" "e2e_tp$tp" && rm -r "$OUT/e2e_tp$tp"
     done
+}
+
+step_final() {  # 4 GPUs, FINAL_S (400) seconds from here: the tables of docs/performance.md's fused-layer section
+    local n end t
+    n=$(nvidia-smi -L | wc -l)
+    [ "$n" -ge 4 ] || { echo "final needs 4 GPUs, $n present" >&2; return 2; }
+    end=$(( $(date +%s) + ${FINAL_S:-400} ))
+    left() { echo $(( end - $(date +%s) )); }
+    e2e() {  # GPUS TP NAME [--profile]: the op and the fused layer alternated step by step until the deadline
+        CUDA_VISIBLE_DEVICES=$1 $PY bench/e2e_megatron.py --config busy --tp "$2" --alternate --pairs 1 --iters 400 \
+            --skip 5 --deadline-s "$(( $(left) - 10 ))" ${4:-} --out "$OUT/$3" >"$OUT/$3.txt" 2>&1
+    }
+    e2e 0 1 e2e_tp1 --profile &
+    (CUDA_VISIBLE_DEVICES=1,2 timeout 100 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+        bench/linear_cross_entropy.py --tp --fractions 0.5 --iters 10 --out "$OUT/layer_tp2.md" >"$OUT/layer_tp2.log" 2>&1
+     e2e 1,2 2 e2e_tp2 --profile) &
+    (CUDA_VISIBLE_DEVICES=3 timeout 170 $PY bench/linear_cross_entropy.py --peers --iters 15 \
+        --out "$OUT/layer.md" >"$OUT/layer.log" 2>&1
+     [ "$(left)" -gt 150 ] && e2e 3 1 e2e_tp1_gpu3) &
+    wait
+    for t in e2e_tp1 e2e_tp1_gpu3 e2e_tp2; do
+        [ -d "$OUT/$t" ] && tar -czf "$OUT/$t.tar.gz" -C "$OUT" "$t" && rm -r "$OUT/$t"
+    done
+    echo "-- TP=2 + SP layer (rank 0)"; grep '^| [0-9]' "$OUT/layer_tp2.md" 2>/dev/null | cut -c1-150 || tail -3 "$OUT/layer_tp2.log"
+    for t in e2e_tp1 e2e_tp1_gpu3 e2e_tp2; do
+        echo "-- $t"; grep -v '^ *\[20' "$OUT/$t.txt" 2>/dev/null | tail -9
+    done
+    echo "-- one GPU, the layer beside the peers (events, / unfused into main_grad)"
+    tail -n 7 "$OUT/layer.md" 2>/dev/null || tail -5 "$OUT/layer.log"
 }
 
 [ $# -gt 0 ] || set -- env tests peers
