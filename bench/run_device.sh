@@ -47,7 +47,7 @@ step_breakdown() {  # where the fused layer's time goes, per shape: breakdown.md
     timeout "${BREAKDOWN_S:-300}" $PY bench/linear_cross_entropy.py --breakdown ${BREAKDOWN_ARGS:-} \
         --detail "$OUT/breakdown_detail.md" --out "$OUT/breakdown.md" 2>&1 | tail -4
 }
-step_linear-ce() { timeout 400 $PY bench/linear_cross_entropy.py ${LINEAR_ARGS:-} --out "$OUT/linear_ce.md" 2>&1 | tail -24; }
+step_linear-ce() { timeout "${LINEAR_S:-400}" $PY bench/linear_cross_entropy.py ${LINEAR_ARGS:-} --out "$OUT/linear_ce.md" 2>&1 | tail -24; }
 step_e2e() {
     timeout "${E2E_S:-560}" $PY bench/e2e_megatron.py ${E2E_ARGS:---config busy --variants native cez --pairs 3 --profile} \
         --out "$OUT/e2e" 2>&1 | grep -v '^ *\[20' | tail -40
