@@ -444,12 +444,15 @@ def _alternate_steps():
             raise RuntimeError("CEZ_BENCH_ALTERNATE needs a run with --lm-fused-output-layer")
         fused = count[0] % 4 in (1, 2)
         adaptor_settings.set_active(dataclasses.replace(active, fused_output_layer=fused))
-        torch.cuda.reset_peak_memory_stats()
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         try:
             return inner(*args, **kwargs)
         finally:
             count[0] += 1
-            print(f"CEZ_BENCH step={count[0]} fused={int(fused)} peak={torch.cuda.max_memory_allocated()}", flush=True)
+            print(f"CEZ_BENCH step={count[0]} fused={int(fused)} peak={torch.cuda.max_memory_allocated() if cuda else 0}",
+                  flush=True)
 
     training.train_step = train_step
 
