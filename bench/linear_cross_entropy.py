@@ -71,6 +71,38 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         return g @ w, None
 
 
+class _SequenceParallelLinearIntoMainGrad(torch.autograd.Function):
+    """Megatron's ``ColumnParallelLinear`` with sequence parallelism and gradient-accumulation fusion:
+    forward all-gathers this rank's hidden rows and makes this rank's logits; backward makes the whole
+    ``dx = g @ w``, starts its reduce-scatter, adds ``g.T @ x`` into the fp32 ``w.main_grad`` meanwhile
+    (as Megatron overlaps them), then waits."""
+
+    @staticmethod
+    def forward(ctx, x_local, w, group):
+        import torch.distributed as dist
+
+        tp = dist.get_world_size(group)
+        x = x_local.new_empty((x_local.shape[0] * tp, *x_local.shape[1:]))
+        dist.all_gather_into_tensor(x, x_local.contiguous(), group=group)
+        ctx.save_for_backward(x, w)
+        ctx.group, ctx.tp = group, tp
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        import torch.distributed as dist
+
+        from mindspeed_cez.fp32_accumulation import Accumulator
+
+        x, w = ctx.saved_tensors
+        dx = g @ w
+        dx_local = dx.new_empty((dx.shape[0] // ctx.tp, *dx.shape[1:]))
+        work = dist.reduce_scatter_tensor(dx_local, dx, group=ctx.group, async_op=True)
+        Accumulator(g.device)(w.main_grad, g.t(), x)
+        work.wait()
+        return dx_local, None, None
+
+
 def unfused_into_main_grad(h, w, t):
     from mindspeed_cez import vocab_parallel_cross_entropy_zloss
 
@@ -543,8 +575,8 @@ def _liger_tp():
 def sweep_tp(args):
     """TP=2 over NCCL with sequence parallelism (``torchrun --nproc-per-node 2``): per global shape, the
     unfused layer into fp32 main_grad (all-gathered hidden, cuBLAS logits of this rank's vocab slice, the
-    op; the all-gather's backward reduce-scatters dhidden; the weight gradient added into main_grad: what
-    Megatron runs, the reference), the same with a 16-bit weight gradient, the fused layer's default and
+    op; dhidden's reduce-scatter beside the weight gradient's GEMM into main_grad: what Megatron runs,
+    the reference), the same with a 16-bit weight gradient, the fused layer's default and
     each ``--fractions`` block fraction, Liger's TP form where it runs; rank 0's time and peak (the float64
     checks of TP + SP: tests/test_linear_cross_entropy*.py)."""
     import torch.distributed as dist
@@ -578,7 +610,7 @@ def sweep_tp(args):
         def unfused_main_grad(h, w, t):
             from mindspeed_cez import vocab_parallel_cross_entropy_zloss
 
-            return vocab_parallel_cross_entropy_zloss(_LinearIntoMainGrad.apply(gathered(h), w), t, Z,
+            return vocab_parallel_cross_entropy_zloss(_SequenceParallelLinearIntoMainGrad.apply(h, w, group), t, Z,
                                                       tp_group=group)[0].sum()
 
         results = [("unfused into fp32 main_grad (Megatron)", "", unfused_main_grad),
