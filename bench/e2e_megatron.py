@@ -220,7 +220,15 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None, alternate=F
             "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", stdout)],
             # the caching allocator's retries (each frees cached blocks after a device sync) and cudaMalloc / free
             "allocator": [json.loads(v) for v in ALLOCATOR.findall(stdout)],
-            "alternate_steps": {int(i): (f == "1", int(p)) for i, f, p in ALTERNATE_STEP.findall(stdout)}}
+            "alternate_steps": _alternate_marks(stdout)}
+
+
+def _alternate_marks(stdout):
+    """Per iteration: (whether the fused layer ran, the largest peak any rank printed)."""
+    marks = {}
+    for i, fused, peak in ALTERNATE_STEP.findall(stdout):
+        marks[int(i)] = (fused == "1", max(int(peak), marks.get(int(i), (None, 0))[1]))
+    return marks
 
 
 def steady_steps(run, skip):
