@@ -245,7 +245,11 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         # (CUDA takes assert messages under 255 characters: tests/test_linear_cross_entropy.py checks)
         torch._assert_async(matches.all(), message)
         if ctx.reduction is not None:
-            dhidden = ctx.reduction.wait()
+            # ctx lets go of dhidden: held only by what is returned, autograd takes it as the input's
+            # gradient without a copy (N h x 2 bytes read and written, 0.05 ms at 8192 x 7168 on an H200)
+            reduction, ctx.reduction = ctx.reduction, None
+            dhidden = reduction.wait()
+            del reduction
         else:
             if not ctx.upstream_known:
                 drows = drows * g[:, None]

@@ -185,6 +185,26 @@ def test_grad_scale_needs_that_upstream_gradient():
         linear_cross_entropy_zloss(h, w, target, grad_scale=1.0)
 
 
+def test_forward_grads_dhidden_taken_without_a_copy():
+    """With grad_scale the op's dhidden becomes the input's gradient as it is (no clone of N x h by
+    autograd), and it is the float64 gradient."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    hidden, weight, target, _ = _problem(torch.float32, 1, gen)
+    mask, upstream = _token_weights(target, gen)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    w.main_grad = torch.zeros(w.shape)
+    loss = linear_cross_entropy_zloss(h, w, target, 1e-3, token_weights=mask, grad_scale=K, grads="forward",
+                                      gradient_accumulation_fusion=True)[0]
+    made = {}
+    loss.grad_fn.register_hook(lambda grad_inputs, _: made.update(ptr=grad_inputs[0].data_ptr()))
+    (loss * mask).sum().mul(K).backward()
+    assert h.grad.data_ptr() == made["ptr"]
+    ref_loss, _, ref_dh, ref_dw = _float64(hidden, weight, target, upstream, 1e-3, 0.0)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), ref_dh, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.main_grad.double(), ref_dw, rtol=1e-4, atol=1e-6)
+
+
 def test_default_row_block():
     """The default: one block while the logits fit in ONE_BLOCK_LOGITS_BYTES, else halves; a fraction:
     ceil(1 / fraction) equal blocks (a multiple of 128 rows), at least 1024 rows, never more than the
