@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import functools
 import os
+import statistics
 import sys
 
 import torch
@@ -319,55 +320,95 @@ def reference_loss(hidden, weight, target, z_loss, rows=4096):
     return total.item()
 
 
+def interleaved_ms(steps, rounds, warmup=2):
+    """Per name, the median over ``rounds`` of one call's CUDA-event time (synchronized, host included),
+    the calls of every step taken in turn within a round (the first one rotating), so drifts of the
+    GPU's clock land on every one alike."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    names, times = list(steps), {name: [] for name in steps}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            steps[name]()
+            b.record()
+            torch.cuda.synchronize()
+            times[name].append(a.elapsed_time(b))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def interleaved_device_ms(steps, rounds=3):
+    """Per name, the median over ``rounds`` of one call's device time (torch profiler kernel sum), taken
+    in turn as :func:`interleaved_ms` does."""
+    names, times = list(steps), {name: [] for name in steps}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            gemm, other, _ = kernel_ms(steps[name], steps=1)
+            times[name].append(gemm + other)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def peers(args):
     """The fused layer beside the unfused layer into fp32 main_grad (the reference) and the peers, one
-    run: events (median, synchronized per call, host included) and device time (torch profiler,
-    kernel sums), peak memory beyond inputs and gradients, and each one's summed loss against fp32 once."""
+    run, one set of inputs: events (median of ``--iters`` rounds, every implementation once per round in
+    turn, synchronized per call) and device time (torch profiler kernel sums, 3 rounds), peak memory
+    beyond inputs and gradients, and each one's summed loss against fp32 once."""
     impls = peer_impls()
     ref_name = "unfused into fp32 main_grad (Megatron)"
-    lines = [f"Output layer + CE (+ z-loss, c = {Z}), fwd+bwd, bf16, 10 % ignored targets, loss = sum; events: median "
-             f"of {args.iters} (synchronized per call); device: torch profiler kernel sums (3 steps); peak: beyond the "
-             "inputs and their gradients (main_grad where written), x the bf16 logits; loss: |sum - fp32| / fp32 "
-             "(with the z-term where the row has it). Peers return a 16-bit weight gradient (no main_grad).", "",
+    lines = [f"Output layer + CE (+ z-loss, c = {Z}), fwd+bwd, bf16, 10 % ignored targets, loss = sum, one set of "
+             f"inputs per shape; events: median of {args.iters} rounds, the implementations in turn each round "
+             "(synchronized per call, host included); device: torch profiler kernel sums, median of 3 rounds; peak: "
+             "beyond the inputs and their gradients (main_grad where written), x the bf16 logits; loss: "
+             "|sum - fp32| / fp32 (with the z-term where the row has it). Peers return a 16-bit weight gradient "
+             "(no main_grad).", "",
              "| N x h x V | implementation | events ms | / unfused into main_grad | device ms | / unfused into main_grad "
              "| peak extra (x logits) | loss vs fp32 |", "|---|---|---|---|---|---|---|---|"]
     for shape in args.shapes:
         n, hdim, v = dims(shape)
-        refs, base = {}, (None, None)
+        hidden, weight, target = inputs(n, hdim, v)
+        h, w = hidden.requires_grad_(), weight.requires_grad_()
+        with_main_grad(w)
+        refs, steps, peaks, errors, failed = {}, {}, {}, {}, {}
         for name, (fn, z_loss) in impls.items():
-            if name.startswith("3 GEMMs"):
-                floor, floor_at = gemm_floor_ms(n, hdim, v, args), len(lines)
-                lines.append(f"| {shape} | {name} | {floor:.3f} | | | | | |")
-                continue
             if fn is None:
-                lines.append(f"| {shape} | {name} | {z_loss} | | | | | |")
-                print(lines[-1], flush=True)
                 continue
-            hidden, weight, target = inputs(n, hdim, v)
             try:
-                h, w = hidden.requires_grad_(), weight.requires_grad_()
                 loss = fn(h, w, target)
                 loss.backward()  # the fused layer's forward owes its backward
                 value = loss.item()
+                del loss
                 if z_loss not in refs:
-                    refs[z_loss] = reference_loss(hidden.detach(), weight.detach(), target, z_loss)
-                err = abs(value - refs[z_loss]) / abs(refs[z_loss])
-                step = stepper(fn, h, w, target)
-                ms, extra = time_and_peak(step, args.warmup, args.iters)
-                gemm, other, _ = kernel_ms(step)
-                device = gemm + other
-                if name == ref_name:
-                    base = (ms, device)
-                ratio = (lambda a, b: f"{a / b:.3f}" if b else "-")
-                lines.append(f"| {shape} | {name} | {ms:.3f} | {ratio(ms, base[0])} | {device:.3f} | "
-                             f"{ratio(device, base[1])} | {extra / (n * v * 2):.2f} | {err:.1e} |")
+                    refs[z_loss] = reference_loss(h.detach(), w.detach(), target, z_loss)
+                errors[name] = abs(value - refs[z_loss]) / abs(refs[z_loss])
+                steps[name] = stepper(fn, h, w, target)
+                _, peaks[name] = time_and_peak(steps[name], 0, 1)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run a shape is reported
-                lines.append(f"| {shape} | {name} | failed: {short(exc, 100)} | | | | | |")
-            print(lines[-1], flush=True)
-            del hidden, weight, target
+                failed[name] = f"failed: {short(exc, 100)}"
+                steps.pop(name, None)
             torch.cuda.empty_cache()
-        if base[0]:
-            lines[floor_at] = f"| {shape} | 3 GEMMs (cuBLAS) | {floor:.3f} | {floor / base[0]:.3f} | | | | |"
+        floor = gemm_floor_ms(n, hdim, v, args)
+        events = interleaved_ms(steps, args.iters)
+        device = interleaved_device_ms(steps)
+        base = (events.get(ref_name), device.get(ref_name))
+
+        def ratio(a, b):
+            return f"{a / b:.3f}" if b else "-"
+
+        for name, (fn, why) in impls.items():
+            if name.startswith("3 GEMMs"):
+                lines.append(f"| {shape} | {name} | {floor:.3f} | {ratio(floor, base[0])} | | | | |")
+            elif name in steps:
+                lines.append(f"| {shape} | {name} | {events[name]:.3f} | {ratio(events[name], base[0])} | "
+                             f"{device[name]:.3f} | {ratio(device[name], base[1])} | {peaks[name] / (n * v * 2):.2f} | "
+                             f"{errors[name]:.1e} |")
+            else:
+                lines.append(f"| {shape} | {name} | {failed.get(name, why)} | | | | | |")
+            print(lines[-1], flush=True)
+        del hidden, weight, target, h, w, steps
+        torch.cuda.empty_cache()
     return lines + peers_summary(lines, impls)
 
 
@@ -588,8 +629,8 @@ def sweep_tp(args):
     rank, tp, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
-    lines = [f"TP={tp} + SP over NCCL, fwd+bwd, bf16; rank 0, median of {args.iters} (CUDA events, synchronized per "
-             f"call); N x h x V global (each rank: N/{tp} tokens of hidden, V/{tp} vocab rows)", "",
+    lines = [f"TP={tp} + SP over NCCL, fwd+bwd, bf16; rank 0, median of {args.iters} rounds, the implementations in "
+             f"turn each round (CUDA events, synchronized per call); N x h x V global (each rank: N/{tp} tokens of hidden, V/{tp} vocab rows)", "",
              "| N x h x V | implementation | rows per block | ms | / unfused into main_grad | peak extra (x this rank's "
              "logits) |", "|---|---|---|---|---|---|"]
     liger_tp, why = _liger_tp()
@@ -622,17 +663,26 @@ def sweep_tp(args):
         if liger_tp is not None:
             results.append(("Liger 0.8.5 CuTe TP fused linear scaled CE (no z)", "",
                             lambda h, w, t: liger_tp(gathered(h), w, t, group).sum()))
-        base = None
-        for name, block, fn in results:
+        steps, peaks, failed = {}, {}, {}
+        for name, _, fn in results:
             try:
-                ms, extra = time_and_peak(stepper(fn, h, w, target), args.warmup, args.iters)
-                base = base or ms
-                lines.append(f"| {shape} | {name} | {block} | {ms:.2f} | {ms / base:.3f} | "
-                             f"{extra / (n * (v // tp) * 2):.2f} |")
+                steps[name] = stepper(fn, h, w, target)
+                _, peaks[name] = time_and_peak(steps[name], 0, 1)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
-                lines.append(f"| {shape} | {name} | {block} | failed: {short(exc, 100)} | | |")
+                failed[name] = f"failed: {short(exc, 100)}"
+                steps.pop(name, None)
+        events = interleaved_ms(steps, args.iters)  # every rank runs the same calls in the same order
+        base = events.get(results[0][0])
+        for name, block, _ in results:
+            if name in events:
+                lines.append(f"| {shape} | {name} | {block} | {events[name]:.2f} | "
+                             f"{events[name] / base if base else float('nan'):.3f} | "
+                             f"{peaks[name] / (n * (v // tp) * 2):.2f} |")
+            else:
+                lines.append(f"| {shape} | {name} | {block} | {failed[name]} | | |")
             if rank == 0:
                 print(lines[-1], flush=True)
+        del steps
         if liger_tp is None:
             lines.append(f"| {shape} | Liger 0.8.5 CuTe TP fused linear scaled CE | | {why} | | |")
         del h, w
