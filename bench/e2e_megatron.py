@@ -135,7 +135,7 @@ def profile_summary(directory, vocab):
     fused_ops = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "cpu_op" and "dur" in e
                  and "LinearCrossEntropyZLossForwardGrads" in e["name"]]
     per_step = []  # each traced step: whether the fused layer ran in it, its kernel, idle and output-layer time
-    for st in sorted(steps, key=lambda e: e["ts"]):
+    for st in sorted((e for e in steps if e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"]):
         a0, b0 = st["ts"], st["ts"] + st["dur"]
         spans = [(max(a, a0), min(b, b0)) for _, (a, b) in clip if b > a0 and a < b0]
         mine = _union(spans)

@@ -488,8 +488,9 @@ def breakdown(args):
     impls = {"unfused into main_grad": unfused_into_main_grad, "fused default": into_main_grad}
     for fraction in args.fractions:
         impls[f"fused, fraction {fraction}"] = functools.partial(into_main_grad, block_fraction=fraction)
-    lines = [f"Where the time goes, fwd+bwd into fp32 main_grad, bf16: device ms from the torch profiler (3 steps), "
-             f"events ms median of {args.iters} (synchronized, host included)", "",
+    lines = [f"Where the time goes, fwd+bwd into fp32 main_grad, bf16, one set of inputs per shape, the paths in turn "
+             f"each round: device ms from the torch profiler (median of 3 rounds), events ms median of {args.iters} "
+             "rounds (synchronized, host included)", "",
              "| N x h x V | path | blocks | events ms | device ms | / unfused (device) | GEMM ms | Triton ms "
              "| torch ms | kernels |", "|---|---|---|---|---|---|---|---|---|---|"]
     pieces = ["", "GEMMs alone (cuBLAS, events median): the 3-GEMM floor into main_grad = logits + dhidden + "
@@ -505,19 +506,21 @@ def breakdown(args):
                       f"{g['dweight into fp32, 1 block']:.3f} | {g['dweight into fp32, 2 blocks']:.3f} | "
                       f"{g['dweight into fp32, 2 blocks'] - g['dweight into fp32, 1 block']:.3f} | {floor:.3f} |")
         print(pieces[-1], flush=True)
+        hidden, weight, target = inputs(n, hdim, v)  # one set of inputs, every path in turn each round
+        h, w = hidden.requires_grad_(), weight.requires_grad_()
+        with_main_grad(w)
+        steps = {name: stepper(fn, h, w, target) for name, fn in impls.items()}
+        events = interleaved_ms(steps, args.iters)
+        tables = {name: [] for name in impls}
+        for r in range(3):
+            for name in list(impls)[r % len(impls):] + list(impls)[:r % len(impls)]:
+                tables[name].append(kernel_table(steps[name], steps=1))
         base = None
         for name, fn in impls.items():
-            hidden, weight, target = inputs(n, hdim, v)
             fraction = getattr(fn, "keywords", {}).get("block_fraction")
             blocks = -(-n // default_row_block(n, v, fraction)) if name.startswith("fused") else ""
-            try:
-                step = stepper(fn, hidden.requires_grad_(), weight.requires_grad_(), target)
-                events = timed(step, args.warmup, args.iters)
-                table = kernel_table(step)
-            except Exception as exc:  # noqa: BLE001
-                lines.append(f"| {shape} | {name} | failed: {short(exc, 100)} |" + " |" * 7)
-                print(lines[-1], flush=True)
-                continue
+            sums = sorted(tables[name], key=lambda t: sum(ms for _, ms in t.values()))
+            table = sums[len(sums) // 2]  # the round of median device time
             kinds = {"gemm": 0.0, "triton": 0.0, "torch": 0.0}
             for kname, (calls, ms) in table.items():
                 kinds[_kernel_kind(kname)] += ms
@@ -525,17 +528,17 @@ def breakdown(args):
             base = device if name.startswith("unfused") else base
             summary.setdefault(shape, {"extra": g["dweight into fp32, 2 blocks"] - g["dweight into fp32, 1 block"],
                                        "floor": floor})[name] = (device, blocks)
-            lines.append(f"| {shape} | {name} | {blocks} | {events:.3f} | {device:.3f} | "
+            lines.append(f"| {shape} | {name} | {blocks} | {events[name]:.3f} | {device:.3f} | "
                          f"{device / base if base else float('nan'):.3f} | {kinds['gemm']:.3f} | "
                          f"{kinds['triton']:.3f} | {kinds['torch']:.3f} | "
                          f"{sum(c for c, _ in table.values()):.0f} |")
             print(lines[-1], flush=True)
-            detail += ["", f"{shape}, {name}: per kernel (calls per step, device ms per step)", "",
+            detail += ["", f"{shape}, {name}: per kernel (calls, device ms; the round of median device time)", "",
                        "| kernel | kind | calls | ms |", "|---|---|---|---|"]
             detail += [f"| {kname[:110]} | {_kernel_kind(kname)} | {calls:.0f} | {ms:.3f} |"
                        for kname, (calls, ms) in sorted(table.items(), key=lambda kv: -kv[1][1])]
-            del hidden, weight, target, step
-            torch.cuda.empty_cache()
+        del hidden, weight, target, h, w, steps
+        torch.cuda.empty_cache()
     names = list(impls)
     short_table = ["", "Summary: device ms (profiler) of the unfused layer into main_grad, the others / it (blocks); "
                    "floor: the GEMMs alone into main_grad; +block: one more block's dweight excess (ms)", "",

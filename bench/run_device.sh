@@ -68,6 +68,8 @@ step_e2e-tp12() {  # TP=1 on the first GPU and TP=2 + SP on the last two, at onc
 }
 
 step_final() {  # 4 GPUs, FINAL_S (400) seconds from here: the tables of docs/performance.md's fused-layer section
+    # GPU 0: e2e TP=1; GPUs 1-2: the layer at TP=2 + SP, then e2e TP=2 + SP; GPU 3: the layer beside the peers,
+    # where its time goes, then e2e TP=1 again while 150 s are left
     local n end t
     n=$(nvidia-smi -L | wc -l)
     [ "$n" -ge 4 ] || { echo "final needs 4 GPUs, $n present" >&2; return 2; }
@@ -81,8 +83,10 @@ step_final() {  # 4 GPUs, FINAL_S (400) seconds from here: the tables of docs/pe
     (CUDA_VISIBLE_DEVICES=1,2 timeout 100 $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
         bench/linear_cross_entropy.py --tp --fractions 0.5 --iters 10 --out "$OUT/layer_tp2.md" >"$OUT/layer_tp2.log" 2>&1
      e2e 1,2 2 e2e_tp2 --profile) &
-    (CUDA_VISIBLE_DEVICES=3 timeout 170 $PY bench/linear_cross_entropy.py --peers --iters 15 \
+    (CUDA_VISIBLE_DEVICES=3 timeout 180 $PY bench/linear_cross_entropy.py --peers --iters 15 \
         --out "$OUT/layer.md" >"$OUT/layer.log" 2>&1
+     CUDA_VISIBLE_DEVICES=3 timeout 80 $PY bench/linear_cross_entropy.py --breakdown --fractions 0.5 1.0 --iters 8 \
+        --detail "$OUT/breakdown_detail.md" --out "$OUT/breakdown.md" >"$OUT/breakdown.log" 2>&1
      [ "$(left)" -gt 150 ] && e2e 3 1 e2e_tp1_gpu3) &
     wait
     for t in e2e_tp1 e2e_tp1_gpu3 e2e_tp2; do
