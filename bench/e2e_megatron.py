@@ -11,6 +11,7 @@ import os
 import re
 import statistics
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -62,6 +63,9 @@ VARIANTS = {
 }
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")
+ALLOCATOR = re.compile(r"CEZ_BENCH allocator=(\{.*\})")
+ALTERNATE_STEP = re.compile(r"CEZ_BENCH step=(\d+) fused=([01]) peak=(\d+)")
+ALTERNATE = ("cez", "cez_fol")  # --alternate: the op, the fused layer; steps A B B A, A B B A, ...
 
 
 # --------------------------------------------------------------------------- the profiled step
@@ -115,9 +119,37 @@ def profile_summary(directory, vocab):
             "_merge_kernel")
     clip = [(k, (max(k["ts"], start), min(k["ts"] + k["dur"], end))) for k in kernels]
     head = [span for k, span in clip if k["name"].startswith(ours) or in_vocab_op(k)]
-    return {"steps": len({e["name"] for e in steps}), "window_ms": (end - start) / 1e3,
-            "gpu_busy_share": sum(b - a for a, b in _union([span for _, span in clip])) / (end - start),
-            "lm_head_share": sum(b - a for a, b in _union(head)) / (end - start)}
+    n_steps = len({e["name"] for e in steps})
+    busy = _union([span for _, span in clip])
+    per_kernel = {}
+    for k, (a, b) in clip:
+        per_kernel[k["name"][:100]] = per_kernel.get(k["name"][:100], 0.0) + (b - a) / 1e3 / n_steps
+    ordered = sorted(clip, key=lambda ks: ks[1][0])
+    gaps, reach, before = [], start, "(step start)"
+    for k, (a, b) in ordered:  # idle stretches between kernels, with the kernels on either side
+        if a - reach > 0:
+            gaps.append(((a - reach) / 1e3, before[:60], k["name"][:60]))
+        if b > reach:
+            reach, before = b, k["name"]
+    fused_ops = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "cpu_op" and "dur" in e
+                 and "LinearCrossEntropyZLossForwardGrads" in e["name"]]
+    per_step = []  # each traced step: whether the fused layer ran in it, its kernel, idle and output-layer time
+    for st in sorted((e for e in steps if e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"]):
+        a0, b0 = st["ts"], st["ts"] + st["dur"]
+        spans = [(max(a, a0), min(b, b0)) for _, (a, b) in clip if b > a0 and a < b0]
+        mine = _union(spans)
+        per_step.append({"step": st["name"], "fused": any(a0 <= a < b0 for a, _ in fused_ops),
+                         "wall_ms": (b0 - a0) / 1e3, "kernel_ms": sum(b - a for a, b in spans) / 1e3,
+                         "idle_ms": (b0 - a0 - sum(b - a for a, b in mine)) / 1e3,
+                         "lm_head_ms": sum(min(b, b0) - max(a, a0) for a, b in _union(head) if b > a0 and a < b0) / 1e3})
+    return {"steps": n_steps, "window_ms": (end - start) / 1e3, "per_step": per_step,
+            "gpu_busy_share": sum(b - a for a, b in busy) / (end - start),
+            "lm_head_share": sum(b - a for a, b in _union(head)) / (end - start),
+            "kernel_ms_per_step": sum(b - a for _, (a, b) in clip) / 1e3 / n_steps,
+            "lm_head_ms_per_step": sum(b - a for a, b in _union(head)) / 1e3 / n_steps,
+            "top_kernels_ms_per_step": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])[:30]),
+            "idle_ms_per_step": (end - start - sum(b - a for a, b in busy)) / 1e3 / n_steps,
+            "longest_gaps_ms": sorted(gaps, reverse=True)[:15]}
 
 
 # --------------------------------------------------------------------------- the runs
@@ -130,38 +162,79 @@ def vocab_per_rank(tp, divisible_by=128):
     return -(-VOCAB // multiple) * multiple // tp
 
 
-def launch(variant, config, iters, log_path, tp=1, profile_dir=None):
-    """One Megatron run of ``variant``: its step times, peak memory, LM losses (and profile summary)."""
+ALTERNATE_TRACE = (8, 12)  # --alternate: Megatron's profile window (steps 9-12: one A B B A block), early in the run
+
+
+def _run_until(cmd, env, timeout_s):
+    """``cmd``'s (return code, stdout, stderr); at ``timeout_s`` its whole process group (torchrun and its
+    workers) is stopped and what it printed so far returned, with return code None."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        out = err = ""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                out, err = proc.communicate(timeout=20)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return None, out, err + f"\n[stopped at the deadline, {timeout_s:.0f} s]"
+
+
+def launch(variant, config, iters, log_path, tp=1, profile_dir=None, alternate=False, timeout_s=600):
+    """One Megatron run of ``variant``: its step times, peak memory, LM losses (and profile summary).
+    ``alternate``: one run of ``cez_fol`` whose worker turns the fused layer off for the steps of
+    ``cez`` (A B B A order); ``alternate_steps``: per step, whether the fused layer ran and its peak.
+    At ``timeout_s`` the run is stopped and the steps it logged kept (``rc`` None)."""
     args, env_extra = VARIANTS[variant]
-    env_extra = {**CONFIG_ENV.get(config, {}), **env_extra}
+    env_extra = {**CONFIG_ENV.get(config, {}), **env_extra, **({"CEZ_BENCH_ALTERNATE": "1"} if alternate else {})}
     parallel = ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"] if tp > 1 else []
-    if profile_dir:  # Megatron's own torch-profiler hook, two steps in the steady state, rank 0
-        parallel += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(iters - 4),
-                     "--profile-step-end", str(iters - 2), "--profile-ranks", "0", "--pytorch-profiler-collect-shapes",
+    window = ALTERNATE_TRACE if alternate else (iters - 4, iters - 2)
+    if profile_dir:  # Megatron's own torch-profiler hook, two steps in the steady state (alternate: four), rank 0
+        parallel += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(window[0]),
+                     "--profile-step-end", str(window[1]), "--profile-ranks", "0", "--pytorch-profiler-collect-shapes",
                      "--tensorboard-dir", os.path.join(profile_dir, "tb")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), os.path.abspath(__file__), *COMMON, *CONFIGS[config], *parallel,
            "--train-iters", str(iters), *args]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1", CEZ_BENCH_WORKER="1", **env_extra)
     start = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    rc, stdout, stderr = _run_until(cmd, env, timeout_s)
     with open(log_path, "w") as fh:
-        fh.write(" ".join(cmd) + "\n\n" + proc.stdout + proc.stderr)
-    peaks = [int(v) for v in PEAK.findall(proc.stdout)]  # one line per rank
-    return {"variant": variant, "rc": proc.returncode, "wall_s": time.time() - start, "peak_bytes": max(peaks, default=None),
-            "steps_ms": {int(i): float(ms) for i, ms in STEP.findall(proc.stdout)},
+        fh.write(" ".join(cmd) + "\n\n" + stdout + stderr)
+    peaks = [int(v) for v in PEAK.findall(stdout)]  # one line per rank
+    return {"variant": variant, "rc": rc, "wall_s": time.time() - start, "peak_bytes": max(peaks, default=None),
+            "steps_ms": {int(i): float(ms) for i, ms in STEP.findall(stdout)},
+            # the profiler's warm-up, traced steps and the trace's writing: host time inflated
+            "traced": [window[0] - 1, window[1] + 2] if profile_dir else None,
             # the output layer's ops carry this rank's vocab slice
             "profile": profile_summary(profile_dir, vocab_per_rank(tp)) if profile_dir else None,
-            "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", proc.stdout)]}
+            "lm_loss": [float(v) for v in re.findall(r"\| lm loss: ([\d.E+-]+)", stdout)],
+            # the caching allocator's retries (each frees cached blocks after a device sync) and cudaMalloc / free
+            "allocator": [json.loads(v) for v in ALLOCATOR.findall(stdout)],
+            "alternate_steps": _alternate_marks(stdout)}
+
+
+def _alternate_marks(stdout):
+    """Per iteration: (whether the fused layer ran, the largest peak any rank printed)."""
+    marks = {}
+    for i, fused, peak in ALTERNATE_STEP.findall(stdout):
+        marks[int(i)] = (fused == "1", max(int(peak), marks.get(int(i), (None, 0))[1]))
+    return marks
 
 
 def steady_steps(run, skip):
-    """Step times after ``skip``; in a profiled run without the profiler's steps (``iters - 5`` to
-    ``iters - 2``: warm-up, the two traced steps, the trace's writing), whose host time it inflates."""
-    steps = sorted((int(i), ms) for i, ms in run["steps_ms"].items())
-    iters = max((i for i, _ in steps), default=0)
-    traced = range(iters - 5, iters - 1) if run.get("profile") else range(0)
-    return [ms for i, ms in steps if i > skip and i not in traced]
+    """Step times after ``skip``; in a profiled run without the profiler's steps (warm-up, the traced
+    steps, the trace's writing), whose host time it inflates."""
+    traced = range(*run["traced"]) if run.get("traced") else range(0)
+    return [ms for i, ms in sorted(run["steps_ms"].items()) if i > skip and i not in traced]
 
 
 def unprofiled_shares(run, skip):
@@ -182,7 +255,7 @@ def summarize(runs, skip):
     rows = {}
     for run in runs:
         steady = steady_steps(run, skip)
-        if run["rc"] != 0 or not steady:
+        if run["rc"] not in (0, None) or not steady:
             continue
         row = rows.setdefault(run["variant"], {"medians": [], "peaks": [], "shares": None})
         row["medians"].append(statistics.median(steady))
@@ -193,6 +266,56 @@ def summarize(runs, skip):
                 "max_ms": max(r["medians"]), "runs": len(r["medians"]),
                 "peak_gb": max(r["peaks"]) / 1e9 if r["peaks"] else None, **(r["shares"] or {})}
             for v, r in rows.items()}
+
+
+def alternated(runs, skip):
+    """Steps of ``--alternate`` runs: per variant the median step, spread of run medians and peak of its
+    steps; and per A B B A block after ``skip`` (blocks starting at a multiple of 4 steps) the fused
+    layer's step time over the op's, (B1 + B2) / (A1 + A2) - 1: median, quartiles, mean +- 2 standard errors."""
+    per, blocks = {v: {"steps": [], "medians": [], "peaks": []} for v in ALTERNATE}, []
+    for run in runs:
+        steps, marks = dict(run["steps_ms"]), run.get("alternate_steps") or {}
+        for i in range(*run["traced"]) if run.get("traced") else ():  # the profiler's steps: host time inflated
+            steps.pop(i, None)
+        mine = {v: [] for v in ALTERNATE}
+        for i, ms in steps.items():
+            if i > skip and i in marks:
+                variant = ALTERNATE[int(marks[i][0])]
+                mine[variant].append(ms)
+                per[variant]["peaks"].append(marks[i][1])
+        for v in ALTERNATE:
+            per[v]["steps"] += mine[v]
+            if mine[v]:
+                per[v]["medians"].append(statistics.median(mine[v]))
+        first = -(-(skip + 1 - 1) // 4) * 4 + 1  # iterations k..k+3 with k - 1 a multiple of 4 (A B B A)
+        for k in range(first, max(steps, default=0) - 2, 4):
+            block = [steps.get(k + j) for j in range(4)]
+            fused = [marks.get(k + j, (None,))[0] for j in range(4)]
+            if None not in block and fused == [False, True, True, False]:
+                blocks.append((block[1] + block[2]) / (block[0] + block[3]) - 1)
+    out = {"variants": {v: {"median_ms": statistics.median(d["steps"]) if d["steps"] else None,
+                            "steps": len(d["steps"]), "run_medians": d["medians"],
+                            "peak_gb": max(d["peaks"]) / 1e9 if d["peaks"] else None} for v, d in per.items()},
+           "blocks": len(blocks)}
+    if len(blocks) >= 2:
+        q = statistics.quantiles(blocks, n=4)
+        sem = statistics.stdev(blocks) / len(blocks) ** 0.5
+        out.update(median=statistics.median(blocks), q1=q[0], q3=q[2], mean=statistics.fmean(blocks), two_sem=2 * sem)
+    return out
+
+
+def alternated_table(result):
+    lines = ["| variant | step median (ms) | run medians (ms) | steps | peak allocated in its steps (GB) |",
+             "|---|---|---|---|---|"]
+    for v, d in result["variants"].items():
+        med = f"{d['median_ms']:.1f}" if d["median_ms"] else "-"
+        peak = f"{d['peak_gb']:.2f}" if d["peak_gb"] else "-"
+        lines.append(f"| {v} | {med} | {', '.join(f'{m:.1f}' for m in d['run_medians'])} | {d['steps']} | {peak} |")
+    if "median" in result:
+        lines += ["", f"fused layer / op - 1, per A B B A block ({result['blocks']} blocks): median "
+                      f"{result['median']:+.2%} (quartiles {result['q1']:+.2%} to {result['q3']:+.2%}); mean "
+                      f"{result['mean']:+.2%} +- {result['two_sem']:.2%} (2 standard errors)"]
+    return "\n".join(lines)
 
 
 def table(summary, reference="native"):
@@ -225,6 +348,12 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=float, default=540, help="no new launch after this many seconds")
     parser.add_argument("--profile", action="store_true",
                         help="first rep: torch-profile two steady steps per variant, report the GPU-busy share")
+    parser.add_argument("--alternate", action="store_true",
+                        help="cez and cez_fol alternated step by step inside each run (A B B A; --pairs runs): the "
+                             "fused layer turned off for the op's steps; step times and per-step peaks per variant")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="--alternate: runs go on until this many seconds after the start (--iters bounds them), "
+                             "each stopped there with the steps it logged")
     parser.add_argument("--out", default="out/e2e")
     args = parser.parse_args(argv)
     variants = args.variants or [v for v in VARIANTS if v != "z_by_hand" or args.tp == 1]
@@ -238,6 +367,8 @@ def main(argv=None):
         parser.error(f"--tp {args.tp}: {torch.cuda.device_count()} GPUs visible (CUDA_VISIBLE_DEVICES picks them)")
     name = args.config if args.tp == 1 else f"{args.config}_tp{args.tp}"
     os.makedirs(args.out, exist_ok=True)
+    if args.alternate:
+        return main_alternate(args, name)
     start, runs = time.time(), []
     for rep in range(args.pairs):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
@@ -255,7 +386,11 @@ def main(argv=None):
             print(f"rep {rep + 1} {variant:10s} rc={run['rc']} median step "
                   + (f"{statistics.median(steady):.1f} ms" if steady else "-")
                   + (f" peak {peak / 1e9:.2f} GB" if peak else " peak -") + f" wall {run['wall_s']:.0f} s"
-                  + (f" gpu busy {prof['gpu_busy_share']:.1%}, lm head {prof['lm_head_share']:.1%}" if prof else ""),
+                  + (f" gpu busy {prof['gpu_busy_share']:.1%}, lm head {prof['lm_head_share']:.1%}; per traced step: "
+                     f"kernels {prof['kernel_ms_per_step']:.0f} ms, lm head {prof['lm_head_ms_per_step']:.1f} ms, "
+                     f"idle {prof['idle_ms_per_step']:.0f} ms" if prof else "")
+                  + (f"; allocator retries {run['allocator'][0]['num_alloc_retries']}, cudaMalloc "
+                     f"{run['allocator'][0]['num_device_alloc']}" if run.get("allocator") else ""),
                   flush=True)
     summary = summarize(runs, args.skip)
     data = {"config": args.config, "run": run_info(), "args": vars(args),
@@ -263,6 +398,70 @@ def main(argv=None):
     with open(os.path.join(args.out, f"e2e_{name}.json"), "w") as fh:
         json.dump(data, fh, indent=1)
     print(table(summary))
+
+
+def main_alternate(args, name):
+    """``--pairs`` runs, each alternating the op and the fused layer step by step; with ``--deadline-s``
+    a run goes on until the deadline (``--iters`` then only bounds it) and keeps the steps it logged.
+    The JSON and the table are written after every run."""
+    start, runs = time.time(), []
+    for rep in range(args.pairs):
+        left = (args.deadline_s or float("inf")) - (time.time() - start)
+        if runs and (time.time() - start > args.budget_s or left < 120):
+            print(f"stopping before run {rep + 1}: {time.time() - start:.0f} s spent", flush=True)
+            break
+        profile_dir = os.path.join(args.out, f"trace_{name}_alternate") if args.profile and rep == 0 else None
+        run = launch("cez_fol", args.config, args.iters, os.path.join(args.out, f"{name}_alternate_{rep + 1}.log"),
+                     tp=args.tp, profile_dir=profile_dir, alternate=True, timeout_s=min(600, left))
+        if profile_dir:
+            shutil.rmtree(profile_dir, ignore_errors=True)
+            for st in (run.get("profile") or {}).get("per_step", []):
+                print(f"  traced {st['step']}: fused {st['fused']}, wall {st['wall_ms']:.0f} ms, kernels "
+                      f"{st['kernel_ms']:.0f} ms, idle {st['idle_ms']:.0f} ms, output layer + loss {st['lm_head_ms']:.1f} ms",
+                      flush=True)
+        runs.append(run)
+        part = alternated([run], args.skip)
+        print(f"run {rep + 1} rc={run['rc']} wall {run['wall_s']:.0f} s, {len(run['steps_ms'])} steps: " + ", ".join(
+            f"{v} {d['median_ms']:.1f} ms ({d['steps']} steps)" for v, d in part["variants"].items() if d["median_ms"])
+            + (f"; fused / op - 1 median {part['median']:+.2%} over {part['blocks']} blocks" if "median" in part else ""),
+            flush=True)
+        result = alternated(runs, args.skip)
+        with open(os.path.join(args.out, f"e2e_{name}_alternate.json"), "w") as fh:
+            json.dump({"config": args.config, "run": run_info(), "args": vars(args),
+                       "command": COMMON + CONFIGS[args.config], "result": result, "runs": runs}, fh, indent=1)
+    print(alternated_table(alternated(runs, args.skip)))
+
+
+def _alternate_steps():
+    """``CEZ_BENCH_ALTERNATE``: Megatron's ``train_step`` wrapped so that steps 1, 4, 5, 8, 9, ... (A B B A)
+    run with the fused layer off (the op on the logits) and the others with it on, each step's peak
+    allocated memory printed with its iteration number."""
+    import dataclasses
+
+    import torch
+    from megatron.training import training
+
+    from mindspeed_cez.patches import settings as adaptor_settings  # the active settings the patches read
+
+    inner, count = training.train_step, [0]
+
+    def train_step(*args, **kwargs):
+        active = adaptor_settings.get_active()
+        if active is None or (count[0] == 0 and not active.fused_output_layer):
+            raise RuntimeError("CEZ_BENCH_ALTERNATE needs a run with --lm-fused-output-layer")
+        fused = count[0] % 4 in (1, 2)
+        adaptor_settings.set_active(dataclasses.replace(active, fused_output_layer=fused))
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            count[0] += 1
+            print(f"CEZ_BENCH step={count[0]} fused={int(fused)} peak={torch.cuda.max_memory_allocated() if cuda else 0}",
+                  flush=True)
+
+    training.train_step = train_step
 
 
 # --------------------------------------------------------------------------- one launch (the worker)
@@ -313,8 +512,17 @@ def worker():
 
         DotProductAttention.forward = _sdpa_forward
         print("CEZ_BENCH attention: torch scaled_dot_product_attention (causal)", flush=True)
-    atexit.register(lambda: torch.cuda.is_available() and print(
-        f"CEZ_BENCH peak_allocated_bytes={torch.cuda.max_memory_allocated()}", flush=True))
+    def report():
+        if torch.cuda.is_available():
+            stats = torch.cuda.memory_stats()
+            print(f"CEZ_BENCH peak_allocated_bytes={torch.cuda.max_memory_allocated()}", flush=True)
+            print("CEZ_BENCH allocator=" + json.dumps({k: stats.get(k) for k in (
+                "num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free", "num_ooms")}),
+                flush=True)
+
+    atexit.register(report)
+    if os.environ.get("CEZ_BENCH_ALTERNATE"):
+        _alternate_steps()
     from mindspeed_cez import launch
 
     sys.exit(launch.main([os.path.join(REPO, "examples", "pretrain_gpt.py"), *sys.argv[1:]]))

@@ -245,11 +245,18 @@ def version(distribution):
 
 
 def commit():
-    """``git rev-parse --short HEAD`` of this checkout (``+dirty`` with uncommitted changes), or why not."""
+    """``CEZ_BENCH_COMMIT`` where set (a copied tree: ``git archive``'s export has no git), else ``git
+    rev-parse --short HEAD`` of this checkout (``+dirty`` with uncommitted changes), or why not (a tree
+    inside another checkout does not take that checkout's commit)."""
+    if os.environ.get("CEZ_BENCH_COMMIT"):
+        return os.environ["CEZ_BENCH_COMMIT"]
+
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
                               check=True).stdout.strip()
     try:
+        if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(REPO):
+            return "unknown (a copied tree inside another checkout; set CEZ_BENCH_COMMIT)"
         return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
     except Exception:  # noqa: BLE001 - no git, or not a checkout (a copied working tree)
         return "unknown (no git checkout)"

@@ -101,9 +101,11 @@ def _check_finite_grad_scale(grad_scale):
 def check_block_fraction(value, name="block_fraction"):
     """The one check of the memory/time dial (the op, the adaptor's settings, the flag: ``name``)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
-        default = "leave it out for the default" if name.startswith("--") else "None: the default"  # a flag: no None
+        default = ("leave it out for the default" if name.startswith("--")  # a flag: no None
+                   else "None: the default")
         raise ValueError(f"{name} takes the share of the tokens (and of the logits' memory) one block takes: a number "
-                         f"in (0, 1] ({LEAN_BLOCK_FRACTION}: lean; {default}), got {value!r}")
+                         f"in (0, 1] ({LEAN_BLOCK_FRACTION}: lean; {default}: one block while the logits fit in "
+                         f"4 GiB, else {BLOCK_FRACTION}), got {value!r}")
 
 
 def check_grads(value, name="grads"):
@@ -118,7 +120,7 @@ class GradientPath:
     ``block_fraction``, the adaptor's settings, the flags); ``names``: the caller's name per field for errors."""
 
     grads: str = "recompute"
-    block_fraction: Optional[float] = None  # grads="forward"'s memory/time dial (None: BLOCK_FRACTION)
+    block_fraction: Optional[float] = None  # grads="forward"'s memory/time dial (None: default_row_block's)
     names: InitVar[Optional[Mapping[str, str]]] = None
 
     def __post_init__(self, names):
@@ -215,9 +217,10 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
             logits would pass 2**26, never under 1024; ``kernels.chunked_linear.default_chunk_cols``).
         row_block: token rows per block of ``grads="forward"`` (None: from ``block_fraction``).
         block_fraction: the memory/time dial of ``grads="forward"``: the share of the tokens one block
-            takes, so its working memory is ``block_fraction`` x the logits (None: 0.5; 0.125 the lean
-            setting); rounded down to a power of two of rows, at least 1024 (:func:`default_row_block`).
-            Fewer blocks, fewer read-modify-writes of the fp32 ``dweight``: docs/weight_gradient.md.
+            takes, so its working memory is ``block_fraction`` x the logits (None: one block while the
+            logits take at most 4 GiB, else 0.5; 0.125 the lean setting); ``ceil(1 / block_fraction)``
+            equal blocks, at least 1024 rows each (:func:`default_row_block`). Each block beyond the
+            first adds one read-modify-write of the fp32 ``dweight`` (8 V h bytes): docs/weight_gradient.md.
         return_lse: also return the detached per-token log-sum-exp, as
             :func:`vocab_parallel_cross_entropy_zloss`.
         loss: the whole loss as one ``LossSpec``; the loose ``ignore_index``, ``z_loss_coeff``,

@@ -17,7 +17,7 @@ Flags (one argument group, shown in ``--help``):
     Compute GPT's output layer and the LM loss as one op (``linear_cross_entropy_zloss``): no
     logits tensor on the training path; turns the fused loss on like ``--lm-fused-ce``.
     ``forward``: gradients made in the forward with the loss mask as token weights.
-``--lm-fused-output-layer-block-fraction F``  (default 0.5)
+``--lm-fused-output-layer-block-fraction F``  (default: one block up to 4 GiB of logits, else 0.5)
     ``forward``'s memory/time dial: each block of token rows takes the share F of the tokens, so
     the loss works in F x the logits' memory; fewer blocks, less time (0.125: the lean setting).
 
@@ -102,7 +102,7 @@ def flags_help():
         if action.nargs == "?":
             default = f"off; alone: {action.const}"
         if flag == FLAG_BLOCK_FRACTION:
-            default = "0.5"  # None: the op's default
+            default = "1 block up to 4 GiB of logits, else 0.5"  # None: the op's default
         lines.append(f"  {name:<44} {SUMMARY[flag]} (default: {default})")
     return "\n".join(lines)
 
@@ -145,7 +145,8 @@ def add_lm_z_loss_args(parser):
         metavar="F",
         help=_help(FLAG_BLOCK_FRACTION) + " With --lm-fused-output-layer forward: the share of the tokens each block of the fused output "
              "layer takes, 0 < F <= 1; the loss then works in F x the logits' memory, and each block "
-             "rewrites the fp32 main_grad once (fewer blocks, less time). Default 0.5; 0.125: lean "
+             "rewrites the fp32 main_grad once (fewer blocks, less time). Default: one block while the logits "
+             "take at most 4 GiB, else 0.5; 0.125: lean "
              "(docs/weight_gradient.md).",
     )
     return parser

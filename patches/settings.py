@@ -49,7 +49,7 @@ class Settings:
         in the forward with the loss mask as token weights and Megatron's upstream gradient, where
         both are known; else as ``"recompute"``) or ``"recompute"`` (logits recomputed in backward).
     block_fraction: ``"forward"``'s memory/time dial, the op's ``block_fraction``: the share of the
-        tokens (and of the logits' memory) one block takes; None: the op's default (0.5), 0.125 the
+        tokens (and of the logits' memory) one block takes; None: the op's default (one block up to 4 GiB of logits, else 0.5), 0.125 the
         lean setting (``--lm-fused-output-layer-block-fraction``).
     logit_transform: the :class:`~mindspeed_cez.kernels.logit_transform.LogitTransform` the model
         applies to the main head's logits with torch ops before the loss (MindSpeed-LLM's

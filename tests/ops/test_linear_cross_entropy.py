@@ -185,15 +185,47 @@ def test_grad_scale_needs_that_upstream_gradient():
         linear_cross_entropy_zloss(h, w, target, grad_scale=1.0)
 
 
+def test_forward_grads_dhidden_taken_without_a_copy():
+    """With grad_scale the op's dhidden becomes the input's gradient as it is (no clone of N x h by
+    autograd), and it is the float64 gradient."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    hidden, weight, target, _ = _problem(torch.float32, 1, gen)
+    mask, upstream = _token_weights(target, gen)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    w.main_grad = torch.zeros(w.shape)
+    loss = linear_cross_entropy_zloss(h, w, target, 1e-3, token_weights=mask, grad_scale=K, grads="forward",
+                                      gradient_accumulation_fusion=True)[0]
+    made = {}
+    loss.grad_fn.register_hook(lambda grad_inputs, _: made.update(ptr=grad_inputs[0].data_ptr()))
+    (loss * mask).sum().mul(K).backward()
+    assert h.grad.data_ptr() == made["ptr"]
+    ref_loss, _, ref_dh, ref_dw = _float64(hidden, weight, target, upstream, 1e-3, 0.0)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), ref_dh, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.main_grad.double(), ref_dw, rtol=1e-4, atol=1e-6)
+
+
 def test_default_row_block():
-    """``block_fraction`` of the tokens (default 1/2, lean 1/8), a power of two, at least 1024 rows,
-    never more than the tokens; a bad dial names itself and its range."""
+    """The default: one block while the logits fit in ONE_BLOCK_LOGITS_BYTES, else halves; a fraction:
+    ceil(1 / fraction) equal blocks (a multiple of 128 rows), at least 1024 rows, never more than the
+    tokens; a bad dial names itself and its range."""
     from mindspeed_cez.linear_cross_entropy import default_row_block
-    assert [default_row_block(n, 151936) for n in (100, 3000, 8192, 16384, 20000, 32768)] == \
-        [100, 1024, 4096, 8192, 8192, 16384]
-    assert [default_row_block(n, 151936, 0.125) for n in (100, 3000, 8192, 16384, 20000, 32768)] == \
-        [100, 1024, 1024, 2048, 2048, 4096]
+    from mindspeed_cez.linear_forward_grads import ONE_BLOCK_LOGITS_BYTES
+    tokens = (100, 3000, 8192, 12288, 16384, 20000, 32768)
+    assert [default_row_block(n, 151936) for n in tokens] == [100, 3000, 8192, 12288, 8192, 10112, 16384]
+    assert [default_row_block(n, 151936, 0.5) for n in tokens] == [100, 1536, 4096, 6144, 8192, 10112, 16384]
+    assert [default_row_block(n, 151936, 0.125) for n in tokens] == [100, 1024, 1024, 1536, 2048, 2560, 4096]
+    assert [default_row_block(n, 151936, 1.0) for n in tokens] == list(tokens)
     assert [default_row_block(8192, 16160, f) for f in (1.0, 0.5, 0.25, 0.125, 0.01)] == [8192, 4096, 2048, 1024, 1024]
+    at_limit = ONE_BLOCK_LOGITS_BYTES // (2 * 8192)  # 8192 rows of this vocab fill the limit in bf16
+    assert default_row_block(8192, at_limit) == 8192 and default_row_block(8192, at_limit + 1) == 4096
+    assert default_row_block(8192, at_limit, itemsize=4) == 4096  # fp32 logits: twice the bytes
+    for n in (1, 1000, 3001, 8191, 20000, 65537):  # every block but the last full, the last never empty
+        for fraction in (None, 1.0, 0.5, 0.3, 0.125):
+            rows = default_row_block(n, 151936, fraction)
+            assert 1 <= rows <= n and (n - 1) // rows + 1 == -(-n // rows)
+            if fraction is not None and n >= 1024:
+                assert rows <= max(1024, n * fraction) + 127
     gen = torch.Generator().manual_seed(17)
     hidden, weight, target, _ = _problem(torch.float32, 1, gen)
     mask, _ = _token_weights(target, gen)
