@@ -108,8 +108,8 @@ def test_a_typo_or_a_bad_variable_stops_the_process_before_the_script(script, ho
 
 @pytest.mark.slow
 def test_under_torchrun_the_line_appears_once_and_every_rank_exits_2(script):
-    """torchrun with 2 ranks: the line once (rank 0), both ranks exit with status 2 (its summary's
-    exitcodes, each naming the line), no rank's traceback. torchrun itself then prints its own failure
+    """torchrun with 2 ranks: the line once (rank 0), each rank torchrun reports exited with status 2
+    (its summary's exitcodes, each naming the line), no rank's traceback. torchrun itself then prints its own failure
     report (its traceback of torch/distributed/run.py) and exits with status 1: that is torchrun's, for
     any rank that exits non-zero, and what the README tells users they will see."""
     proc = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mindspeed_cez.launch", str(script),
@@ -118,8 +118,11 @@ def test_under_torchrun_the_line_appears_once_and_every_rank_exits_2(script):
     out = proc.stdout + proc.stderr
     assert out.splitlines().count(line) == 1, out
     assert "ran" not in proc.stdout.splitlines(), out
-    assert re.findall(r"^\s+exitcode\s+: (-?\d+)", out, re.M) == ["2", "2"], out
-    assert out.count(f"traceback : {line}") == 2, out  # each rank's cause in torchrun's summary
+    # torchrun's summary lists the ranks it saw fail: both (torch 2.13), or the first while it stops the
+    # other (torch 2.7.1: "<NO_OTHER_FAILURES>"); each listed rank exited with status 2, naming the line
+    codes = re.findall(r"^\s+exitcode\s+: (-?\d+)", out, re.M)
+    assert codes and set(codes) == {"2"}, out
+    assert out.count(f"traceback : {line}") == len(codes), out
     assert out.count("Traceback (most recent call last)") == 1, out  # torchrun's own, no rank's
     tail = out[out.index("Traceback (most recent call last)"):]
     assert "torch/distributed/run.py" in tail and "mindspeed_cez" not in tail.split("ChildFailedError")[0], out
