@@ -424,7 +424,9 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
             records.append(record)
             del running[name]
             print(f"[{time.time() - start:5.0f} s] {name}: rc={proc.returncode} in {record['wall_s']:.0f} s, "
-                  f"step {record['last_step']}, {record.get('steps_per_s')} steps/s on GPU {record.get('gpu')}"
+                  f"step {record['last_step']}"
+                  + (f", {record['steps_per_s']} steps/s" if record.get("steps_per_s") is not None else "")
+                  + (f" on GPU {record['gpu']}" if record.get("gpu") is not None else " on the CPU")
                   + (" (stopped: out of time)" if record.get("stopped_at_budget") else "")
                   + (" (stopped: diverged)" if record.get("stopped_diverged") else ""), flush=True)
         if pending and (over or (unit_s and not running)):  # out of time, or nothing left that fits in it
