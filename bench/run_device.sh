@@ -29,9 +29,9 @@ step_env() {
     } >"$OUT/env.txt" 2>&1
     cat "$OUT/env.txt"
 }
-step_tests() {
-    (cd tests && timeout 420 $PY -m pytest -q -p no:cacheprovider test_op.py test_op_errors.py test_gpu.py test_linear_cross_entropy_gpu.py \
-        test_launch_configs.py test_triton_launcher.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -4
+step_tests() {  # the op's and the fused layer's GPU tests (tests/run_gpu_checks.sh runs every GPU check)
+    (cd tests && timeout 420 $PY -m pytest -q -p no:cacheprovider ops/test_op.py ops/test_op_errors.py ops/test_op_autograd.py \
+        gpu/test_gpu.py gpu/test_linear_cross_entropy_gpu.py kernels/test_launch_configs.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -4
 }
 step_peers() { timeout 400 $PY bench/op.py --budget-s 300 --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -20; }
 step_peers-tp() {  # op.py --tp at world size 1, 2, 4, 8 while the GPUs found allow: bench_tp<N>.md

@@ -135,23 +135,30 @@ def _call_ms(fn, device):
     return 1e3 * (time.perf_counter() - start)
 
 
-def _time_ms(fn, device, reps):
+def _time_ms(fn, device, reps, group=None):
     """The median of at least ``reps`` timed calls, after untimed warm-up calls (at least ``WARMUP_MIN``,
     until two in a row agree within 25 %, at most ``WARMUP_MAX``): a first call's compilation, allocations
     and thread start-up stay out of the timed region, as does Python's garbage collector. Where the
     median is still over twice the fastest call (a machine that stalls this process for seconds now and
-    then), up to ``2 * reps`` more calls join, so that a few stalls do not make the median."""
+    then), up to ``2 * reps`` more calls join, so that a few stalls do not make the median. With a
+    ``group`` every rank makes the same number of calls (``fn`` runs collectives): a rank goes on while
+    any rank would."""
+
+    def any_rank(flag):
+        return bool(_max_over_ranks([float(flag)], device, group)[0])
+
     last = _call_ms(fn, device)
     for done in range(1, WARMUP_MAX):
         now = _call_ms(fn, device)
-        if done + 1 >= WARMUP_MIN and abs(now - last) <= 0.25 * max(now, last):
+        settled = done + 1 >= WARMUP_MIN and abs(now - last) <= 0.25 * max(now, last)
+        if not any_rank(not settled):
             break
         last = now
     gc.collect()
     gc.disable()
     try:
         times = [_call_ms(fn, device) for _ in range(reps)]
-        while len(times) < 3 * reps and statistics.median(times) > 2 * min(times):
+        while len(times) < 3 * reps and any_rank(statistics.median(times) > 2 * min(times)):
             times.append(_call_ms(fn, device))
     finally:
         gc.enable()
@@ -186,14 +193,14 @@ def check_ce(backend, dtype, rows, vocab, device, group, reps, seed):
         errors["grad"].add(local.grad[block].to(ref_device), grad64[:, rank * width:(rank + 1) * width])
     timing = {}
     if reps:
-        timing["ms"] = _time_ms(step, device, reps)
+        timing["ms"] = _time_ms(step, device, reps, group)
         full = logits.detach().requires_grad_(True)
 
         def torch_step():
             full.grad = None
             F.cross_entropy(full.float(), target, ignore_index=IGNORE, reduction="none").backward(upstream)
 
-        timing["torch_ms"] = _time_ms(torch_step, device, reps)
+        timing["torch_ms"] = _time_ms(torch_step, device, reps, group)
     return errors, timing
 
 
@@ -233,14 +240,14 @@ def check_linear(linear_backend, grads, ce_backend, dtype, rows, vocab, hidden, 
     errors["dweight"].add(w_local.grad.to(ref_device), dw64[rank * width:(rank + 1) * width])
     timing = {}
     if reps:
-        timing["ms"] = _time_ms(step, device, reps)
+        timing["ms"] = _time_ms(step, device, reps, group)
         hf, wf = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
 
         def torch_step():
             hf.grad = wf.grad = None
             F.cross_entropy((hf @ wf.t()).float(), target, ignore_index=IGNORE, reduction="none").backward(upstream)
 
-        timing["torch_ms"] = _time_ms(torch_step, device, reps)
+        timing["torch_ms"] = _time_ms(torch_step, device, reps, group)
     return errors, timing
 
 

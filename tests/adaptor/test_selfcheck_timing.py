@@ -4,8 +4,10 @@ compilations or allocations, never shows as a row's time), and a CPU footnote th
 import time
 
 import torch
+import torch.distributed as dist
 
 from mindspeed_cez import selfcheck
+from support import run_on_ranks
 
 
 def _slow_start(cold_calls, cold_s, warm_s):
@@ -50,6 +52,29 @@ def test_stalls_in_the_timed_calls_do_not_make_the_median(monkeypatch):
     monkeypatch.setattr(selfcheck, "_call_ms", lambda fn, device: next(always))
     assert selfcheck._time_ms(None, torch.device("cpu"), reps=5) == 100.0
     assert len(list(always)) == 41 - 15
+
+
+def _ranks_that_disagree(rank, world_size):
+    """Rank 0's warm-up never settles and its timed calls stall; rank 1's calls agree at once: each call runs a collective, as the
+    op's forward does at TP > 1, so a rank that stopped before the other would hang it."""
+    calls = [0]
+    times = iter([2.0 ** k for k in range(8)] + [1.0] + [3000.0] * 40 if rank == 0 else [10.0] * 60)
+    selfcheck._call_ms = lambda fn, device: (fn(), next(times))[1]
+
+    def collective():
+        calls[0] += 1
+        dist.all_reduce(torch.ones(1))
+
+    selfcheck._time_ms(collective, torch.device("cpu"), reps=3, group=dist.group.WORLD)
+    counts = torch.tensor([calls[0]])
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    assert calls[0] == counts.item() == selfcheck.WARMUP_MAX + 3 * 3, (rank, calls[0], counts.item())
+
+
+def test_ranks_time_the_same_number_of_calls():
+    """At TP = 2 the timed call runs the op's all-gather: warm-up and extra calls go on while any rank
+    would, so every rank makes the same calls (the run hung on GPUs when ranks decided alone)."""
+    run_on_ranks(2, _ranks_that_disagree, timeout=120)
 
 
 def _footnote(monkeypatch, capsys, rows):
