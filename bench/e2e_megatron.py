@@ -436,21 +436,22 @@ def _alternate_steps():
     """``CEZ_BENCH_ALTERNATE``: Megatron's ``train_step`` wrapped so that steps 1, 4, 5, 8, 9, ... (A B B A)
     run with the fused layer off (the op on the logits) and the others with it on, each step's peak
     allocated memory printed with its iteration number."""
-    import dataclasses
 
     import torch
     from megatron.training import training
 
     from mindspeed_cez.patches import settings as adaptor_settings  # the active settings the patches read
 
-    inner, count = training.train_step, [0]
+    inner, count, both = training.train_step, [0], {}
 
     def train_step(*args, **kwargs):
-        active = adaptor_settings.get_active()
-        if active is None or (count[0] == 0 and not active.fused_output_layer):
-            raise RuntimeError("CEZ_BENCH_ALTERNATE needs a run with --lm-fused-output-layer")
+        if not both:  # the run's settings and the same without the fused layer, built once
+            active = adaptor_settings.get_active()
+            if active is None or not active.fused_output_layer:
+                raise RuntimeError("CEZ_BENCH_ALTERNATE needs a run with --lm-fused-output-layer")
+            both.update({True: active, False: active.replace(fused_output_layer=False)})
         fused = count[0] % 4 in (1, 2)
-        adaptor_settings.set_active(dataclasses.replace(active, fused_output_layer=fused))
+        adaptor_settings.set_active(both[fused])
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
