@@ -137,12 +137,13 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
     rows with their whole vocab slice, each turned into its gradient in place.
 
     With ``grad_scale`` the upstream gradient is known in forward: ``grad_scale * token_weights``
-    (Megatron's loss scale over its token count); each block's gradient is made for it, ``dhidden``
-    in the input's dtype exactly as the unfused path makes it (its reduction over the TP ranks
-    started in forward, overlapped with the last block's weight-gradient GEMM as
-    ``ColumnParallelLinear`` overlaps it; backward waits for it), and ``dweight`` added straight into
-    ``weight.main_grad`` (``gradient_accumulation_fusion``; else an fp32 buffer until backward).
-    Backward checks on the device that the gradient that came is that one.
+    (Megatron's loss scale over its token count); each block's gradient is made for it in forward,
+    ``dhidden`` in the input's dtype exactly as the unfused path makes it and ``dweight`` added
+    straight into ``weight.main_grad`` (``gradient_accumulation_fusion``; else an fp32 buffer until
+    backward), except the last block's two GEMMs: they run in backward, as the unfused layer's do
+    (one block: all of them), with ``dhidden``'s reduction over the TP ranks beside the
+    weight-gradient GEMM as ``ColumnParallelLinear`` overlaps it. Backward checks on the device that
+    the gradient that came is the one the blocks were made for.
 
     Without it, the upstream gradient must be ``k * token_weights`` with one unknown scalar ``k``:
     blocks are made for a unit gradient, ``dhidden`` kept in fp32 and scaled per token in backward,
@@ -177,7 +178,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         step = options.row_block or default_row_block(n, v_local, options.block_fraction, rows.element_size())
         block = rows.new_empty((min(step, n), v_local))  # one block's logits, then their gradient
         accumulate = Accumulator(rows.device)
-        reduction = None  # dhidden's collective, started in forward where the upstream gradient is known
+        deferred = None  # the last block's gradient and rows: its two GEMMs run in backward
         for r in range(0, n, step):
             x, t = rows[r:r + step], flat_target[r:r + step]
             logits = block[:x.shape[0]]
@@ -187,22 +188,26 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             if r == 0:  # after the first collective (see the op's forward), before anything is written
                 vp.check_targets(flat_target)
             backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], loss, shard)
-            if upstream_known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
+            if upstream_known and r + step >= n:
+                # The last block's dhidden and weight-gradient GEMMs wait for backward, as the unfused layer's
+                # do: Megatron syncs on each micro-batch's loss, and a backward that starts with them queued
+                # keeps the GPU busy while the host enqueues the rest (its block is held no longer than that).
+                deferred = (logits, r, x)
+            elif upstream_known:  # the unfused path's dhidden: dlogits @ W in the input's dtype
                 torch.matmul(logits, weight, out=drows[r:r + step])
-                if r + step >= n:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
-                    reduction = start_reduce_dhidden(drows.view(full.shape), tp_group, tp_size, sequence_parallel)
                 accumulate(dweight, logits.t(), x)
             else:
                 drows[r:r + step] = 0
                 accumulate(drows[r:r + step], logits, weight)
                 accumulate(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
-        ctx.save_for_backward(None if reduction is not None else drows, None if into_main_grad else dweight, weights, upstream,
-                              weight, flat_target != ignore_index)
-        ctx.reduction = reduction  # holds this rank's dhidden (its sequence chunk with SP), not all of drows
+        ctx.save_for_backward(drows, None if into_main_grad else dweight, weights, upstream, weight,
+                              flat_target != ignore_index)
+        ctx.deferred = deferred
         ctx.options, ctx.tp_size, ctx.upstream_known, ctx.into_main_grad = options, tp_size, upstream_known, into_main_grad
         ctx.full_shape, ctx.input_dtype = full.shape, hidden.dtype
-        ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_main_grad else None
+        # owed: a block before the last added its weight gradient into main_grad during this forward
+        ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_main_grad and step < n else None
         ctx.backward_done = False
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
@@ -244,10 +249,15 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g
         # (CUDA takes assert messages under 255 characters: tests/ops/test_linear_cross_entropy.py checks)
         torch._assert_async(matches.all(), message)
-        if ctx.reduction is not None:
-            # ctx lets go of dhidden: held only by what is returned, autograd takes it as the input's
-            # gradient without a copy (N h x 2 bytes read and written, 0.05 ms at 8192 x 7168 on an H200)
-            reduction, ctx.reduction = ctx.reduction, None
+        if ctx.deferred is not None:  # the last block's two GEMMs; dhidden's collective beside the second
+            dlogits, r, x = ctx.deferred
+            ctx.deferred = None
+            torch.matmul(dlogits, weight, out=drows[r:])
+            reduction = start_reduce_dhidden(drows.view(ctx.full_shape), options.tp_group, ctx.tp_size,
+                                             options.sequence_parallel)
+            Accumulator(dlogits.device)(weight.main_grad if ctx.into_main_grad else dweight_sum, dlogits.t(), x)
+            del dlogits, x, drows
+            # held only by what is returned, dhidden becomes the input's gradient without a copy by autograd
             dhidden = reduction.wait()
             del reduction
         else:
