@@ -15,9 +15,6 @@ clamped at 1), a loss scale (``config.grad_scale_func``). Against the unfused ru
 Runs on every megatron-core of CI leg 1 (0.12.1 to 0.16.1); megatron-core's schedule needs
 ``megatron.core.pipeline_parallel.get_forward_backward_func``."""
 
-import os
-import sys
-
 import pytest
 import torch
 
