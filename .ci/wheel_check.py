@@ -26,6 +26,7 @@ MODULES = [
     "mindspeed_cez.patches.patch_points", "mindspeed_cez.patches.import_hook",
 ]
 MODULES += ["mindspeed_cez.selfcheck", "mindspeed_cez.kernels.cann"]  # the self-check users run, the vendor backend
+MODULES += ["mindspeed_cez.patches.cpu_mode", "mindspeed_cez.patches.local_gpt"]  # what the demo imports
 for name in MODULES:
     importlib.import_module(name)
 

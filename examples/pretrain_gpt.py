@@ -1,42 +1,34 @@
 """Pretrain a GPT (dense or MoE) with Megatron's own training loop: a plain Megatron entry script.
 
-Nothing in it is about this package: it is launched through ``python -m mindspeed_cez.launch``,
-which imports ``mindspeed_cez.megatron_adaptor`` first, so ``--lm-z-loss-coeff C`` (and the other
-``--lm-*`` flags) are parsed, validated and applied, and ``lm_z_loss`` shows up in Megatron's log
-line. Model provider, forward step / loss with ``loss_mask``, mock or real GPT data; written for
-megatron-core 0.18 and later with ``megatron.training`` (``parse_and_validate_args`` ->
-``pretrain_cfg_container_from_args`` -> ``pretrain(cfg, ...)``) and for the classic Megatron-LM
-flow (``pretrain(datasets_provider, model_provider, ...)`` parsing the arguments itself).
+Nothing in it is about the loss (only its CPU mode, below, comes from this package): it is launched
+through ``python -m mindspeed_cez.launch``, which imports ``mindspeed_cez.megatron_adaptor`` first, so
+``--lm-z-loss-coeff C`` (and the other ``--lm-*`` flags) are parsed, validated and applied, and
+``lm_z_loss`` shows up in Megatron's log line. Model provider, forward step / loss with ``loss_mask``,
+mock or real GPT data; written for megatron-core 0.18 and later with ``megatron.training``
+(``parse_and_validate_args`` -> ``pretrain_cfg_container_from_args`` -> ``pretrain(cfg, ...)``) and for
+the classic Megatron-LM flow (``pretrain(datasets_provider, model_provider, ...)`` parsing the arguments
+itself).
 
 GPU: ``torchrun --nproc-per-node 2 -m mindspeed_cez.launch examples/pretrain_gpt.py <Megatron args>``
-(NCCL). CPU (CI): the same with ``--distributed-backend gloo``; without a GPU the CPU shims
-(``examples/megatron_cpu_shims.py`` if present, then ``examples/megatron_training_cpu_shims.py``)
-steer Megatron's hard-coded CUDA calls to the CPU. See ``examples/run_megatron_lm_moe.sh``.
+(NCCL). CPU (CI): the same with ``--distributed-backend gloo``; without a GPU the package's CPU mode
+(``mindspeed_cez.patches.cpu_mode``) steers Megatron's hard-coded CUDA calls to the CPU. See
+``examples/run_megatron_lm_moe.sh``.
 (The end-to-end tests run it through ``tests/support/megatron_pretrain_harness.py``, which adds their hooks.)
 """
 
 import dataclasses
 import gc
 import inspect
-import os
 import sys
 from functools import partial
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
 if not torch.cuda.is_available():
     # CPU only (CI): steer Megatron's CUDA calls to the CPU before Megatron runs anything.
-    sys.path.insert(0, _HERE)
-    try:
-        import megatron_cpu_shims  # megatron.core (the adaptor's shared shims)
-    except ImportError:
-        megatron_cpu_shims = None
-    if megatron_cpu_shims is not None and hasattr(megatron_cpu_shims, "apply"):
-        megatron_cpu_shims.apply()
-    import megatron_training_cpu_shims  # megatron.training's loop
+    from mindspeed_cez.patches import cpu_mode
 
-    megatron_training_cpu_shims.apply()
+    cpu_mode.apply(training_loop=True)
 
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder

@@ -11,7 +11,7 @@
 #
 # and `lm_z_loss` appears in Megatron's log line next to `lm loss` and `load_balancing_loss`.
 #
-# 2 GPUs: NCCL, no shims.  No GPU: gloo, and the entry script applies the CPU shims itself.
+# 2 GPUs: NCCL.  No GPU: gloo, and the entry script turns on the package's CPU mode itself.
 #   bash examples/run_megatron_lm_moe.sh                     # tiny MoE, mock data, 20 iterations
 #   Z_LOSS_COEFF=0 bash examples/run_megatron_lm_moe.sh      # baseline, Megatron's own CE
 #   bash examples/run_megatron_lm_moe.sh --train-iters 50    # extra args go to Megatron
@@ -39,10 +39,10 @@ fi
 
 if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     BACKEND=nccl
-    echo "GPU found: NCCL over $NPROC GPUs, no CPU shims"
+    echo "GPU found: NCCL over $NPROC GPUs, no CPU mode"
 else
     BACKEND=gloo
-    echo "no GPU: gloo over $NPROC CPU processes, CPU shims applied by the entry script"
+    echo "no GPU: gloo over $NPROC CPU processes, in the CPU mode of the entry script"
 fi
 
 GPT_ARGS=(

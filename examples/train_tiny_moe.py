@@ -16,7 +16,7 @@ Why 1e-2: the usual 1e-4 (PaLM) barely moves the log-sum-exp in a few dozen step
 model; 1e-2 makes the z-loss pull the log-sum-exp towards 0 visibly within the run while the
 lm loss stays close to the run without z-loss. ``--coeffs 0 1e-4 1e-2`` compares all three.
 
-On a machine with GPUs the same script uses them (NCCL, the Triton kernels; no CPU shims).
+On a machine with GPUs the same script uses them (NCCL, the Triton kernels; the CPU mode stays off).
 """
 
 import argparse
@@ -45,10 +45,10 @@ def build(tp, use_cpu):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
-    import megatron_cpu_shims as shims
+    from mindspeed_cez.patches import cpu_mode, local_gpt
 
     if use_cpu:
-        shims.apply()
+        cpu_mode.apply()
     # expert TP = TP: the 0.12 line's local experts fail with sequence parallelism otherwise
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp)
     torch.manual_seed(1234)
@@ -64,7 +64,7 @@ def build(tp, use_cpu):
         tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp, sequence_parallel=tp > 1,
         add_bias_linear=False, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
     )
-    model = shims.build_tiny_gpt(config, VOCAB, SEQ, num_experts=EXPERTS)
+    model = local_gpt.build_tiny_gpt(config, VOCAB, SEQ, num_experts=EXPERTS)
     if not use_cpu:
         model = model.cuda()
     return model
@@ -92,8 +92,8 @@ def train_one(rank, world_size, coeff, iters, out_json):
     import torch
     import torch.distributed as dist
 
-    import megatron_cpu_shims as shims
     import mindspeed_cez.patches as patches
+    from mindspeed_cez.patches import local_gpt
     from mindspeed_cez.patches import reporting as metrics
 
     use_cpu = not torch.cuda.is_available()
@@ -102,7 +102,7 @@ def train_one(rank, world_size, coeff, iters, out_json):
     patches.apply(z_loss_coeff=coeff, log_lse=True)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    mask = shims.causal_attention_mask(SEQ, device)
+    mask = local_gpt.causal_attention_mask(SEQ, device)
     position_ids = torch.arange(SEQ, device=device).unsqueeze(0).expand(MICRO_BATCH, SEQ)
     batches = synthetic_batches(0, device)  # same data on both TP ranks
     history = []
@@ -113,7 +113,7 @@ def train_one(rank, world_size, coeff, iters, out_json):
         per_token = model(tokens, position_ids, mask, labels=labels, loss_mask=loss_mask)
         loss = (per_token * loss_mask).sum() / loss_mask.sum()
         loss.backward()
-        shims.allreduce_sequence_parallel_grads(model)
+        local_gpt.allreduce_sequence_parallel_grads(model)
         opt.step()
         scalars = metrics.report(it, 1, LAYERS, track_names=["load_balancing_loss"])
         # the per-token loss has the value of CE (Megatron's "lm loss"); its gradient has the z-loss

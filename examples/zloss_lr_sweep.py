@@ -84,7 +84,7 @@ from zloss_divergence import Divergence, parse_line  # noqa: E402
 FULL = dict(layers=4, hidden=256, seq=512, micro_batch=32, steps=1500, vocab=32768, log_interval=10,
             tb_interval=1, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], seeds=[1, 2, 3], gpu_capacity=12,
             unit_s=34, startup_s=25)
-# --quick: the same plumbing on the CPU (gloo, the CPU shims of pretrain_gpt.py), a few steps of a tiny model.
+# --quick: the same plumbing on the CPU (gloo, the CPU mode of pretrain_gpt.py), a few steps of a tiny model.
 QUICK = dict(layers=2, hidden=64, seq=64, micro_batch=4, steps=12, vocab=4096, log_interval=4, tb_interval=1,
              lrs=[1e-3, 1e-1], seeds=[1, 2], coeffs=[0.0, 1e-3], gpu_capacity=1, unit_s=None, startup_s=0)
 # pilot / study: long runs of fewer tokens a step (smaller batches are also less stable), stopped as soon as

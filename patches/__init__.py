@@ -22,7 +22,9 @@ This folder holds everything about Megatron / MindSpeed / MindSpeed-LLM, one job
 * :mod:`.model_context`: the model's loss context and its main head's output layer call;
 * :mod:`.reporting`: the metrics, Megatron's ``training_log`` and MoE report;
 * :mod:`.activation`: ``apply()``, the flags' route and the adaptor's registration (MindSpeed's feature);
-* :mod:`.arguments`: the flags and their one validation; :mod:`.settings`: the settings they build.
+* :mod:`.arguments`: the flags and their one validation; :mod:`.settings`: the settings they build;
+* :mod:`.cpu_mode`, :mod:`.local_gpt`: Megatron on a CPU and megatron-core's local GPT, for the demo and
+  the tests: used only when called (no patch point; ``apply()`` and the flags never turn them on).
 
 It builds on the ops of :mod:`mindspeed_cez`, never the other way round.
 """

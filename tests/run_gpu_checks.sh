@@ -45,7 +45,7 @@ fi
 # Only files that run on a GPU machine, and each must pass at least one test there (a file that
 # skips whole on CUDA would be a silent no-op). The CPU/gloo files that skip whenever CUDA is
 # present (test_adaptor_gpt.py, test_adaptor_output_layer.py, test_mindspeed*_source.py,
-# test_mindspeed_llm_stand_in.py, test_output_layer_in_megatron_schedule.py: their shims keep Megatron
+# test_mindspeed_llm_stand_in.py, test_output_layer_in_megatron_schedule.py: the CPU mode keeps Megatron
 # off CUDA only without a GPU) run in CI.
 # test_e2e_megatron_training.py and test_e2e_layouts.py need megatron.training (megatron-core
 # 0.19.2, Python 3.12: CI's leg 2); the Megatron-LM style launch below is their GPU run.

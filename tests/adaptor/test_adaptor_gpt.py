@@ -24,13 +24,14 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from mindspeed_cez.patches import local_gpt  # noqa: E402
 from support import run_on_ranks  # noqa: E402
-from support.tiny_gpt import BATCH, COEFF, LAYERS, SEQ, build, micro_batches, shims  # noqa: E402
+from support.tiny_gpt import BATCH, COEFF, LAYERS, SEQ, build, micro_batches  # noqa: E402
 from support.tiny_gpt import iteration as _iteration, reference as _reference  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
-    # A CPU (gloo) test: the shims that keep Megatron off CUDA apply only without a GPU. On GPU
+    # A CPU (gloo) test: the CPU mode that keeps Megatron off CUDA applies only without a GPU. On GPU
     # machines tests/run_gpu_checks.sh runs the adaptor through the real launch instead.
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo test; GPU machines run tests/run_gpu_checks.sh"),
 ]
@@ -108,7 +109,7 @@ def _gpt_worker(rank, world_size, tp):
     with torch.no_grad():
         tokens, labels, loss_mask = batches[0]
         position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-        loss = model(tokens, position_ids, shims.causal_attention_mask(SEQ), labels=labels, loss_mask=loss_mask)
+        loss = model(tokens, position_ids, local_gpt.causal_attention_mask(SEQ), labels=labels, loss_mask=loss_mask)
     torch.testing.assert_close(loss.double(), ref[0]["ce"], rtol=1e-5, atol=1e-5)
     assert metrics.recorded_tokens() == 0, "an eval forward must not record"
     model.train()
@@ -158,7 +159,7 @@ def _schedule_plan_worker(rank, world_size):
     model.train()
     tokens, labels, loss_mask = micro_batches(0)[1]
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    mask = shims.causal_attention_mask(SEQ)
+    mask = local_gpt.causal_attention_mask(SEQ)
     kept = {}
     handle = model.decoder.register_forward_hook(lambda m, i, o: kept.__setitem__("hidden", o[0] if isinstance(o, tuple) else o))
     with torch.no_grad():

@@ -13,9 +13,10 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from mindspeed_cez.patches import local_gpt  # noqa: E402
 from support import run_on_ranks  # noqa: E402
 from support import tiny_gpt  # noqa: E402
-from support.tiny_gpt import BATCH, COEFF, LAYERS, SEQ, build, micro_batches, shims  # noqa: E402
+from support.tiny_gpt import BATCH, COEFF, LAYERS, SEQ, build, micro_batches  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -31,7 +32,7 @@ def _run(model, batches, track_output=None, loss_scale=None):
     from mindspeed_cez.patches import reporting as metrics
 
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    mask = shims.causal_attention_mask(SEQ)
+    mask = local_gpt.causal_attention_mask(SEQ)
     total = sum(float(m.sum()) for _, _, m in batches)
     handle = None
     if track_output is not None:
@@ -51,7 +52,7 @@ def _run(model, batches, track_output=None, loss_scale=None):
     finally:
         if handle is not None:
             handle.remove()
-    shims.allreduce_sequence_parallel_grads(model)
+    local_gpt.allreduce_sequence_parallel_grads(model)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     scalars = metrics.report(1, len(batches), LAYERS, track_names=["load_balancing_loss"])
     return losses, grads, scalars
@@ -78,7 +79,7 @@ def _worker(rank, world_size, tp, share_embeddings):
     model.train()
     batches = micro_batches(ps.get_data_parallel_rank())
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    mask = shims.causal_attention_mask(SEQ)
+    mask = local_gpt.causal_attention_mask(SEQ)
 
     patches.apply(z_loss_coeff=COEFF, log_lse=True)
     with torch.no_grad():
@@ -157,13 +158,7 @@ def _check_megatron_grad_scale(model, batches, tp, tied):
 
 
 def _build_tied(tp):
-
-    original = shims.build_tiny_gpt
-    shims.build_tiny_gpt = lambda *a, **k: original(*a, share_embeddings=True, **k)
-    try:
-        model = tiny_gpt.build(tp)
-    finally:
-        shims.build_tiny_gpt = original
+    model = tiny_gpt.build(tp, share_embeddings=True)
     assert model.share_embeddings_and_output_weights and model.output_layer.weight is None
     return model
 

@@ -2,7 +2,7 @@
 Megatron's real ``training_log`` with a log interval of 4.
 
 Nine real runs of Megatron's ``pretrain`` (``torchrun`` + ``-m mindspeed_cez.launch``, gloo, the CPU
-shims of ``examples/pretrain_gpt.py``) on a small corpus of this checkout's own files (the pinned
+mode of ``examples/pretrain_gpt.py``) on a small corpus of this checkout's own files (the pinned
 corpus's builder), two learning rates x c in {0, 1e-3} x seeds 1, 2, and the same-seed rerun; then
 the report. Checked from what they wrote:
 

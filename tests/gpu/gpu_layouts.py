@@ -12,7 +12,7 @@ ports, a time limit each): Megatron's CE (no flag), ``--lm-z-loss-coeff 1e-4``, 
 (with ``--lm-z-loss-log-lse``: ``lm_lse`` and ``lm_lse_max`` logged too).
 Layouts run one after another, or side by side where the GPUs hold several. Same seed, data and
 (``--use-cpu-initialization``) weights; bf16, this package's Triton kernels, Megatron's CUDA paths
-(the example's CPU shims apply only without CUDA). Layouts that need more GPUs than present, or
+(the package's CPU mode applies only without CUDA). Layouts that need more GPUs than present, or
 that could not end before ``--deadline-s`` (admission by load: tests/gpu/launch_admission.py), are named as not
 run. Asserted (exit status 1 on any failure):
 
@@ -30,7 +30,7 @@ run. Asserted (exit status 1 on any failure):
 * layouts that build the same weights (same expert and pipeline split) agree at iteration 1.
 
 ``--cpu`` runs the same on the CPU (gloo, 2 ranks, the layouts scaled down, fp32, 4 iterations:
-the harness's CPU shims), to check the plumbing before device time is spent.
+the package's CPU mode), to check the plumbing before device time is spent.
 """
 
 import argparse

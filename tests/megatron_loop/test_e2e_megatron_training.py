@@ -3,8 +3,8 @@
 A tiny MoE GPT is pretrained by ``examples/pretrain_gpt.py`` (Megatron's ``pretrain``, launched with ``-m mindspeed_cez.launch``,
 ``torchrun --nproc-per-node 2``, TP=2 with sequence parallelism, mock data, two micro-batches per
 iteration whose loss masks keep different numbers of tokens). Without a GPU the ranks talk over
-gloo and the CPU shims of ``examples/`` steer Megatron's CUDA calls to the CPU. The real log
-output is parsed and checked against the logits that the test harness's forward hook dumped
+gloo and the package's CPU mode (``mindspeed_cez.patches.cpu_mode``) steers Megatron's CUDA calls to
+the CPU. The real log output is parsed and checked against the logits that the test harness's forward hook dumped
 (``tests/support/megatron_pretrain_harness.py``; both TP shards, every micro-batch, float64):
 
 * with ``--lm-z-loss-coeff``, every logged iteration has ``lm_z_loss`` next to ``lm loss``,
@@ -161,11 +161,8 @@ _VALIDATION_SCRIPT = textwrap.dedent(
     import mindspeed_cez.megatron_adaptor  # noqa: F401
     import torch
     if not torch.cuda.is_available():  # validate_args asks torch.cuda for the device arch (TP > 1)
-        import importlib.util  # the example's CPU mode (examples/ stays off sys.path)
-        spec = importlib.util.spec_from_file_location("shims", "examples/megatron_training_cpu_shims.py")
-        shims = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(shims)
-        shims.apply()
+        from mindspeed_cez.patches import cpu_mode
+        cpu_mode.apply(training_loop=True)
     from megatron.training import arguments as ma
     from mindspeed_cez import patches
 

@@ -15,31 +15,20 @@ clamped at 1), a loss scale (``config.grad_scale_func``). Against the unfused ru
 Runs on every megatron-core of CI leg 1 (0.12.1 to 0.16.1); megatron-core's schedule needs
 ``megatron.core.pipeline_parallel.get_forward_backward_func``."""
 
-import os
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-from support import load_example, run_on_ranks  # noqa: E402
-from support.tiny_gpt import BATCH, COEFF, SEQ, VOCAB, build, shims  # noqa: E402
+from mindspeed_cez.patches import cpu_mode, local_gpt  # noqa: E402
+from support import run_on_ranks  # noqa: E402
+from support.tiny_gpt import BATCH, COEFF, SEQ, VOCAB, build  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo test; GPU machines run tests/run_gpu_checks.sh"),
 ]
 LOSS_SCALE = 4.0
-
-
-def _cpu_schedule_shims():
-    """The schedule's and DDP's CUDA tensors on the CPU (examples/megatron_training_cpu_shims.py,
-    without its megatron.training part)."""
-    training_shims = load_example("megatron_training_cpu_shims")
-
-    training_shims._patch_megatron = lambda: None
-    training_shims.apply()
 
 
 def _schedule_clamps_token_count():
@@ -74,7 +63,7 @@ def _step(ddp, batches, extra_forward=None, after_last=False):
 
 
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    attention_mask = shims.causal_attention_mask(SEQ)
+    attention_mask = local_gpt.causal_attention_mask(SEQ)
     data = iter(batches)
 
     def loss_func(loss_mask, output):  # pretrain_gpt's: the schedule divides by the token count
@@ -113,7 +102,7 @@ def _worker(rank, world_size):
 
     import mindspeed_cez.patches as patches
 
-    _cpu_schedule_shims()
+    cpu_mode.apply(training_loop=True)  # the schedule's and DDP's CUDA tensors on the CPU
     model = build(1)
     config = model.config
     config.grad_scale_func = lambda loss: loss * LOSS_SCALE

@@ -119,7 +119,7 @@ def _worker(rank, world_size, tp, order, extra):
 
     args.padded_vocab_size = VOCAB  # what the tokenizer would set
     global_vars.set_global_variables(args, build_tokenizer=False)
-    gpt.shims.apply(force=True)
+    gpt.cpu_mode.apply(force=True)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     import mindspeed_llm.core.models.gpt.gpt_model as llm_gpt
 
@@ -133,7 +133,7 @@ def _worker(rank, world_size, tp, order, extra):
     dp_group = ps.get_data_parallel_group()
     batches = gpt.micro_batches(ps.get_data_parallel_rank())
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    mask = gpt.shims.causal_attention_mask(SEQ)
+    mask = gpt.local_gpt.causal_attention_mask(SEQ)
 
     calls = []  # every compute_language_model_loss call: MTP head(s) first, then the main head
     loss_method = model.compute_language_model_loss

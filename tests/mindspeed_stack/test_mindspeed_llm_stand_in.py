@@ -100,7 +100,7 @@ def _train_worker(rank, world_size, tp, order, coeff, extra):
     dp_group = ps.get_data_parallel_group()
     batches = gpt.micro_batches(ps.get_data_parallel_rank())
     position_ids = torch.arange(gpt.SEQ).unsqueeze(0).expand(gpt.BATCH, gpt.SEQ)
-    mask = gpt.shims.causal_attention_mask(gpt.SEQ)
+    mask = gpt.local_gpt.causal_attention_mask(gpt.SEQ)
 
     heads, outputs = [], []  # output-layer calls (MTP head first, as in MindSpeed-LLM), model outputs
 
@@ -199,7 +199,7 @@ def _fused_output_layer_worker(rank, world_size, tp, transform):
     model.config.grad_scale_func = lambda loss: loss * 4.0  # a loss scale, as Megatron's optimizer sets it
     batches = gpt.micro_batches(ps.get_data_parallel_rank())
     position_ids = torch.arange(gpt.SEQ).unsqueeze(0).expand(gpt.BATCH, gpt.SEQ)
-    mask = gpt.shims.causal_attention_mask(gpt.SEQ)
+    mask = gpt.local_gpt.causal_attention_mask(gpt.SEQ)
     base = [f"--tensor-model-parallel-size={tp}", f"--num-layers={gpt.LAYERS}", "--num-micro-batches=2",
             "--num-experts=4", "--lm-z-loss-coeff", str(COEFF)] + (["--sequence-parallel"] if tp > 1 else [])
     base += TRANSFORM if transform else []

@@ -126,7 +126,8 @@ def test_entry_points_exist():
 
 # patches/ by job: every module of it, none more (a new job is a decision, made here).
 PATCHES_BY_JOB = ("import_hook", "patch_points", "loss_wrappers", "model_context", "reporting", "activation",
-                  "arguments", "launch_checks", "settings")  # launch_checks: the command line before any parser
+                  "arguments", "launch_checks", "settings",  # launch_checks: the command line before any parser
+                  "cpu_mode", "local_gpt")  # Megatron on a CPU and its local GPT: the demo's and tests', only when called
 MAX_PATCHES_DEPTH = 5  # modules in the longest chain of imports inside patches/
 
 

@@ -27,9 +27,11 @@ STAND_INS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_ins"
 
 
 def load_example(name):
-    """``examples/NAME.py`` as the module ``NAME``, for the tests of that example's own code (examples/ stays
-    off ``sys.path``). Loaded once per process. The examples' CPU shims come this way too: one copy, the one
-    the examples run with."""
+    """``examples/NAME.py`` as the module ``NAME``, only where that script is the subject under test: the tests
+    of tests/examples/ and the end-to-end harness (``megatron_pretrain_harness.py`` runs
+    ``examples/pretrain_gpt.py`` as a user launches it). Nothing the tests share comes from examples/ (the CPU
+    mode is the package's: ``mindspeed_cez.patches.cpu_mode``); examples/ stays off ``sys.path``. Loaded once
+    per process."""
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "examples", name + ".py"))

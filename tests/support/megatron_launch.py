@@ -2,7 +2,7 @@
 ``torchrun ... -m mindspeed_cez.launch SCRIPT ARGS``, and read what Megatron printed and dumped.
 
 Shared by the end-to-end tests of Megatron's own training loop. Without a GPU the ranks talk
-over gloo and the example's CPU shims steer Megatron's CUDA calls to the CPU. The harness's
+over gloo and the package's CPU mode steers Megatron's CUDA calls to the CPU. The harness's
 hooks dump the output layer's logits (every micro-batch of ``DUMP_ITERATION`` and of the first
 evaluation) and mask a data-dependent tail of every micro-batch, so micro-batches and
 data-parallel ranks count different numbers of tokens.

@@ -44,7 +44,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the support package
 from support import load_example  # noqa: E402
 
-example = load_example("pretrain_gpt")  # the script under test (it applies the CPU shims without a GPU)
+example = load_example("pretrain_gpt")  # the script under test (its CPU mode on without a GPU)
 
 import torch  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402

@@ -1,23 +1,20 @@
 """The tiny megatron-core MoE GPTModel the adaptor's and MindSpeed's CPU tests share: its configuration
-(:func:`build`, after the CPU shims), its micro-batches with unequal loss masks (:func:`micro_batches`)
+(:func:`build`, in the package's CPU mode), its micro-batches with unequal loss masks (:func:`micro_batches`)
 the full-vocabulary logits gathered over the TP shards (:func:`full_vocab`) and one training iteration
 with the logits and their gradients captured (:func:`iteration`), and its float64 reference (:func:`reference`)."""
 
 import torch
 
-from support import load_example
-
-# the examples' CPU mode, one copy: megatron-core's hard-coded CUDA steered to the CPU, the tiny GPT's layer spec
-shims = load_example("megatron_cpu_shims")
+from mindspeed_cez.patches import cpu_mode, local_gpt
 
 VOCAB, SEQ, BATCH, LAYERS, COEFF = 256, 16, 2, 2, 3e-2
 
 
-def build(tp):
+def build(tp, share_embeddings=False):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
-    shims.apply()
+    cpu_mode.apply()
     # expert TP = TP: the 0.12 line's local experts fail with sequence parallelism otherwise
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp)
     torch.manual_seed(1234)  # same weights on every rank (CPU init of the full weights)
@@ -29,7 +26,7 @@ def build(tp):
         tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp, sequence_parallel=tp > 1,
         add_bias_linear=False, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
     )
-    return shims.build_tiny_gpt(config, VOCAB, SEQ, num_experts=4)
+    return local_gpt.build_tiny_gpt(config, VOCAB, SEQ, num_experts=4, share_embeddings=share_embeddings)
 
 
 def micro_batches(dp_rank):
@@ -61,7 +58,7 @@ def iteration(model, batches, grad_of_logits=None):
     those gradients are fed into its logits instead (the float64 reference's backward).
     """
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    mask = shims.causal_attention_mask(SEQ)
+    mask = local_gpt.causal_attention_mask(SEQ)
     tokens_total = sum(float(m.sum()) for _, _, m in batches)
     captured = []
 
@@ -87,7 +84,7 @@ def iteration(model, batches, grad_of_logits=None):
         handle.remove()
     for cap in captured:
         del cap["live"]
-    shims.allreduce_sequence_parallel_grads(model)
+    local_gpt.allreduce_sequence_parallel_grads(model)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return losses, captured, grads
 

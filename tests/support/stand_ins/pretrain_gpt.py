@@ -24,7 +24,7 @@ def main():
     model = gpt.build(args.tensor_model_parallel_size)
     model.train()
     position_ids = torch.arange(gpt.SEQ).unsqueeze(0).expand(gpt.BATCH, gpt.SEQ)
-    mask = gpt.shims.causal_attention_mask(gpt.SEQ)
+    mask = gpt.local_gpt.causal_attention_mask(gpt.SEQ)
     batches = gpt.micro_batches(ps.get_data_parallel_rank())
     training.train(model, [[(t, lab, m, position_ids, mask) for t, lab, m in batches]])
     dist.barrier()
