@@ -13,8 +13,9 @@
 (:func:`.arguments.validate_command_line`: a bad value stops the run before Megatron's imports print
 their warnings) and keeps the outcome (``RECORD.command_line``). Megatron's validation hands it on
 (:func:`validate_flags`): where Megatron parsed the same flags, its Settings are the run's, not built
-again; only flags that reach Megatron otherwise (a script's ``args_defaults``, MindSpeed-LLM's logit
-flags) are built from Megatron's arguments. ``apply()`` builds its own, once.
+again. Only where Megatron's arguments differ from the command line (a script's ``args_defaults``, a
+YAML config) are the Settings built from them, the command line's having been its check. ``apply()``
+builds its own, once.
 
 An ``apply()`` before Megatron parses its arguments is kept when the flags choose nothing; flags
 that choose differently are one clear error. :func:`remove` restores Megatron's functions.

@@ -260,9 +260,9 @@ def validate(args, checked=None):
     ``checked``: the command line's :class:`Validated` (:func:`validate_command_line`, at the adaptor's
     import). Where ``args`` give the same inputs (Megatron parsed the same command line), its Settings
     are returned as they are: built once per process, each value checked once. Where they differ (a
-    script's ``args_defaults`` or YAML config, MindSpeed-LLM's logit flags), the Settings are built from
-    ``args``: those are the run's, the command line's were its check. Either way the flags are then
-    checked against Megatron's and MindSpeed-LLM's own."""
+    script's ``args_defaults``, a YAML config), the Settings are built from ``args``: those are the
+    run's, the command line's were its check. Either way the flags are then checked against Megatron's
+    and MindSpeed-LLM's own."""
     if not has_lm_z_loss_args(args):
         return None
     try:
@@ -321,12 +321,28 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         raise argument_error(message)
 
 
+def _float_or_none(text):
+    try:
+        return float(text)
+    except ValueError:
+        return None  # not ours to refuse: MindSpeed-LLM's parser does
+
+
+# MindSpeed-LLM's flags that enter the Settings (its logit transform): read from the command line too, so
+# that the Settings built at the adaptor's import are the run's (validate() hands them on).
+MINDSPEED_LLM_LOGIT_FLAGS = ("--output-multiplier-scale", "--output-logit-softcapping")
+
+
 def parse_command_line(argv):
-    """Only these flags of ``argv`` (unknown ones ignored), as a Namespace; for tools without Megatron's
-    parser (megatron-core alone) and the adaptor's check of the command line at its import. A value the
-    parser refuses is an argument error, one line; :func:`validate` checks the values."""
+    """Only these flags of ``argv`` (unknown ones ignored), as a Namespace, with MindSpeed-LLM's
+    :data:`MINDSPEED_LLM_LOGIT_FLAGS` where given (None where they are no number: MindSpeed-LLM's own
+    parser refuses those); for tools without Megatron's parser (megatron-core alone) and the adaptor's
+    check of the command line at its import. A value the parser refuses is an argument error, one
+    line; :func:`validate` checks the values."""
     check_launch(argv)
     parser = add_lm_z_loss_args(_OneLineErrorParser(add_help=False, allow_abbrev=False))
+    for flag in MINDSPEED_LLM_LOGIT_FLAGS:
+        parser.add_argument(flag, type=_float_or_none, default=None, help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args(argv)
     return args
 

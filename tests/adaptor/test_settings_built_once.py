@@ -96,3 +96,20 @@ def test_validation_hands_on_the_command_lines_settings_or_builds_from_megatrons
     with pytest.raises(ValueError, match="--lm-fused-output-layer does not serve --use-mup"):
         arguments.validate(args, arguments.validate_command_line(["--lm-fused-output-layer"]))
     assert arguments.validate_command_line([]).settings is None  # flags at their defaults: nothing built
+
+
+def test_mindspeed_llm_logit_flags_on_the_command_line_enter_the_handed_on_settings(monkeypatch):
+    """MindSpeed-LLM's ``--output-multiplier-scale`` / ``--output-logit-softcapping`` enter the Settings:
+    read from the command line too, so that its Settings are the run's (its parser checks their text)."""
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    for name in [v for v in os.environ if v.startswith("MINDSPEED_CEZ_")]:
+        monkeypatch.delenv(name)
+    checked = arguments.validate_command_line(["--lm-z-loss-coeff", "1e-4", "--output-multiplier-scale=0.5",
+                                               "--output-logit-softcapping", "30"])
+    transform = checked.settings.logit_transform
+    assert (transform.scale, transform.cap) == (0.5, 30.0)
+    args = _parse(["--lm-z-loss-coeff", "1e-4"])
+    args.output_multiplier_scale, args.output_logit_softcapping = 0.5, 30.0  # MindSpeed-LLM's parser's
+    assert arguments.validate(args, checked) is checked.settings
+    assert arguments.validate_command_line(["--lm-fused-ce", "--output-multiplier-scale", "x"]).settings.logit_transform \
+        is None  # not a number: left to MindSpeed-LLM's parser
