@@ -111,5 +111,5 @@ def test_mindspeed_llm_logit_flags_on_the_command_line_enter_the_handed_on_setti
     args = _parse(["--lm-z-loss-coeff", "1e-4"])
     args.output_multiplier_scale, args.output_logit_softcapping = 0.5, 30.0  # MindSpeed-LLM's parser's
     assert arguments.validate(args, checked) is checked.settings
-    assert arguments.validate_command_line(["--lm-fused-ce", "--output-multiplier-scale", "x"]).settings.logit_transform \
-        is None  # not a number: left to MindSpeed-LLM's parser
+    not_a_number = arguments.validate_command_line(["--lm-fused-ce", "--output-multiplier-scale", "x"])
+    assert not_a_number.settings.logit_transform is None  # left to MindSpeed-LLM's parser
