@@ -4,10 +4,18 @@
 
 * ``mindspeed_cez.patches.apply(...)`` (:func:`apply`) builds the :class:`.settings.Settings` from its
   arguments;
-* the flags: :func:`activate_from_flags` builds them once from Megatron's parsed arguments
-  (:func:`.arguments.validate`), called by Megatron's ``validate_args`` (:func:`validate_args_wrapper`),
-  by our MindSpeed feature's ``validate_args``, or, with megatron-core alone, by the adaptor's import
+* the flags: :func:`activate_from_flags` takes them from Megatron's parsed arguments
+  (:func:`validate_flags`), called by Megatron's ``validate_args`` (:func:`validate_args_wrapper`), by
+  our MindSpeed feature's ``validate_args``, or, with megatron-core alone, by the adaptor's import
   from ``sys.argv``.
+
+**One Settings per process.** The adaptor's import validates the command line before the script runs
+(:func:`.arguments.validate_command_line`: a bad value stops the run before Megatron's imports print
+their warnings) and keeps the outcome (``RECORD.command_line``). Megatron's validation hands it on
+(:func:`validate_flags`): where Megatron parsed the same flags, its Settings are the run's, not built
+again. Only where Megatron's arguments differ from the command line (a script's ``args_defaults``, a
+YAML config) are the Settings built from them, the command line's having been its check. ``apply()``
+builds its own, once.
 
 An ``apply()`` before Megatron parses its arguments is kept when the flags choose nothing; flags
 that choose differently are one clear error. :func:`remove` restores Megatron's functions.
@@ -36,7 +44,7 @@ Megatron or MindSpeed:
 * megatron-core only (no ``megatron.training``): the flags are read from ``sys.argv``.
 
 In every mode the ``--lm-*`` flags and ``MINDSPEED_CEZ_*`` variables on the command line are checked
-at the import too: a bad value ends the run with one line (exit status 2) before the script prints
+at the import: a bad value ends the run with one line (exit status 2) before the script prints
 anything. Without megatron-core installed, the import ends the run with one line naming
 ``pip install megatron-core``.
 """
@@ -68,6 +76,7 @@ class AdaptorRecord:
         self.warned_unchecked = False  # apply() warned that MindSpeed-LLM's modes could not be checked
         self.feature = None  # our MindSpeed feature, once registered with MindSpeed
         self.adaptor_mode = None  # "megatron.training" / "megatron.core": the adaptor import's registration
+        self.command_line = None  # the import's validation of the command line, handed on (arguments.Validated)
 
     def chose_by_apply(self, settings):
         self.apply_chose, self.from_apply = True, settings
@@ -204,13 +213,21 @@ def _set_active(settings):
     HOOK.strict = settings is not None  # active: a required patch point missing at its import fails there
 
 
-def activate_from_flags(args, settings=None):
+def validate_flags(args):
+    """The flags' Settings from Megatron's (or MindSpeed's) parsed ``args`` (:func:`.arguments.validate`),
+    with the command line's validation at the adaptor's import handed on: built once per process."""
+    return arguments.validate(args, RECORD.command_line)
+
+
+def activate_from_flags(args):
     """The ``--lm-*`` flags' route, from Megatron's (or MindSpeed's) validation of ``args``: their
-    settings (``settings``, where the caller built them from ``args`` already) built once
-    (:func:`.arguments.validate`) and activated; a bad value or a conflict with ``apply()`` is an argument
-    error (one line, exit status 2)."""
-    if settings is None:
-        settings = arguments.validate(args)
+    Settings (:func:`validate_flags`) activated; a bad value or a conflict with ``apply()`` is an
+    argument error (one line, exit status 2)."""
+    return _activate_flags(args, validate_flags(args))
+
+
+def _activate_flags(args, settings):
+    """Activate ``settings``, the flags' (validated from ``args``; None: the fused kernel off)."""
     try:
         return activate(settings, args=args)
     except arguments.FlagValueError:
@@ -280,15 +297,16 @@ def parse_args_wrapper(fn):
 
 
 def validate_args_wrapper(fn):
-    """Megatron's ``validate_args``: our flags are checked first (the settings built from them once),
-    then Megatron's own validation runs, then the settings are activated."""
+    """Megatron's ``validate_args``: our flags are checked first (:func:`validate_flags`, before
+    Megatron's validation prints its arguments), then Megatron's own validation runs, then the
+    settings are activated."""
 
     @functools.wraps(fn)
     def validate_args(args, *rest, **kwargs):
-        settings = arguments.validate(args)
+        settings = validate_flags(args)
         result = fn(args, *rest, **kwargs)
         if arguments.has_lm_z_loss_args(args):
-            activate_from_flags(args, settings)
+            _activate_flags(args, settings)
         return result
 
     validate_args.__cez_wraps__ = fn
@@ -413,23 +431,24 @@ def _arguments_parsed(args):
 
 def register_adaptor(argv=None):
     """What ``import mindspeed_cez.megatron_adaptor`` does (idempotent; imports nothing of Megatron or
-    MindSpeed): the command line's flags checked (``argv``, default ``sys.argv[1:]``; a bad value: one
-    line, exit 2, now), our MindSpeed feature registered, and the wrappers attached (with Megatron's
-    argument hooks) or, with megatron-core alone, the flags activated. Returns the mode."""
+    MindSpeed): the command line validated (``argv``, default ``sys.argv[1:]``; a bad value: one line,
+    exit 2, now) and its outcome kept for Megatron's validation to hand on (``RECORD.command_line``), our
+    MindSpeed feature registered, and the wrappers attached (with Megatron's argument hooks) or, with
+    megatron-core alone, the flags' Settings activated. Returns the mode."""
     if RECORD.adaptor_mode is not None:
         return mode()
     require_megatron_core()
-    command_line = arguments.parse_command_line(sys.argv[1:] if argv is None else argv)
+    RECORD.command_line = arguments.validate_command_line(sys.argv[1:] if argv is None else argv)
     register_with_mindspeed()  # joins MindSpeed's features once MindSpeed loads them
     if module_exists("megatron.training"):
-        arguments.validate(command_line)  # a check only: the run's settings come from Megatron's parsed arguments
         HOOK.install_patches(ADAPTOR)
         args = megatron_args()
         if args is not None and (arguments.has_lm_z_loss_args(args) or not registered_with_mindspeed()):
             _arguments_parsed(args)
         RECORD.adaptor_mode = "megatron.training"
     else:
-        activate_from_flags(command_line)  # megatron-core alone: the command line is the parsed flags
+        # megatron-core alone: the command line is the parsed flags, its Settings the run's
+        _activate_flags(RECORD.command_line.args, RECORD.command_line.settings)
         RECORD.adaptor_mode = "megatron.core"
     return mode()
 

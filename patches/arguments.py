@@ -24,7 +24,10 @@ Flags (one argument group, shown in ``--help``):
 Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider``. :func:`validate` is
 the one validation: it checks every flag once and builds the run's :class:`.settings.Settings` from
 them (None: the fused kernel off); a bad value is an argument error, one line naming the flag and exit
-status 2, as argparse's own errors do (a :class:`FlagValueError`, which is also a ``ValueError``). The
+status 2, as argparse's own errors do (a :class:`FlagValueError`, which is also a ``ValueError``).
+The adaptor's import runs it on the command line (:func:`validate_command_line`), so that a bad value
+stops the run before the script prints anything, and hands its outcome to Megatron's validation, which
+builds nothing again where Megatron parsed the same flags: one :class:`.settings.Settings` per process. The
 parser takes any text for the flags' values (an unparsable number is kept as text), so that
 validation, not the parser's usage dump, reports it; with the fused kernel on, validation also checks
 the launch environment's ``MINDSPEED_CEZ_BACKEND`` / ``MINDSPEED_CEZ_LINEAR_BACKEND`` the same way, and
@@ -33,6 +36,7 @@ MindSpeed-LLM's flags (:func:`check_mindspeed_llm_args`, :func:`mindspeed_llm_lo
 
 import argparse
 import os
+from typing import NamedTuple, Optional
 
 from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.linear_cross_entropy import GRADS
@@ -48,7 +52,7 @@ OUTPUT_LAYER_GRADS = GRADS
 FLAG_BLOCK_FRACTION = "--lm-fused-output-layer-block-fraction"
 GROUP_TITLE = "mindspeed_cez: fused LM cross entropy + z-loss"
 
-__all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate", "parse_command_line", "has_lm_z_loss_args",
+__all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate", "validate_command_line", "has_lm_z_loss_args",
            "FlagValueError"]
 
 
@@ -166,13 +170,21 @@ FLAG_NAMES = {"z_loss_coeff": FLAG_COEFF, "label_smoothing": "--label-smoothing"
               "logit_transform": "--output-multiplier-scale / --output-logit-softcapping"}
 
 
-def _check_flags(args):
-    """The flags checked, each value once (:class:`Settings` with the flags' names): the Settings when
-    the fused kernel is on, else None; a bad value is a ``ValueError`` naming the flag."""
-    fused = getattr(args, "lm_fused_ce", None)
+class Validated(NamedTuple):
+    """A validation's outcome, kept to be handed on: the flags (``args``), the :class:`Settings`
+    keyword arguments they gave (as parsed, before any check) and the :class:`Settings` built from
+    them (None: the fused kernel off)."""
+
+    args: argparse.Namespace
+    inputs: dict
+    settings: Optional[Settings]
+
+
+def _settings_inputs(args):
+    """The :class:`Settings` keyword arguments ``args`` give, as parsed (nothing checked yet)."""
     on = fused_ce_enabled(args, checked=False)
     mode = getattr(args, "lm_fused_output_layer", None)
-    settings = Settings(
+    return dict(
         z_loss_coeff=args.lm_z_loss_coeff,
         label_smoothing=getattr(args, "label_smoothing", None) if on else None,
         log_z_loss=True,
@@ -182,8 +194,13 @@ def _check_flags(args):
         block_fraction=getattr(args, "lm_fused_output_layer_block_fraction", None),
         logit_transform=mindspeed_llm_logit_transform(args) if on else None,
         **(backends_from_environment() if on else {}),
-        names=FLAG_NAMES,
     )
+
+
+def _check_flag_pairs(args, settings):
+    """The flags that contradict each other (their values checked already, by ``settings``)."""
+    fused = getattr(args, "lm_fused_ce", None)
+    mode = getattr(args, "lm_fused_output_layer", None)
     c = settings.z_loss_coeff
     if fused not in (None, True, False):
         raise ValueError(f"{FLAG_FUSED}/{FLAG_NO_FUSED}: expected a flag, got {fused!r}")
@@ -196,28 +213,74 @@ def _check_flags(args):
     if settings.block_fraction is not None and mode != "forward" and mode is not True:
         raise ValueError(f"{FLAG_BLOCK_FRACTION} sets the blocks of {FLAG_OUTPUT_LAYER} forward; it has "
                          f"none with {FLAG_OUTPUT_LAYER} {mode or '(off)'}: drop it or use forward")
+    if mode and fused is False:
+        raise ValueError(f"{FLAG_OUTPUT_LAYER} is a fused kernel, but {FLAG_NO_FUSED} turns it off")
+
+
+def _check_with_other_flags(args):
+    """The flags against Megatron's and MindSpeed-LLM's own (none of which the command line check at the
+    adaptor's import reads: they exist once Megatron parsed its arguments)."""
+    mode = getattr(args, "lm_fused_output_layer", None)
     if mode:
-        if fused is False:
-            raise ValueError(f"{FLAG_OUTPUT_LAYER} is a fused kernel, but {FLAG_NO_FUSED} turns it off")
         for dest, flag in (("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute"),
                            ("use_mup", "--use-mup")):
             if getattr(args, dest, False):
                 raise ValueError(f"{FLAG_OUTPUT_LAYER} does not serve {flag}; drop one of them")
-    if not on:
-        return None
-    check_mindspeed_llm_args(args, _flag_turning_fused_on(args), FLAG_OUTPUT_LAYER if mode else None)
-    return settings
+    if fused_ce_enabled(args):
+        check_mindspeed_llm_args(args, _flag_turning_fused_on(args), FLAG_OUTPUT_LAYER if mode else None)
 
 
-def validate(args):
+# The inputs of flags at their defaults. With the fused kernel off, any other value is an error (a bad
+# value, or a flag that needs the kernel beside --no-lm-fused-ce): only then are Settings built, to name it.
+DEFAULT_INPUTS = dict(z_loss_coeff=0.0, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
+                      grads="forward", block_fraction=None, logit_transform=None)
+
+
+def _validated(args, checked=None):
+    inputs = _settings_inputs(args)
+    if checked is not None and checked.inputs == inputs:
+        settings = checked.settings  # the same flags, checked already: handed on, not built again
+    elif inputs == DEFAULT_INPUTS and not fused_ce_enabled(args, checked=False):
+        settings = None  # the fused kernel off, every flag at its default: nothing to check, nothing built
+    else:
+        settings = Settings(**inputs, names=FLAG_NAMES)  # each value checked once, named by its flag
+        _check_flag_pairs(args, settings)
+        if not fused_ce_enabled(args):
+            settings = None
+    _check_with_other_flags(args)
+    return Validated(args, inputs, settings)
+
+
+def validate(args, checked=None):
     """The one validation of the flags: the run's :class:`Settings` from Megatron's (or MindSpeed's)
     parsed ``args``, each value checked once, or None where the fused kernel is off (and for objects
     without the flags, e.g. a TransformerConfig). A bad value prints ``SCRIPT: error: <the message
-    naming the flag>`` and raises :class:`FlagValueError` (exit status 2 where uncaught)."""
+    naming the flag>`` and raises :class:`FlagValueError` (exit status 2 where uncaught).
+
+    ``checked``: the command line's :class:`Validated` (:func:`validate_command_line`, at the adaptor's
+    import). Where ``args`` give the same inputs (Megatron parsed the same command line), its Settings
+    are returned as they are: built once per process, each value checked once. Where they differ (a
+    script's ``args_defaults``, a YAML config), the Settings are built from ``args``: those are the
+    run's, the command line's were its check. Either way the flags are then checked against Megatron's
+    and MindSpeed-LLM's own."""
     if not has_lm_z_loss_args(args):
         return None
     try:
-        return _check_flags(args)
+        return _validated(args, checked).settings
+    except FlagValueError:
+        raise
+    except ValueError as err:
+        raise argument_error(err) from None
+
+
+def validate_command_line(argv):
+    """The adaptor's import check of the command line ``argv``, before the script runs (its ``import
+    megatron`` prints Megatron's warnings first): what :func:`check_launch` checks, then the flags'
+    values (:func:`validate` on :func:`parse_command_line`'s flags). Returns the :class:`Validated` that
+    Megatron's validation hands on (:func:`validate`'s ``checked``); an error is one line, exit status 2."""
+    args = parse_command_line(argv)
+    try:
+        return _validated(args)
     except FlagValueError:
         raise
     except ValueError as err:
@@ -258,12 +321,28 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         raise argument_error(message)
 
 
+def _float_or_none(text):
+    try:
+        return float(text)
+    except ValueError:
+        return None  # not ours to refuse: MindSpeed-LLM's parser does
+
+
+# MindSpeed-LLM's flags that enter the Settings (its logit transform): read from the command line too, so
+# that the Settings built at the adaptor's import are the run's (validate() hands them on).
+MINDSPEED_LLM_LOGIT_FLAGS = ("--output-multiplier-scale", "--output-logit-softcapping")
+
+
 def parse_command_line(argv):
-    """Only these flags of ``argv`` (unknown ones ignored), as a Namespace; for tools without Megatron's
-    parser (megatron-core alone) and the adaptor's check of the command line at its import. A value the
-    parser refuses is an argument error, one line; :func:`validate` checks the values."""
+    """Only these flags of ``argv`` (unknown ones ignored), as a Namespace, with MindSpeed-LLM's
+    :data:`MINDSPEED_LLM_LOGIT_FLAGS` where given (None where they are no number: MindSpeed-LLM's own
+    parser refuses those); for tools without Megatron's parser (megatron-core alone) and the adaptor's
+    check of the command line at its import. A value the parser refuses is an argument error, one
+    line; :func:`validate` checks the values."""
     check_launch(argv)
     parser = add_lm_z_loss_args(_OneLineErrorParser(add_help=False, allow_abbrev=False))
+    for flag in MINDSPEED_LLM_LOGIT_FLAGS:
+        parser.add_argument(flag, type=_float_or_none, default=None, help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args(argv)
     return args
 

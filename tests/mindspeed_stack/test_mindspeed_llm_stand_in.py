@@ -299,3 +299,22 @@ def test_mindspeed_llm_pretrain_script_unchanged_through_the_launcher(tmp_path, 
     logged = {k: float(v) for k, v in re.findall(r" ([\w ]+): ([0-9.E+-]+) \|", lines[-1])}
     # (megatron-core 0.12 puts load_balancing_loss in the line only with a TensorBoard writer: not asked here)
     assert logged["lm loss"] > 0 and logged["lm_z_loss"] > 0, lines
+
+
+def test_mindspeed_llm_pretrain_builds_one_settings_per_rank(tmp_path):
+    """Through the launcher, with MindSpeed-LLM's logit flags (which enter the Settings): each rank builds
+    one Settings, at the adaptor's import, and MindSpeed's validation of our feature hands it on
+    (``tests/support/count_settings.py`` counts every construction)."""
+    import subprocess
+
+    from support import TESTS, free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), os.path.join(TESTS, "support", "count_settings.py"),
+           "-m", "mindspeed_cez.launch", os.path.join(STAND_INS, "pretrain_gpt.py"), "--num-experts=4",
+           "--num-micro-batches=2", "--lm-z-loss-coeff", str(COEFF), *TRANSFORM]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    counts = sorted(re.findall(r"^cez-settings rank=(\d+) built=(\d+) activated=(\d+) same=(\w+)$", proc.stdout, re.M))
+    assert counts == [("0", "1", "1", "True"), ("1", "1", "1", "True")], proc.stdout[-3000:]
