@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from mindspeed_cez.patches import arguments
+from support import TINY_MEGATRON_ARGV
 
 BLOCK = "--lm-fused-output-layer-block-fraction"
 
@@ -117,11 +118,6 @@ def test_megatron_adaptor_activates_every_setting(argv):
         patches.remove()
 
 
-_MEGATRON_ARGV = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
-]
 
 _SCRIPT = """
 import os, sys, json
@@ -149,7 +145,7 @@ print("RESULT" + json.dumps(results))
 def _run_megatron(*extras):
     import json
 
-    argvs = [_MEGATRON_ARGV + list(extra) for extra in extras]
+    argvs = [TINY_MEGATRON_ARGV + list(extra) for extra in extras]
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(argvs)],
                           capture_output=True, text=True, timeout=300)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
@@ -187,7 +183,7 @@ def test_flags_in_megatron_parser_help(monkeypatch):
         captured["parser"] = parser
         return parser
 
-    monkeypatch.setattr(sys, "argv", ["x"] + _MEGATRON_ARGV + ["--lm-z-loss-coeff", "1e-3"])
+    monkeypatch.setattr(sys, "argv", ["x"] + TINY_MEGATRON_ARGV + ["--lm-z-loss-coeff", "1e-3"])
     args = parse_args_wrapper(A.parse_args.__dict__.get("__cez_wraps__", A.parse_args))(provider)
     assert args.lm_z_loss_coeff == pytest.approx(1e-3)
     parser = captured["parser"]
@@ -229,7 +225,7 @@ def test_apply_before_parsing_is_kept_or_refused_by_the_flags():
     import json
 
     pytest.importorskip("megatron.training")
-    proc = subprocess.run([sys.executable, "-c", _APPLY_SCRIPT, json.dumps(_MEGATRON_ARGV)],
+    proc = subprocess.run([sys.executable, "-c", _APPLY_SCRIPT, json.dumps(TINY_MEGATRON_ARGV)],
                           capture_output=True, text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
     assert lines, proc.stdout[-2000:] + proc.stderr[-4000:]

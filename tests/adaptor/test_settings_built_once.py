@@ -16,14 +16,10 @@ import sys
 import pytest
 
 from mindspeed_cez.patches import arguments
+from support import TINY_MEGATRON_ARGV
 
 COUNTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "count_settings.py")
 TRAINING = importlib.util.find_spec("megatron.training") is not None
-MEGATRON_ARGV = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
-]
 
 # A pretraining script's argument route: the adaptor imported first; with megatron.training, Megatron
 # parses and validates sys.argv as initialize_megatron does. Prints the active coefficient.
@@ -48,7 +44,7 @@ print("ACTIVE", None if active is None else active.z_loss_coeff, flush=True)
 def _run(tmp_path, flags, env=None):
     script = tmp_path / "pretrain.py"
     script.write_text(SCRIPT)
-    argv = (MEGATRON_ARGV if TRAINING else []) + flags
+    argv = (TINY_MEGATRON_ARGV if TRAINING else []) + flags
     proc = subprocess.run([sys.executable, COUNTER, str(script), *argv], env={**os.environ, **(env or {})},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -26,6 +26,15 @@ REPO = os.path.dirname(TESTS)
 STAND_INS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_ins")  # put first on sys.path by the tests that use them
 
 
+# A tiny GPT's Megatron command line (mock data, NullTokenizer): what Megatron's parser needs to validate
+# the --lm-* flags beside it
+TINY_MEGATRON_ARGV = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
+]
+
+
 def load_example(name):
     """``examples/NAME.py`` as the module ``NAME``, only where that script is the subject under test: the tests
     of tests/examples/ and the end-to-end harness (``megatron_pretrain_harness.py`` runs
