@@ -230,17 +230,18 @@ def _check_with_other_flags(args):
         check_mindspeed_llm_args(args, _flag_turning_fused_on(args), FLAG_OUTPUT_LAYER if mode else None)
 
 
-# The inputs of flags at their defaults. With the fused kernel off, any other value is an error (a bad
-# value, or a flag that needs the kernel beside --no-lm-fused-ce): only then are Settings built, to name it.
-DEFAULT_INPUTS = dict(z_loss_coeff=0.0, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
-                      grads="forward", block_fraction=None, logit_transform=None)
+def _default_inputs():
+    """The inputs of the flags at their parser defaults. With the fused kernel off, any other value is an
+    error (a bad value, or a flag that needs the kernel beside --no-lm-fused-ce): only then are Settings
+    built, to name it."""
+    return _settings_inputs(add_lm_z_loss_args(argparse.ArgumentParser(add_help=False)).parse_args([]))
 
 
 def _validated(args, checked=None):
     inputs = _settings_inputs(args)
     if checked is not None and checked.inputs == inputs:
         settings = checked.settings  # the same flags, checked already: handed on, not built again
-    elif inputs == DEFAULT_INPUTS and not fused_ce_enabled(args, checked=False):
+    elif not fused_ce_enabled(args, checked=False) and inputs == _default_inputs():
         settings = None  # the fused kernel off, every flag at its default: nothing to check, nothing built
     else:
         settings = Settings(**inputs, names=FLAG_NAMES)  # each value checked once, named by its flag
