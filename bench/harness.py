@@ -158,9 +158,8 @@ def graph_replay_ms(step, timer, iters):
     return timer.median_ms()
 
 
-def kernel_ms(step, steps=3):
-    """Device time per ``step()`` from the torch profiler (sum of kernel durations): (GEMM ms,
-    other ms, kernels per step)."""
+def kernel_table(step, steps=3):
+    """Per kernel name: (calls per step, device ms per step), from the torch profiler over ``steps``."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -169,15 +168,21 @@ def kernel_ms(step, steps=3):
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    gemm = other = count = 0.0
+    table = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
-            count += 1
-            if any(k in e.name.lower() for k in GEMM_KERNELS):
-                gemm += e.device_time
-            else:
-                other += e.device_time
-    return gemm / 1e3 / steps, other / 1e3 / steps, count / steps
+            calls, us = table.get(e.name, (0, 0.0))
+            table[e.name] = (calls + 1, us + e.device_time)
+    return {name: (calls / steps, us / 1e3 / steps) for name, (calls, us) in table.items()}
+
+
+def kernel_ms(step, steps=3):
+    """Device time per ``step()`` from the torch profiler (sum of kernel durations): (GEMM ms,
+    other ms, kernels per step)."""
+    table = kernel_table(step, steps)
+    gemm = sum(ms for name, (_, ms) in table.items() if any(k in name.lower() for k in GEMM_KERNELS))
+    other = sum(ms for _, ms in table.values()) - gemm
+    return gemm, other, sum(calls for calls, _ in table.values())
 
 
 def step_timeline(step, steps=5):

@@ -13,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import GEMM_KERNELS, kernel_ms, run_stamp, short, step_timeline, time_and_peak, timed, write_report  # noqa: E402
+from harness import GEMM_KERNELS, kernel_ms, kernel_table, run_stamp, short, step_timeline, time_and_peak, timed, write_report  # noqa: E402
 
 Z = 1e-4
 # issue 31's table; the last: a DeepSeek-V3-like vocab slice (V/8)
@@ -437,24 +437,6 @@ def _kernel_kind(name):
     if any(k in low for k in (*GEMM_KERNELS, "cublas")):
         return "gemm"
     return "torch" if any(k in low for k in TORCH_KERNELS) else "triton"
-
-
-def kernel_table(step, steps=3):
-    """Per kernel name: (calls per step, device ms per step), from the torch profiler over ``steps``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    table = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
-            calls, us = table.get(e.name, (0, 0.0))
-            table[e.name] = (calls + 1, us + e.device_time)
-    return {name: (calls / steps, us / 1e3 / steps) for name, (calls, us) in table.items()}
 
 
 def gemm_pieces_ms(n, h, v, args):
