@@ -49,7 +49,7 @@ def _run(tmp_path, flags, env=None):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     (active,) = [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("ACTIVE ")]
-    (count,) = re.findall(r"^cez-settings rank=\S+ built=(\d+) activated=(\d+) same=(\w+)$", proc.stdout, re.M)
+    (count,) = re.findall(r"cez-settings rank=\S+ built=(\d+) activated=(\d+) same=(True|False)", proc.stdout)
     return active, tuple(int(c) if c.isdigit() else c == "True" for c in count)
 
 

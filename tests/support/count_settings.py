@@ -3,7 +3,7 @@
     python tests/support/count_settings.py -m MODULE ARGS...   (e.g. -m mindspeed_cez.launch SCRIPT ARGS)
     python tests/support/count_settings.py SCRIPT ARGS...
 
-At exit it prints ``cez-settings rank=R built=N activated=M same=S``: N Settings constructed in this
+At exit it writes ``cez-settings rank=R built=N activated=M same=S`` (one write call): N Settings constructed in this
 process, M distinct Settings made active (None not counted), S whether every one made active is the
 first one built.
 Imports nothing of Megatron before the command does (the adaptor's settings module imports none).
@@ -38,8 +38,10 @@ settings.set_active = _recorded_set_active
 @atexit.register
 def _report():
     same = bool(BUILT) and all(s is BUILT[0] for s in ACTIVATED)
-    print(f"cez-settings rank={os.environ.get('RANK', '-')} built={len(BUILT)} activated={len(ACTIVATED)} "
-          f"same={same}", flush=True)
+    rank = os.environ.get("RANK", "-")
+    line = f"cez-settings rank={rank} built={len(BUILT)} activated={len(ACTIVATED)} same={same}\n"
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), line.encode())  # one write: whole even where ranks share the pipe (print split it)
 
 
 def main():
