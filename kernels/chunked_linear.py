@@ -13,19 +13,26 @@ from . import torch_reference
 from .partials import LOCAL_LSE, TARGET_TERM, row, rows_of
 
 CHUNK_LOGITS = 1 << 26  # logits per vocab chunk at most (128 MiB in bf16)
+# The fused output layer's bound on the logits it holds at once, at any token count: its default
+# block (grads="forward") and the largest vocab chunk of the recompute path's backward.
+LOGITS_BUDGET_BYTES = 4 << 30
+CHUNK_ALIGN = 128  # vocab rows per chunk: a multiple of the GEMMs' tile
 
 
-def default_chunk_cols(n_rows, n_cols):
+def default_chunk_cols(n_rows, n_cols, itemsize=2):
     """Vocab rows of ``weight`` per chunk: 4096 (the H100 sweep's best trade of time for memory,
     bench/results/2026-11-24_h100/linear_ce_chunks.md), fewer where that would exceed
-    ``CHUNK_LOGITS`` logits, never under 1024 (GEMMs that stay efficient)."""
-    return min(n_cols, max(1024, min(4096, CHUNK_LOGITS // max(n_rows, 1))))
+    ``CHUNK_LOGITS`` logits, not under 1024 (GEMMs that stay efficient) unless 1024 would pass
+    ``LOGITS_BUDGET_BYTES`` (past 2M tokens in bf16), never under ``CHUNK_ALIGN``."""
+    n_rows = max(n_rows, 1)
+    within_budget = max(CHUNK_ALIGN, LOGITS_BUDGET_BYTES // (n_rows * itemsize) // CHUNK_ALIGN * CHUNK_ALIGN)
+    return min(n_cols, within_budget, max(1024, min(4096, CHUNK_LOGITS // n_rows)))
 
 
-def chunk_width(chunk_cols, n_rows, n_cols):
+def chunk_width(chunk_cols, n_rows, n_cols, itemsize=2):
     """The vocab rows per chunk for a ``chunk_cols`` setting (None: :func:`default_chunk_cols`),
     never more than ``n_cols``."""
-    return min(chunk_cols, n_cols) if chunk_cols else default_chunk_cols(n_rows, n_cols)
+    return min(chunk_cols, n_cols) if chunk_cols else default_chunk_cols(n_rows, n_cols, itemsize)
 
 
 def merge_chunks(parts, n_cols):
@@ -57,7 +64,7 @@ class ChunkedLinear:
         """fp32 partials (``shard_partials``'s layout) of ``rows @ weight.T`` (the vocab slice ``shard``).
         Memory beyond one chunk of logits: 8 bytes per token and chunk."""
         n_rows, n_cols = rows.shape[0], weight.shape[0]
-        step = chunk_width(self.chunk_cols, n_rows, n_cols)
+        step = chunk_width(self.chunk_cols, n_rows, n_cols, rows.element_size())
         parts = [self.ce_backend.shard_partials(rows @ weight[c:c + step].t(), target, loss,
                                                 shard.chunk(c, min(step, n_cols - c)))
                  for c in range(0, n_cols, step)]

@@ -35,7 +35,8 @@ import torch
 
 from mindspeed_cez import kernels
 from mindspeed_cez.cross_entropy_zloss import check_target, loss_of
-from mindspeed_cez.linear_forward_grads import (BLOCK_FRACTION, LEAN_BLOCK_FRACTION, ForwardGradsOptions,
+from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
+from mindspeed_cez.linear_forward_grads import (LEAN_BLOCK_FRACTION, ForwardGradsOptions,
                                                 LinearCrossEntropyZLossForwardGrads)
 # Re-exported: the adaptor and the tests import them from here.
 from mindspeed_cez.linear_forward_grads import (ForwardGradientError, check_forward_gradients,  # noqa: F401
@@ -104,8 +105,18 @@ def check_block_fraction(value, name="block_fraction"):
         default = ("leave it out for the default" if name.startswith("--")  # a flag: no None
                    else "None: the default")
         raise ValueError(f"{name} takes the share of the tokens (and of the logits' memory) one block takes: a number "
-                         f"in (0, 1] ({LEAN_BLOCK_FRACTION}: lean; {default}: one block while the logits fit in "
-                         f"4 GiB, else {BLOCK_FRACTION}), got {value!r}")
+                         f"in (0, 1] ({LEAN_BLOCK_FRACTION}: lean; {default}: blocks of at most "
+                         f"{LOGITS_BUDGET_BYTES >> 30} GiB of logits), got {value!r}")
+
+
+def check_block_bytes(value, name="block_bytes"):
+    """The one check of the memory bound of a block (the op, the adaptor's settings, the flag: ``name``)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if name.startswith("--"):  # a flag: in GiB, converted to bytes where valid
+            raise ValueError(f"{name} takes the most memory one block of logits may take, in GiB: a number > 0 "
+                             f"(leave it out for the default, {LOGITS_BUDGET_BYTES >> 30}), got {value!r}")
+        raise ValueError(f"{name} takes the most memory one block of logits may take, in bytes: an int >= 1 "
+                         f"(None: {LOGITS_BUDGET_BYTES >> 30} GiB), got {value!r}")
 
 
 def check_grads(value, name="grads"):
@@ -120,13 +131,17 @@ class GradientPath:
     ``block_fraction``, the adaptor's settings, the flags); ``names``: the caller's name per field for errors."""
 
     grads: str = "recompute"
-    block_fraction: Optional[float] = None  # grads="forward"'s memory/time dial (None: default_row_block's)
+    block_fraction: Optional[float] = None  # grads="forward"'s memory/time dial as a share of the tokens
+    block_bytes: Optional[int] = None  # ... or as the bytes of one block's logits (both None: default_row_block's)
     names: InitVar[Optional[Mapping[str, str]]] = None
 
     def __post_init__(self, names):
         name = (lambda field: names.get(field, field)) if names else (lambda field: field)
         check_grads(self.grads, name("grads"))
         check_block_fraction(self.block_fraction, name("block_fraction"))
+        check_block_bytes(self.block_bytes, name("block_bytes"))
+        if self.block_fraction is not None and self.block_bytes is not None:
+            raise ValueError(f"{name('block_fraction')} and {name('block_bytes')} both size the blocks: pass one of them")
         if self.block_fraction is not None:
             object.__setattr__(self, "block_fraction", float(self.block_fraction))
 
@@ -134,22 +149,23 @@ class GradientPath:
 RECOMPUTE = GradientPath("recompute")
 
 
-def _path_of(path, grads, block_fraction):
+def _path_of(path, grads, block_fraction, block_bytes):
     """The op's :class:`GradientPath`: ``path`` as given (checked where its values entered), or the
-    thin shim of ``grads`` / ``block_fraction``: the path they describe (checked here, once). Passing
-    both is an error."""
+    thin shim of ``grads`` / ``block_fraction`` / ``block_bytes``: the path they describe (checked
+    here, once). Passing both is an error."""
     if path is None:
-        return GradientPath(grads, block_fraction)
+        return GradientPath(grads, block_fraction, block_bytes)
     if not isinstance(path, GradientPath):
         raise TypeError(f"path must be a mindspeed_cez.linear_cross_entropy.GradientPath or None, got "
                         f"{type(path).__name__}")
-    if grads != "recompute" or block_fraction is not None:
-        raise ValueError("path= describes the gradient path: pass it without grads or block_fraction, or pass those "
-                         "without path=")
+    if grads != "recompute" or block_fraction is not None or block_bytes is not None:
+        raise ValueError("path= describes the gradient path: pass it without grads, block_fraction or block_bytes, or "
+                         "pass those without path=")
     return path
 
 
-def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction=None):
+def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction=None,
+                    block_bytes=None):
     if grads == "recompute" and (token_weights is not None or grad_scale is not None):
         name = "token_weights" if token_weights is not None else "grad_scale"
         raise ValueError(f"{name}: token_weights (and grad_scale) are the weights of the gradients made during the "
@@ -165,8 +181,9 @@ def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_bl
         if token_weights.device != target.device:
             raise ValueError(f"token_weights ({token_weights.device}) and target ({target.device}) are on "
                              "different devices")
-    if block_fraction is not None and row_block is not None:
-        raise ValueError("row_block and block_fraction both set the rows per block: pass one of them")
+    if row_block is not None and (block_fraction is not None or block_bytes is not None):
+        other = "block_fraction" if block_fraction is not None else "block_bytes"
+        raise ValueError(f"row_block and {other} both set the rows per block: pass one of them")
     for name, value in (("chunk_cols", chunk_cols), ("row_block", row_block)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be None (the default width) or an int >= 1, got {value!r}")
@@ -176,7 +193,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
                                tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False,
                                token_weights=None, *, grad_scale=None, logit_scale=1.0, logit_softcap=0.0,
                                grads="recompute", backend=None, linear_backend=None, chunk_cols=None, row_block=None,
-                               block_fraction=None, return_lse=False, loss=None, remedy=None, path=None):
+                               block_fraction=None, block_bytes=None, return_lse=False, loss=None, remedy=None,
+                               path=None):
     """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
 
     Args:
@@ -214,20 +232,25 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
             or ``"triton"`` (``tl.dot`` kernels, no logits even per chunk); ``None`` (default): GEMMs on
             CUDA and with the torch backend, Triton on other accelerators.
         chunk_cols: vocab rows per chunk of ``grads="recompute"`` (None: 4096, fewer where a chunk's
-            logits would pass 2**26, never under 1024; ``kernels.chunked_linear.default_chunk_cols``).
-        row_block: token rows per block of ``grads="forward"`` (None: from ``block_fraction``).
-        block_fraction: the memory/time dial of ``grads="forward"``: the share of the tokens one block
-            takes, so its working memory is ``block_fraction`` x the logits (None: one block while the
-            logits take at most 4 GiB, else 0.5; 0.125 the lean setting); ``ceil(1 / block_fraction)``
-            equal blocks, at least 1024 rows each (:func:`default_row_block`). Each block beyond the
-            first adds one read-modify-write of the fp32 ``dweight`` (8 V h bytes): docs/weight_gradient.md.
+            logits would pass 2**26, not under 1024 unless a chunk would pass 4 GiB;
+            ``kernels.chunked_linear.default_chunk_cols``).
+        row_block: token rows per block of ``grads="forward"`` (None: from ``block_bytes`` /
+            ``block_fraction``).
+        block_bytes: the memory/time dial of ``grads="forward"`` in bytes: the most one block's logits
+            (then their gradient) take, whatever the token count (None and no ``block_fraction``:
+            4 GiB, ``kernels.chunked_linear.LOGITS_BUDGET_BYTES``); logits within it are one block.
+        block_fraction: the same dial as the share of the tokens one block takes, so its working
+            memory is ``block_fraction`` x the logits (0.125 the lean setting): ``ceil(1 / block_fraction)``
+            equal blocks. Either way blocks hold at least 1024 rows (:func:`default_row_block`), and each
+            block beyond the first adds one read-modify-write of the fp32 ``dweight`` (8 V h bytes):
+            docs/weight_gradient.md.
         return_lse: also return the detached per-token log-sum-exp, as
             :func:`vocab_parallel_cross_entropy_zloss`.
         loss: the whole loss as one ``LossSpec``; the loose ``ignore_index``, ``z_loss_coeff``,
             ``label_smoothing``, ``logit_scale`` and ``logit_softcap`` are a shim for it, as in
             :func:`vocab_parallel_cross_entropy_zloss`.
         path: the gradient path as one :class:`GradientPath` (made and checked where its values
-            entered, e.g. a config); ``grads`` and ``block_fraction`` are a shim for it (without
+            entered, e.g. a config); ``grads``, ``block_fraction`` and ``block_bytes`` are a shim for it (without
             ``path`` the op builds the one they describe; with it they must stay at their defaults).
             Where no backward will come (``torch.no_grad()``, no input needing a gradient) the op
             takes the recompute path's forward whatever the path says: the loss alone.
@@ -244,9 +267,9 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
     tp_group = resolve_tp_group(tp_group)
     _check(hidden, weight, target, group_rank_and_size(tp_group)[1], sequence_parallel)
     loss = loss_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
-    path = _path_of(path, grads, block_fraction)
-    grads, block_fraction = path.grads, path.block_fraction
-    _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction)
+    path = _path_of(path, grads, block_fraction, block_bytes)
+    grads, block_fraction, block_bytes = path.grads, path.block_fraction, path.block_bytes
+    _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction, block_bytes)
     common = dict(loss=loss, tp_group=tp_group, sequence_parallel=bool(sequence_parallel),
                   gradient_accumulation_fusion=bool(gradient_accumulation_fusion),
                   backend=kernels.backend_for(hidden.device, backend))
@@ -260,6 +283,7 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.detach().reshape(()).float()
         options = ForwardGradsOptions(**common, row_block=row_block, block_fraction=block_fraction,
+                                      block_bytes=block_bytes,
                                       **({} if remedy is None else {"remedy": str(remedy)}))
         total, z_loss, lse = LinearCrossEntropyZLossForwardGrads.apply(hidden, weight, target, token_weights.detach(),
                                                                        grad_scale, options)

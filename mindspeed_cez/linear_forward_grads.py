@@ -14,6 +14,7 @@ import torch
 
 from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
+from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
 from mindspeed_cez.linear_layer import LinearLossOptions, main_grad_placeholder
 from mindspeed_cez.tensor_parallel import reduce_dhidden, start_reduce_dhidden
 from mindspeed_cez.vocab_parallel import VocabParallel
@@ -25,6 +26,7 @@ class ForwardGradsOptions(LinearLossOptions):
 
     row_block: Optional[int] = None
     block_fraction: Optional[float] = None
+    block_bytes: Optional[int] = None
     remedy: str = "grads='recompute'"  # the fix that errors raised after the forward name
 
 
@@ -106,30 +108,33 @@ def forget_forward_gradients():
 
 ROW_BLOCK_MIN = 1024
 ROW_ALIGN = 128  # rows per block: a multiple of the GEMMs' tile
-BLOCK_FRACTION = 0.5  # the default where the logits are large: a block's logits are half the logits
-LEAN_BLOCK_FRACTION = 0.125  # the lean setting: an eighth
-ONE_BLOCK_LOGITS_BYTES = 4 << 30  # the default takes one block while all the logits fit in this
+LEAN_BLOCK_FRACTION = 0.125  # the fraction dial's lean setting: an eighth of the tokens per block
 
 
-def default_row_block(n_rows, v_local, block_fraction=None, itemsize=2):
+def default_row_block(n_rows, v_local, block_fraction=None, itemsize=2, block_bytes=None):
     """Token rows per block of the gradients-in-forward path. A block's logits (then their gradient)
     are the path's working memory, and each block beyond the first costs one more read-modify-write
     of the fp32 weight gradient (``main_grad``): ``8 V h`` bytes, 0.84 ms at V = 151936, h = 4096 on
-    an H200, 2-4 % of the layer's time at 8192 tokens, under 1 % from 16384 (docs/weight_gradient.md).
+    an H200 (docs/weight_gradient.md).
 
-    ``block_fraction`` None (the default): one block of every token while the logits
-    (``n_rows x v_local x itemsize`` bytes) take at most ``ONE_BLOCK_LOGITS_BYTES`` (4 GiB: the
-    unfused layer holds as much), else ``BLOCK_FRACTION`` (1/2). A number: that share of the tokens
-    per block, so the working memory is ``block_fraction`` x the logits: ``ceil(1 / block_fraction)``
-    blocks of equal rows (rounded up to a multiple of ``ROW_ALIGN``), at least ``ROW_BLOCK_MIN`` rows
-    (1024: GEMMs of fewer rows lose speed) and at most the tokens."""
-    if block_fraction is None:
-        block_fraction = 1.0 if n_rows * v_local * itemsize <= ONE_BLOCK_LOGITS_BYTES else BLOCK_FRACTION
+    By default (``block_fraction`` and ``block_bytes`` None) a block's logits (``rows x v_local x
+    itemsize`` bytes) take at most ``LOGITS_BUDGET_BYTES`` (4 GiB) whatever the token count, so the
+    output layer's memory is bounded at any sequence length, micro-batch or TP; logits within it are
+    one block, the unfused layer's work exactly. ``block_bytes``: that bound set by hand.
+    ``block_fraction``: the share of the tokens per block instead, so the working memory is
+    ``block_fraction`` x the logits. Either way the tokens are shared by ``ceil(n_rows / rows)``
+    blocks of equal rows (a multiple of ``ROW_ALIGN``, within the bound), at least ``ROW_BLOCK_MIN``
+    rows each (1024: GEMMs of fewer rows lose speed) and at most the tokens."""
     if n_rows <= 0:
         return 1  # no tokens: no blocks
-    blocks = -(-n_rows // max(ROW_BLOCK_MIN, int(n_rows * block_fraction)))
+    if block_fraction is not None:
+        largest = max(ROW_BLOCK_MIN, int(n_rows * block_fraction))
+    else:
+        budget = LOGITS_BUDGET_BYTES if block_bytes is None else block_bytes
+        largest = max(ROW_BLOCK_MIN, budget // (max(v_local, 1) * itemsize) // ROW_ALIGN * ROW_ALIGN)
+    blocks = -(-n_rows // largest)
     rows = -(-n_rows // blocks)  # the tokens shared evenly: no short last block paying a whole pass
-    return min(n_rows, -(-rows // ROW_ALIGN) * ROW_ALIGN)
+    return min(n_rows, -(-rows // ROW_ALIGN) * ROW_ALIGN)  # within the bound: largest is a multiple of ROW_ALIGN
 
 
 class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
@@ -175,7 +180,8 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         drows = torch.empty(rows.shape, dtype=rows.dtype if upstream_known else torch.float32, device=rows.device)
         dweight = weight.main_grad if into_main_grad else torch.zeros(weight.shape, dtype=torch.float32,
                                                                       device=rows.device)
-        step = options.row_block or default_row_block(n, v_local, options.block_fraction, rows.element_size())
+        step = options.row_block or default_row_block(n, v_local, options.block_fraction, rows.element_size(),
+                                                      options.block_bytes)
         block = rows.new_empty((min(step, n), v_local))  # one block's logits, then their gradient
         accumulate = Accumulator(rows.device)
         deferred = None  # the last block's gradient and rows: its two GEMMs run in backward

@@ -63,7 +63,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         dweight = None if into_main_grad else torch.empty_like(weight)
         drows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
         n, v_local = rows.shape[0], weight.shape[0]
-        step = chunked_linear.chunk_width(options.chunk_cols, n, v_local)
+        step = chunked_linear.chunk_width(options.chunk_cols, n, v_local, rows.element_size())
         chunk = rows.new_empty((rows.shape[0], step))
         accumulate = Accumulator(rows.device)
         for c in range(0, weight.shape[0], step):

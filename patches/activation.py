@@ -100,7 +100,8 @@ RECORD = AdaptorRecord()
 
 
 def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
-          grads="forward", logit_transform=None, backend=None, linear_backend=None, block_fraction=None):
+          grads="forward", logit_transform=None, backend=None, linear_backend=None, block_fraction=None,
+          block_bytes=None):
     """Use the fused op for Megatron's LM loss: per token, the gradient of ``CE + z_loss_coeff * lse**2``
     and the value of the CE (Megatron's convention for auxiliary losses: ``lm loss`` stays CE).
 
@@ -118,8 +119,10 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
         logit_transform: the ``LogitTransform`` MindSpeed-LLM's model applies to the logits, computed in
             the kernels instead (:mod:`.model_context`); None: read from Megatron's parsed arguments
             (its ``--output-multiplier-scale`` / ``--output-logit-softcapping``); False: none.
-        block_fraction: ``"forward"``'s memory/time dial, the op's ``block_fraction``
-            (None: 0.5, a block's logits half the logits; 0.125 the lean setting).
+        block_bytes: ``"forward"``'s memory/time dial, the op's ``block_bytes``: the most memory one
+            block of logits takes (None, with no ``block_fraction``: 4 GiB).
+        block_fraction: the same dial as the op's ``block_fraction``, the share of the tokens one
+            block takes (0.125 the lean setting); pass one of the two.
         backend, linear_backend: the ops' ``backend`` / ``linear_backend`` (None: automatic per device).
 
     Runs the startup checks of the flag path (MindSpeed-LLM's modes that bypass the fused kernel,
@@ -139,7 +142,7 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
     settings = Settings(z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
                         log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer),
                         grads=grads, logit_transform=logit_transform, backend=backend, linear_backend=linear_backend,
-                        block_fraction=block_fraction)
+                        block_fraction=block_fraction, block_bytes=block_bytes)
     return activate(settings)
 
 
@@ -236,7 +239,7 @@ def _activate_flags(args, settings):
         raise arguments.argument_error(err) from None
 
 
-_COMPARED = ("z_loss_coeff", "log_lse", "fused_output_layer", "grads", "block_fraction")
+_COMPARED = ("z_loss_coeff", "log_lse", "fused_output_layer", "grads", "block_fraction", "block_bytes")
 
 
 def _differ(a, b):

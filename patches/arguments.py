@@ -17,9 +17,12 @@ Flags (one argument group, shown in ``--help``):
     Compute GPT's output layer and the LM loss as one op (``linear_cross_entropy_zloss``): no
     logits tensor on the training path; turns the fused loss on like ``--lm-fused-ce``.
     ``forward``: gradients made in the forward with the loss mask as token weights.
-``--lm-fused-output-layer-block-fraction F``  (default: one block up to 4 GiB of logits, else 0.5)
-    ``forward``'s memory/time dial: each block of token rows takes the share F of the tokens, so
-    the loss works in F x the logits' memory; fewer blocks, less time (0.125: the lean setting).
+``--lm-fused-output-layer-block-gib G``  (default 4)
+    ``forward``'s memory/time dial: one block of token rows holds at most G GiB of logits, whatever
+    the sequence length; fewer blocks, less time (each block beyond the first rewrites ``main_grad``).
+``--lm-fused-output-layer-block-fraction F``
+    The same dial as a share of the tokens: each block takes F of them, so the loss works in F x
+    the logits' memory (0.125: lean). One of the two.
 
 Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider``. :func:`validate` is
 the one validation: it checks every flag once and builds the run's :class:`.settings.Settings` from
@@ -39,6 +42,7 @@ import os
 from typing import NamedTuple, Optional
 
 from mindspeed_cez.kernels.logit_transform import LogitTransform
+from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
 from mindspeed_cez.linear_cross_entropy import GRADS
 from mindspeed_cez.patches import launch_checks
 from mindspeed_cez.patches.settings import BACKEND_ENV, LINEAR_BACKEND_ENV, Settings, backends_from_environment
@@ -50,6 +54,7 @@ FLAG_LOG_LSE = "--lm-z-loss-log-lse"
 FLAG_OUTPUT_LAYER = "--lm-fused-output-layer"
 OUTPUT_LAYER_GRADS = GRADS
 FLAG_BLOCK_FRACTION = "--lm-fused-output-layer-block-fraction"
+FLAG_BLOCK_GIB = "--lm-fused-output-layer-block-gib"
 GROUP_TITLE = "mindspeed_cez: fused LM cross entropy + z-loss"
 
 __all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate", "validate_command_line", "has_lm_z_loss_args",
@@ -83,6 +88,7 @@ SUMMARY = {
     FLAG_NO_FUSED: "Use Megatron's own LM cross entropy (the fused kernel stays off).",
     FLAG_LOG_LSE: "Also log the logits' mean log-sum-exp (lm_lse) and its maximum (lm_lse_max).",
     FLAG_OUTPUT_LAYER: "Compute the output layer and the loss as one fused op, without the logits tensor.",
+    FLAG_BLOCK_GIB: "With --lm-fused-output-layer forward: the most logits one block holds, in GiB.",
     FLAG_BLOCK_FRACTION: "With --lm-fused-output-layer forward: each block's share of the tokens, 0 < F <= 1.",
 }
 
@@ -105,8 +111,10 @@ def flags_help():
             default = action.default
         if action.nargs == "?":
             default = f"off; alone: {action.const}"
+        if flag == FLAG_BLOCK_GIB:
+            default = LOGITS_BUDGET_BYTES >> 30  # None: the op's default
         if flag == FLAG_BLOCK_FRACTION:
-            default = "1 block up to 4 GiB of logits, else 0.5"  # None: the op's default
+            default = f"off; {FLAG_BLOCK_GIB} sizes the blocks"
         lines.append(f"  {name:<44} {SUMMARY[flag]} (default: {default})")
     return "\n".join(lines)
 
@@ -139,19 +147,25 @@ def add_lm_z_loss_args(parser):
         dest="lm_fused_output_layer",
         help=_help(FLAG_OUTPUT_LAYER) + " Compute the GPT output layer and the LM loss (CE + z-loss) as one fused op, without the "
              "logits tensor (labels given: training and validation; logits are still made without labels). "
-             "'forward' (default): the gradients are made during the forward, blocks of half the tokens "
-             "(--lm-fused-output-layer-block-fraction), for the upstream gradient Megatron's schedule gives the loss "
+             "'forward' (default): the gradients are made during the forward, in blocks of at most 4 GiB of logits "
+             "(--lm-fused-output-layer-block-gib), for the upstream gradient Megatron's schedule gives the loss "
              "mask (3 GEMMs; the weight's gradient added into its main_grad); 'recompute': backward recomputes "
              "the logits in vocab chunks (4 GEMMs; any upstream gradient).",
+    )
+    group.add_argument(
+        FLAG_BLOCK_GIB, type=_number_or_text, default=None, dest="lm_fused_output_layer_block_gib", metavar="G",
+        help=_help(FLAG_BLOCK_GIB) + " With --lm-fused-output-layer forward: the fused output layer takes the tokens in "
+             "blocks whose logits take at most G GiB (default 4), whatever the sequence length, micro-batch or TP: "
+             "its memory stays bounded; each block beyond the first rewrites the fp32 main_grad once (fewer "
+             "blocks, less time; docs/weight_gradient.md).",
     )
     group.add_argument(
         FLAG_BLOCK_FRACTION, type=_number_or_text, default=None, dest="lm_fused_output_layer_block_fraction",
         metavar="F",
         help=_help(FLAG_BLOCK_FRACTION) + " With --lm-fused-output-layer forward: the share of the tokens each block of the fused output "
              "layer takes, 0 < F <= 1; the loss then works in F x the logits' memory, and each block "
-             "rewrites the fp32 main_grad once (fewer blocks, less time). Default: one block while the logits "
-             "take at most 4 GiB, else 0.5; 0.125: lean "
-             "(docs/weight_gradient.md).",
+             "rewrites the fp32 main_grad once (fewer blocks, less time); 0.125: lean. Off by default "
+             f"({FLAG_BLOCK_GIB} sizes the blocks); one of the two (docs/weight_gradient.md).",
     )
     return parser
 
@@ -166,7 +180,7 @@ def has_lm_z_loss_args(args):
 
 # The Settings fields the flags set, by the flag's name (what a bad value's error names).
 FLAG_NAMES = {"z_loss_coeff": FLAG_COEFF, "label_smoothing": "--label-smoothing", "grads": FLAG_OUTPUT_LAYER,
-              "block_fraction": FLAG_BLOCK_FRACTION,
+              "block_fraction": FLAG_BLOCK_FRACTION, "block_bytes": FLAG_BLOCK_GIB,
               "logit_transform": "--output-multiplier-scale / --output-logit-softcapping"}
 
 
@@ -192,9 +206,17 @@ def _settings_inputs(args):
         fused_output_layer=bool(mode),
         grads=mode if mode in OUTPUT_LAYER_GRADS or mode not in (None, False, True) else "forward",
         block_fraction=getattr(args, "lm_fused_output_layer_block_fraction", None),
+        block_bytes=_gib_to_bytes(getattr(args, "lm_fused_output_layer_block_gib", None)),
         logit_transform=mindspeed_llm_logit_transform(args) if on else None,
         **(backends_from_environment() if on else {}),
     )
+
+
+def _gib_to_bytes(gib):
+    """The flag's GiB as bytes where it is a number > 0 (else as given: validation names the flag)."""
+    if isinstance(gib, float) and 0 < gib < float("inf"):
+        return max(1, int(gib * (1 << 30)))
+    return gib
 
 
 def _check_flag_pairs(args, settings):
@@ -210,9 +232,10 @@ def _check_flag_pairs(args, settings):
         )
     if fused is False and getattr(args, "lm_z_loss_log_lse", False):
         raise ValueError(f"{FLAG_LOG_LSE} needs the fused kernel, but {FLAG_NO_FUSED} turns it off")
-    if settings.block_fraction is not None and mode != "forward" and mode is not True:
-        raise ValueError(f"{FLAG_BLOCK_FRACTION} sets the blocks of {FLAG_OUTPUT_LAYER} forward; it has "
-                         f"none with {FLAG_OUTPUT_LAYER} {mode or '(off)'}: drop it or use forward")
+    for value, flag in ((settings.block_fraction, FLAG_BLOCK_FRACTION), (settings.block_bytes, FLAG_BLOCK_GIB)):
+        if value is not None and mode != "forward" and mode is not True:
+            raise ValueError(f"{flag} sets the blocks of {FLAG_OUTPUT_LAYER} forward; it has "
+                             f"none with {FLAG_OUTPUT_LAYER} {mode or '(off)'}: drop it or use forward")
     if mode and fused is False:
         raise ValueError(f"{FLAG_OUTPUT_LAYER} is a fused kernel, but {FLAG_NO_FUSED} turns it off")
 
@@ -398,7 +421,7 @@ def check_mindspeed_llm_args(args, fused_flag, output_layer_flag=None):
         )
 
 
-FLAGS = (FLAG_COEFF, FLAG_FUSED, FLAG_NO_FUSED, FLAG_LOG_LSE, FLAG_OUTPUT_LAYER, FLAG_BLOCK_FRACTION)
+FLAGS = (FLAG_COEFF, FLAG_FUSED, FLAG_NO_FUSED, FLAG_LOG_LSE, FLAG_OUTPUT_LAYER, FLAG_BLOCK_GIB, FLAG_BLOCK_FRACTION)
 
 
 def check_launch(argv, environ=None):

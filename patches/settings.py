@@ -48,9 +48,11 @@ class Settings:
     grads: the fused output layer's path, the op's ``grads``: ``"forward"`` (default: gradients made
         in the forward with the loss mask as token weights and Megatron's upstream gradient, where
         both are known; else as ``"recompute"``) or ``"recompute"`` (logits recomputed in backward).
-    block_fraction: ``"forward"``'s memory/time dial, the op's ``block_fraction``: the share of the
-        tokens (and of the logits' memory) one block takes; None: the op's default (one block up to 4 GiB of logits, else 0.5), 0.125 the
-        lean setting (``--lm-fused-output-layer-block-fraction``).
+    block_bytes: ``"forward"``'s memory/time dial, the op's ``block_bytes``: the most memory one block
+        of logits takes (``--lm-fused-output-layer-block-gib``); None with no ``block_fraction``: the
+        op's default, 4 GiB.
+    block_fraction: the same dial as the op's ``block_fraction``, the share of the tokens (and of the
+        logits' memory) one block takes, 0.125 the lean setting (``--lm-fused-output-layer-block-fraction``).
     logit_transform: the :class:`~mindspeed_cez.kernels.logit_transform.LogitTransform` the model
         applies to the main head's logits with torch ops before the loss (MindSpeed-LLM's
         ``--output-multiplier-scale`` / ``--output-logit-softcapping``), or None (no transform).
@@ -67,7 +69,7 @@ class Settings:
         ``label_smoothing`` and ``logit_transform`` read it); the patched loss derives each call's with
         :meth:`LossSpec.replace`.
     gradient_path: the :class:`~mindspeed_cez.linear_cross_entropy.GradientPath` of ``grads`` and
-        ``block_fraction`` (which read it), the fused output layer's ``path``.
+        ``block_bytes`` / ``block_fraction`` (which read it), the fused output layer's ``path``.
     label_smoothing_from_config, log_z_loss, log_lse, fused_output_layer, backend, linear_backend.
     """
 
@@ -76,7 +78,7 @@ class Settings:
 
     def __init__(self, z_loss_coeff=0.0, label_smoothing=None, log_z_loss=True, log_lse=False,
                  fused_output_layer=False, grads="forward", block_fraction=None, logit_transform=None,
-                 backend=None, linear_backend=None, names=None):
+                 backend=None, linear_backend=None, names=None, block_bytes=None):
         name = (lambda field: names.get(field, field)) if names else (lambda field: field)
         if logit_transform is not None and not isinstance(logit_transform, LogitTransform):
             raise TypeError(f"{name('logit_transform')} must be None or a LogitTransform, got {logit_transform!r}")
@@ -94,7 +96,7 @@ class Settings:
         if linear_backend not in (None, *kernels.LINEAR_BACKENDS):
             raise ValueError(f"linear_backend must be None or one of {tuple(kernels.LINEAR_BACKENDS)}, "
                              f"got {linear_backend!r}")
-        values = {"loss": loss, "gradient_path": GradientPath(grads, block_fraction, names=names),
+        values = {"loss": loss, "gradient_path": GradientPath(grads, block_fraction, block_bytes, names=names),
                   "label_smoothing_from_config": label_smoothing is None, "log_z_loss": bool(log_z_loss),
                   "log_lse": bool(log_lse), "fused_output_layer": bool(fused_output_layer), "backend": backend,
                   "linear_backend": linear_backend}
@@ -127,10 +129,15 @@ class Settings:
     def block_fraction(self):
         return self.gradient_path.block_fraction
 
+    @property
+    def block_bytes(self):
+        return self.gradient_path.block_bytes
+
     def _arguments(self):
         return {"z_loss_coeff": self.z_loss_coeff, "label_smoothing": self.label_smoothing,
                 "log_z_loss": self.log_z_loss, "log_lse": self.log_lse, "fused_output_layer": self.fused_output_layer,
-                "grads": self.grads, "block_fraction": self.block_fraction, "logit_transform": self.logit_transform,
+                "grads": self.grads, "block_fraction": self.block_fraction, "block_bytes": self.block_bytes,
+                "logit_transform": self.logit_transform,
                 "backend": self.backend, "linear_backend": self.linear_backend}
 
     def replace(self, **changes):

@@ -11,6 +11,7 @@ from mindspeed_cez.patches import arguments
 from support import TINY_MEGATRON_ARGV
 
 BLOCK = "--lm-fused-output-layer-block-fraction"
+GIB = "--lm-fused-output-layer-block-gib"
 
 
 def _parse(argv):
@@ -37,6 +38,15 @@ def _parse(argv):
         (["--lm-fused-output-layer", "sideways"], "--lm-fused-output-layer must be one of \\('recompute', 'forward'\\), "
                                                   "got 'sideways'"),
         (["--lm-fused-output-layer", BLOCK, "half"], "-block-fraction takes .*got 'half'"),
+        (["--lm-fused-output-layer", GIB, "0"], "-block-gib takes the most memory one block of logits may take, in "
+                                               "GiB: a number > 0 \\(leave it out for the default, 4\\), got 0.0"),
+        (["--lm-fused-output-layer", GIB, "-2"], "-block-gib takes .*got -2.0"),
+        (["--lm-fused-output-layer", GIB, "2GiB"], "-block-gib takes .*got '2GiB'"),
+        (["--lm-fused-output-layer", GIB, "inf"], "-block-gib takes .*got inf"),
+        (["--lm-fused-output-layer", "recompute", GIB, "2"], "-block-gib sets the blocks of --lm-fused-output-layer "
+                                                             "forward; it has none with --lm-fused-output-layer recompute"),
+        (["--lm-fused-output-layer", GIB, "2", BLOCK, "0.5"], "-block-fraction and --lm-fused-output-layer-block-gib "
+                                                              "both size the blocks: pass one of them"),
     ],
 )
 def test_invalid_values_fail_validation_naming_the_flag(argv, message):
@@ -86,9 +96,11 @@ def test_settings_from_flags():
     assert math.isclose(s.z_loss_coeff, 3e-4) and s.metric_names() == ["lm_z_loss", "lm_lse", "lm_lse_max"]
     s = arguments.validate(_parse(["--lm-fused-output-layer"]))
     assert s is not None and s.fused_output_layer and s.z_loss_coeff == 0.0
-    assert s.grads == "forward" and s.block_fraction is None
+    assert s.grads == "forward" and s.block_fraction is None and s.block_bytes is None
     s = arguments.validate(_parse(["--lm-fused-output-layer", BLOCK, "0.125"]))
-    assert s.grads == "forward" and s.block_fraction == 0.125
+    assert s.grads == "forward" and s.block_fraction == 0.125 and s.block_bytes is None
+    s = arguments.validate(_parse(["--lm-fused-output-layer", GIB, "1.5"]))
+    assert s.block_bytes == 3 << 29 and s.block_fraction is None and s.gradient_path.block_bytes == 3 << 29
     s = arguments.validate(_parse(["--lm-fused-output-layer", "recompute", "--lm-z-loss-coeff", "1e-4"]))
     assert s.fused_output_layer and s.grads == "recompute" and s.metric_names() == ["lm_z_loss"]
     s = arguments.validate(_parse(["--lm-z-loss-coeff", "1e-4"]))

@@ -235,35 +235,90 @@ def test_one_block_makes_its_gradient_gemms_in_backward():
 
 
 def test_default_row_block():
-    """The default: one block while the logits fit in ONE_BLOCK_LOGITS_BYTES, else halves; a fraction:
-    ceil(1 / fraction) equal blocks (a multiple of 128 rows), at least 1024 rows, never more than the
-    tokens; a bad dial names itself and its range."""
-    from mindspeed_cez.linear_cross_entropy import default_row_block
-    from mindspeed_cez.linear_forward_grads import ONE_BLOCK_LOGITS_BYTES
+    """The default: blocks whose logits take at most LOGITS_BUDGET_BYTES (4 GiB) at any token count,
+    one block within it; ``block_bytes`` sets that bound; a fraction: ceil(1 / fraction) equal blocks.
+    Blocks are a multiple of 128 rows, at least 1024, never more than the tokens; a bad dial names
+    itself and its range."""
+    from mindspeed_cez.linear_cross_entropy import LOGITS_BUDGET_BYTES, default_row_block
     tokens = (100, 3000, 8192, 12288, 16384, 20000, 32768)
-    assert [default_row_block(n, 151936) for n in tokens] == [100, 3000, 8192, 12288, 8192, 10112, 16384]
+    # 4 GiB of bf16 logits of a 151936 vocab: 14134 rows, 14080 as a multiple of 128
+    assert [default_row_block(n, 151936) for n in tokens] == [100, 3000, 8192, 12288, 8192, 10112, 11008]
     assert [default_row_block(n, 151936, 0.5) for n in tokens] == [100, 1536, 4096, 6144, 8192, 10112, 16384]
     assert [default_row_block(n, 151936, 0.125) for n in tokens] == [100, 1024, 1024, 1536, 2048, 2560, 4096]
     assert [default_row_block(n, 151936, 1.0) for n in tokens] == list(tokens)
     assert [default_row_block(8192, 16160, f) for f in (1.0, 0.5, 0.25, 0.125, 0.01)] == [8192, 4096, 2048, 1024, 1024]
-    at_limit = ONE_BLOCK_LOGITS_BYTES // (2 * 8192)  # 8192 rows of this vocab fill the limit in bf16
+    at_limit = LOGITS_BUDGET_BYTES // (2 * 8192)  # 8192 rows of this vocab fill the bound in bf16
     assert default_row_block(8192, at_limit) == 8192 and default_row_block(8192, at_limit + 1) == 4096
     assert default_row_block(8192, at_limit, itemsize=4) == 4096  # fp32 logits: twice the bytes
-    for n in (1, 1000, 3001, 8191, 20000, 65537):  # every block but the last full, the last never empty
+    assert default_row_block(8192, 151936, block_bytes=1 << 30) == 8192 // 3 // 128 * 128 + 128  # 3 blocks of 1 GiB
+    for n in (1, 1000, 3001, 8191, 20000, 65537, 262144, 524288, 1 << 22):  # the last never empty
         for fraction in (None, 1.0, 0.5, 0.3, 0.125):
             rows = default_row_block(n, 151936, fraction)
             assert 1 <= rows <= n and (n - 1) // rows + 1 == -(-n // rows)
             if fraction is not None and n >= 1024:
                 assert rows <= max(1024, n * fraction) + 127
+        for v, itemsize, budget in ((151936, 2, None), (37984, 2, None), (256000, 4, None), (151936, 2, 1 << 30),
+                                    (16160, 2, 64 << 20), (151936, 2, 1)):
+            rows = default_row_block(n, v, itemsize=itemsize, block_bytes=budget)
+            bound = LOGITS_BUDGET_BYTES if budget is None else budget
+            assert rows * v * itemsize <= max(bound, 1024 * v * itemsize)  # within the bound, or 1024 rows
+            assert (rows == n) == (n <= max(1024, bound // (v * itemsize) // 128 * 128))  # one block iff it fits
     gen = torch.Generator().manual_seed(17)
     hidden, weight, target, _ = _problem(torch.float32, 1, gen)
     mask, _ = _token_weights(target, gen)
     for bad in (0, 1.5, "0.5", True, float("nan")):
         with pytest.raises(ValueError, match="block_fraction takes .* a number in \\(0, 1\\]"):
             linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_fraction=bad)
+    for bad in (0, -5, 2.5, "1GiB", True):
+        with pytest.raises(ValueError, match="block_bytes takes the most memory one block of logits may take, in "
+                                             "bytes: an int >= 1"):
+            linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_bytes=bad)
     with pytest.raises(ValueError, match="row_block and block_fraction"):
         linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_fraction=0.5,
                                    row_block=16)
+    with pytest.raises(ValueError, match="row_block and block_bytes"):
+        linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_bytes=1 << 20,
+                                   row_block=16)
+    with pytest.raises(ValueError, match="block_fraction and block_bytes both size the blocks"):
+        linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_fraction=0.5,
+                                   block_bytes=1 << 20)
+
+
+def test_block_bytes_splits_the_tokens_and_keeps_the_float64_gradients():
+    """A byte bound under the logits' size takes the tokens in blocks (3000 fp32 rows of a 64-column
+    slice within 1024 rows' bytes: 3 blocks, two added into main_grad in forward, one in backward),
+    each block's logits within the bound, with the float64 loss and gradients."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n, v, h = 3000, 64, 16
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) / h**0.5 * 3
+    target = torch.randint(0, v, (n,), generator=gen)
+    target[torch.rand(n, generator=gen) < 0.1] = -100
+    mask, upstream = _token_weights(target, gen)
+    exp_loss, _, exp_dh, exp_dw = _float64(hidden, weight, target, upstream, 1e-3, 0.0)
+    x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    w.main_grad = torch.zeros(w.shape)
+    budget = 1024 * v * 4
+    blocks, matmul = [], torch.matmul
+
+    def spy(a, b, *args, **kwargs):
+        if a.shape[-1] == h and b.shape == (h, v):  # a block's logits: rows x v_local
+            blocks.append(a.shape[0])
+        return matmul(a, b, *args, **kwargs)
+    torch.matmul = spy
+    try:
+        loss, _ = linear_cross_entropy_zloss(x, w, target, 1e-3, token_weights=mask, grad_scale=K, grads="forward",
+                                             gradient_accumulation_fusion=True, block_bytes=budget)
+    finally:
+        torch.matmul = matmul
+    assert blocks == [1024, 1024, 952] and all(r * v * 4 <= budget for r in blocks)
+    assert w.main_grad.abs().sum() > 0  # the first two blocks' weight gradients, added during the forward
+    (loss * upstream).sum().backward()
+    torch.testing.assert_close(loss.double(), exp_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), exp_dh, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.main_grad.double(), exp_dw, rtol=1e-4, atol=1e-6)
+    from mindspeed_cez.linear_cross_entropy import check_forward_gradients
+    check_forward_gradients()  # the backward paid what the forward added
 
 
 def test_token_weights_need_an_upstream_gradient_proportional_to_them():
@@ -437,10 +492,17 @@ def test_unequal_weight_rows_are_refused_on_every_rank():
 
 
 def test_default_chunk_is_small_beside_the_logits():
-    for n, v in ((8192, 151936), (8192, 37984), (65536, 151936), (16384, 16160), (39, 53)):
+    """The recompute path's vocab chunk: 1024-4096 columns up to 2**26 logits, and within
+    LOGITS_BUDGET_BYTES at any token count (fewer columns, a multiple of 128, past 2M bf16 tokens)."""
+    budget = chunked_linear.LOGITS_BUDGET_BYTES
+    for n, v in ((8192, 151936), (8192, 37984), (65536, 151936), (16384, 16160), (39, 53), (524288, 151936),
+                 (1 << 21, 151936), (1 << 22, 151936), (1 << 24, 151936)):
         step = chunked_linear.default_chunk_cols(n, v)
-        assert 1 <= step <= v and (step == v or 1024 <= step <= 4096)
+        assert 1 <= step <= v and (step == v or 128 <= step <= 4096) and (step == v or step % 128 == 0)
         assert n * step <= max(chunked_linear.CHUNK_LOGITS, 1024 * n)
+        assert n * step * 2 <= max(budget, 128 * n * 2)
+        assert step >= min(v, 1024) or n * 1024 * 2 > budget  # 1024 columns kept while they fit the bound
+        assert chunked_linear.default_chunk_cols(n, v, itemsize=4) * n * 4 <= max(budget, 128 * n * 4)
 
 
 @pytest.mark.skipif(not triton_runs_on_cpu(), reason="the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
