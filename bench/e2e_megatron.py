@@ -45,12 +45,17 @@ CONFIGS = {
     # GPU-bound at TP=4 + SP on H100s (busy is host-bound there, ~48 % idle): per GPU ~4x busy's TP=4 work
     # in half its launches (hidden 4096, seq 32768, 4 micro-batches of 8 layers): ~0.65 PFLOP per GPU per
     # step (~1.5 s) against ~0.5 s of host time; ~3.3B parameters, an estimated ~45 GB per GPU at TP=4 (TP >= 4)
+    # long context on one GPU (bench/long_context.py sets the sequence, recompute and micro-batch): 4 layers,
+    # hidden 2048, 8 experts top-2 of ffn 768 padded to capacity 1.0, SDPA attention, GC off, 2 sequences a step
+    "long": ("--num-layers 4 --hidden-size 2048 --ffn-hidden-size 6144 --moe-ffn-hidden-size 768 --num-attention-heads 16 "
+             "--global-batch-size 2 --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --manual-gc "
+             "--no-create-attention-mask-in-dataloader").split(),
     "busy_tp4": ("--num-layers 8 --hidden-size 4096 --ffn-hidden-size 16384 --num-attention-heads 32 --num-experts 4 "
                  "--moe-ffn-hidden-size 8192 --seq-length 32768 --max-position-embeddings 32768 --global-batch-size 4 "
                  "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --manual-gc").split(),
 }
 BUSY_ENV = {"CEZ_BENCH_ATTENTION": "sdpa", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-CONFIG_ENV = {"busy": BUSY_ENV, "busy_tp4": BUSY_ENV}
+CONFIG_ENV = {"busy": BUSY_ENV, "busy_tp4": BUSY_ENV, "long": BUSY_ENV}
 MIN_TP = {"busy_tp4": 4}  # below it the parameters and activations outgrow an 80 GB GPU
 VARIANTS = {
     "native": ([], {}),
@@ -63,6 +68,7 @@ VARIANTS = {
 }
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")
+OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory")
 ALLOCATOR = re.compile(r"CEZ_BENCH allocator=(\{.*\})")
 ALTERNATE_STEP = re.compile(r"CEZ_BENCH step=(\d+) fused=([01]) peak=(\d+)")
 ALTERNATE = ("cez", "cez_fol")  # --alternate: the op, the fused layer; steps A B B A, A B B A, ...
@@ -188,8 +194,9 @@ def _run_until(cmd, env, timeout_s):
         return None, out, err + f"\n[stopped at the deadline, {timeout_s:.0f} s]"
 
 
-def launch(variant, config, iters, log_path, tp=1, profile_dir=None, alternate=False, timeout_s=600):
-    """One Megatron run of ``variant``: its step times, peak memory, LM losses (and profile summary).
+def launch(variant, config, iters, log_path, tp=1, profile_dir=None, alternate=False, timeout_s=600, extra_args=()):
+    """One Megatron run of ``variant``: its step times, peak memory, LM losses (and profile summary);
+    ``extra_args`` come after the config's (Megatron takes the last of a repeated flag).
     ``alternate``: one run of ``cez_fol`` whose worker turns the fused layer off for the steps of
     ``cez`` (A B B A order); ``alternate_steps``: per step, whether the fused layer ran and its peak.
     At ``timeout_s`` the run is stopped and the steps it logged kept (``rc`` None)."""
@@ -202,8 +209,8 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None, alternate=F
                      "--profile-step-end", str(window[1]), "--profile-ranks", "0", "--pytorch-profiler-collect-shapes",
                      "--tensorboard-dir", os.path.join(profile_dir, "tb")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), os.path.abspath(__file__), *COMMON, *CONFIGS[config], *parallel,
-           "--train-iters", str(iters), *args]
+           "--master-port", str(free_port()), os.path.abspath(__file__), *COMMON, *CONFIGS[config], *extra_args,
+           *parallel, "--train-iters", str(iters), *args]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1", CEZ_BENCH_WORKER="1", **env_extra)
     start = time.time()
     rc, stdout, stderr = _run_until(cmd, env, timeout_s)
@@ -211,6 +218,7 @@ def launch(variant, config, iters, log_path, tp=1, profile_dir=None, alternate=F
         fh.write(" ".join(cmd) + "\n\n" + stdout + stderr)
     peaks = [int(v) for v in PEAK.findall(stdout)]  # one line per rank
     return {"variant": variant, "rc": rc, "wall_s": time.time() - start, "peak_bytes": max(peaks, default=None),
+            "out_of_memory": bool(OUT_OF_MEMORY.search(stdout + stderr)),
             "steps_ms": {int(i): float(ms) for i, ms in STEP.findall(stdout)},
             # the profiler's warm-up, traced steps and the trace's writing: host time inflated
             "traced": [window[0] - 1, window[1] + 2] if profile_dir else None,

@@ -1,0 +1,213 @@
+"""Long context on one GPU, in Megatron's own ``pretrain`` (``e2e_megatron.py``'s worker, config ``long``).
+
+``memory``: per variant, peak memory, step time and out-of-memory per tokens per micro-batch: from
+``--start`` doubling until a run fails, then bisected between the last fit and the first failure to
+``--resolution`` tokens. ``throughput``: per variant at ``--tokens``, its fastest setting that fits
+(micro-batch 1 / 2, recompute none / selective / full), every variant searched the same way.
+Both write ``long_context.json`` / ``throughput.json`` under ``--out`` (rows in one schema,
+``bench/results/2026-12-06_h100_long_context/README.md``) and print what each launch gave.
+``--known FILE``: rows of an earlier run (same schema) for ``--cite`` variants are taken from it,
+not run again. Method: bench/README.md."""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from e2e_megatron import COMMON, CONFIGS, CONFIG_ENV, launch  # noqa: E402
+from harness import run_info  # noqa: E402
+
+CONFIG = "long"
+RECOMPUTE = {  # Megatron's recompute settings, least work first
+    "none": [],
+    "selective": ["--recompute-granularity", "selective"],
+    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+}
+VARIANT_NAMES = {"native": "Megatron's CE, no z-loss", "cez": "--lm-z-loss-coeff 1e-4",
+                 "cez_fol": "+ --lm-fused-output-layer (default blocks)"}
+
+
+def megatron_args(tokens, micro_batch=1, recompute="full"):
+    """The config's arguments for ``tokens`` per micro-batch: ``micro_batch`` sequences of ``tokens / micro_batch``."""
+    seq = tokens // micro_batch
+    return ["--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(micro_batch),
+            *RECOMPUTE[recompute]]
+
+
+class Runs:
+    """The launches of one benchmark: each (variant, tokens, micro-batch, recompute) run once, rows kept
+    in the results' schema; rows of ``known`` for the ``cite`` variants answer without a launch."""
+
+    def __init__(self, out, iters, budget_s, timeout_s, known=None, cite=()):
+        self.out, self.iters, self.timeout_s = out, iters, timeout_s
+        self.deadline = time.time() + budget_s
+        self.rows, self.cited = [], {}
+        for row in (known or {}).get("rows", []):
+            if row["variant"] in cite:
+                key = (row["variant"], row["tokens_per_micro_batch"], row.get("micro_batch", 1),
+                       row.get("recompute", "full"))
+                self.cited[key] = dict(row, source=f"{known.get('device')}, {known.get('date')}, "
+                                                   f"commit {known.get('project_commit')}")
+
+    def left_s(self):
+        return self.deadline - time.time()
+
+    def __call__(self, variant, tokens, micro_batch=1, recompute="full", iters=None):
+        """The row of this run (a cited one, or a launch); None once the budget is spent."""
+        key = (variant, tokens, micro_batch, recompute)
+        for row in self.rows:
+            if (row["variant"], row["tokens_per_micro_batch"], row["micro_batch"], row["recompute"]) == key:
+                return row
+        if key in self.cited:
+            row = dict(self.cited[key], micro_batch=micro_batch, recompute=recompute)
+            print(f"{variant} {tokens} tokens (mbs {micro_batch}, recompute {recompute}): cited from {row['source']}",
+                  flush=True)
+            self.rows.append(row)
+            return row
+        if self.left_s() < 60:
+            print(f"budget spent: {variant} at {tokens} tokens not run", flush=True)
+            return None
+        iters = iters or self.iters(tokens)
+        name = f"{variant}_{tokens}_mbs{micro_batch}_{recompute}"
+        run = launch(variant, CONFIG, iters, os.path.join(self.out, name + ".log"),
+                     timeout_s=min(self.timeout_s, self.left_s()), extra_args=megatron_args(tokens, micro_batch, recompute))
+        row = {"tokens_per_micro_batch": tokens, "variant": variant, "micro_batch": micro_batch, "recompute": recompute,
+               "rc": run["rc"], "out_of_memory": run["out_of_memory"],
+               "peak_allocated_bytes": None if run["out_of_memory"] else run["peak_bytes"],
+               "step_ms": {str(i): ms for i, ms in sorted(run["steps_ms"].items())}, "wall_s": round(run["wall_s"], 1)}
+        self.rows.append(row)
+        steps = ", ".join(f"{ms:.0f}" for ms in row["step_ms"].values())
+        peak = f"{row['peak_allocated_bytes'] / 2**30:.1f} GiB" if row["peak_allocated_bytes"] else "-"
+        print(f"{variant} {tokens} tokens (mbs {micro_batch}, recompute {recompute}): rc {run['rc']}"
+              f"{' OUT OF MEMORY' if run['out_of_memory'] else ''}, peak {peak}, steps (ms) [{steps}], "
+              f"{run['wall_s']:.0f} s", flush=True)
+        return row
+
+
+def fits(row):
+    return row is not None and row["rc"] == 0 and not row["out_of_memory"]
+
+
+def steady_ms(row, skip=2):
+    """The median step after the first ``skip`` (warm-up); with fewer steps, the last."""
+    steps = [ms for i, ms in sorted(row["step_ms"].items(), key=lambda kv: int(kv[0]))]
+    return statistics.median(steps[skip:]) if len(steps) > skip else (steps[-1] if steps else None)
+
+
+def search_memory(runs, variant, start, resolution, max_tokens):
+    """``(largest that fits, smallest that failed)`` for ``variant``: doubling from ``start``, then
+    bisection to ``resolution`` tokens; a run stopped for time, not memory, ends the search there."""
+    fit, fail, tokens = None, None, start
+    while tokens <= max_tokens:
+        row = runs(variant, tokens)
+        if row is None or (not fits(row) and not row["out_of_memory"]):
+            return fit, fail  # budget or deadline: no verdict on this size
+        if not fits(row):
+            fail = tokens
+            break
+        fit, tokens = tokens, tokens * 2
+    while fit is not None and fail is not None and fail - fit > resolution:
+        mid = (fit + fail) // 2 // resolution * resolution
+        row = runs(variant, mid)
+        if row is None or (not fits(row) and not row["out_of_memory"]):
+            break
+        fit, fail = (mid, fail) if fits(row) else (fit, mid)
+    return fit, fail
+
+
+def search_throughput(runs, variant, tokens):
+    """The settings tried for ``variant`` at ``tokens`` per micro-batch and its fastest that fits: per
+    micro-batch size (2, 1), recompute from none to full, stopping at the first that fits (more
+    recompute only adds work). Tokens per second per GPU: the global batch's tokens over the median
+    steady step."""
+    tried = []
+    for micro_batch in (2, 1):
+        for recompute in RECOMPUTE:
+            row = runs(variant, tokens * micro_batch, micro_batch, recompute)
+            if row is None:
+                break
+            tried.append(row)
+            if fits(row):
+                break
+    best = None
+    for row in tried:
+        step = steady_ms(row) if fits(row) else None
+        if step:
+            row["tokens_per_s"] = GLOBAL_BATCH * tokens / (step / 1e3)
+            if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
+                best = row
+    return tried, best
+
+
+GLOBAL_BATCH = int(CONFIGS[CONFIG][CONFIGS[CONFIG].index("--global-batch-size") + 1])
+
+
+def header(kind):
+    info = run_info()
+    return {"benchmark": kind, "device": info["device"], "date": info["date"][:10], "run": info,
+            "project_commit": info["commit"],
+            "stack": f"megatron-core {info['megatron-core']}, torch {info['torch']}, triton {info['triton']}, "
+                     f"Python {info['python']}",
+            "megatron_args": " ".join(COMMON + CONFIGS[CONFIG]) + " + bench/long_context.py megatron_args(); env "
+                             + " ".join(f"{k}={v}" for k, v in CONFIG_ENV[CONFIG].items()),
+            "variants": {v: VARIANT_NAMES[v] for v in VARIANT_NAMES}}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=("memory", "throughput"))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANT_NAMES), choices=list(VARIANT_NAMES))
+    parser.add_argument("--start", type=int, default=32768, help="memory: the first tokens per micro-batch")
+    parser.add_argument("--resolution", type=int, default=16384, help="memory: bisect to this many tokens")
+    parser.add_argument("--max-tokens", type=int, default=1 << 20, help="memory: no run above this")
+    parser.add_argument("--tokens", type=int, default=32768, help="throughput: tokens per sequence")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="iterations per launch (default: memory 4, 2 from 262144 tokens, where a step takes over "
+                             "20 s and the peak comes in the first; throughput 6)")
+    parser.add_argument("--budget-s", type=float, default=540, help="no launch after this many seconds")
+    parser.add_argument("--timeout-s", type=float, default=420, help="one launch at most")
+    parser.add_argument("--known", default=None, help="an earlier long_context.json whose rows --cite takes")
+    parser.add_argument("--cite", nargs="*", default=(), choices=list(VARIANT_NAMES),
+                        help="variants whose rows in --known are taken, not run again")
+    parser.add_argument("--out", default="out/long_context")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    known = None
+    if args.known:
+        with open(args.known) as fh:
+            known = json.load(fh)
+    if args.iters:
+        iters = lambda tokens: args.iters  # noqa: E731
+    elif args.mode == "memory":
+        iters = lambda tokens: 2 if tokens >= 262144 else 4  # noqa: E731
+    else:
+        iters = lambda tokens: 6  # noqa: E731
+    runs = Runs(args.out, iters, args.budget_s, args.timeout_s, known, args.cite)
+    data = header(args.mode)
+    path = os.path.join(args.out, "long_context.json" if args.mode == "memory" else "throughput.json")
+    if args.mode == "memory":
+        data["search"] = {}
+        for variant in args.variants:
+            fit, fail = search_memory(runs, variant, args.start, args.resolution, args.max_tokens)
+            data["search"][variant] = {"largest_fit": fit, "smallest_failure": fail, "resolution": args.resolution}
+            print(f"{variant}: trains {fit} tokens per micro-batch; {fail or 'no failure up to the last run'}"
+                  f"{' fails' if fail else ''}", flush=True)
+    else:
+        data["tokens_per_sequence"], data["global_batch"], data["best"] = args.tokens, GLOBAL_BATCH, {}
+        for variant in args.variants:
+            tried, best = search_throughput(runs, variant, args.tokens)
+            data["best"][variant] = best and {k: best[k] for k in ("micro_batch", "recompute", "tokens_per_s")}
+            print(f"{variant}: best " + (f"mbs {best['micro_batch']}, recompute {best['recompute']}: "
+                                         f"{best['tokens_per_s']:.0f} tokens/s" if best else "none fits"), flush=True)
+    data["rows"] = runs.rows
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
