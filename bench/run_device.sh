@@ -56,7 +56,7 @@ step_e2e() {
 step_long-context() {  # bench/long_context.py $LONG_ARGS (default: memory): long_context/*.json, long_context.txt, logs
     timeout "${LONG_S:-560}" $PY bench/long_context.py ${LONG_ARGS:-memory} --out "$OUT/long_context" 2>&1 \
         | grep -v '^ *\[20' | tee "$OUT/long_context.txt" | grep -E "tokens|wrote"
-    tar -czf "$OUT/long_context_logs.tar.gz" -C "$OUT" long_context --exclude '*.json' && rm -f "$OUT"/long_context/*.log
+    tar -czf "$OUT/long_context_logs.tar.gz" --exclude '*.json' -C "$OUT" long_context && rm -f "$OUT"/long_context/*.log
 }
 step_e2e-tp12() {  # TP=1 on the first GPU and TP=2 + SP on the last two, at once (3+ GPUs); each packed in one file
     local args=${E2E_ARGS:---config busy --variants cez cez_fol --pairs 3 --iters 20 --profile} n
