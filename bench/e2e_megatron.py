@@ -68,7 +68,7 @@ VARIANTS = {
 }
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")
-OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory")
+OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory|Failed to CUDA calloc")  # torch; NCCL
 ALLOCATOR = re.compile(r"CEZ_BENCH allocator=(\{.*\})")
 ALTERNATE_STEP = re.compile(r"CEZ_BENCH step=(\d+) fused=([01]) peak=(\d+)")
 ALTERNATE = ("cez", "cez_fol")  # --alternate: the op, the fused layer; steps A B B A, A B B A, ...
