@@ -243,3 +243,34 @@ def test_sequence_parallel_over_nccl(grads):
     if world_size < 2:
         pytest.skip("needs 2 GPUs")
     run_on_ranks(world_size, _sequence_parallel_over_nccl, grads, backend="nccl")
+
+
+@pytest.mark.parametrize("budget_mib", [None, 256])
+def test_the_output_layer_holds_at_most_its_block_of_logits(budget_mib):
+    """At 65536 tokens of a 32768 vocabulary (4 GiB of bf16 logits), the gradients-in-forward path into
+    main_grad holds at most one block of logits (its default 4 GiB, or ``block_bytes``) beyond its inputs,
+    their gradients and small per-token vectors: the peak of forward + backward, measured by the allocator."""
+    n, h, v = 65536, 1024, 32768
+    g = torch.Generator(device="cuda").manual_seed(7)
+    hidden = torch.randn(n, h, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", generator=g) / h**0.5).to(torch.bfloat16).requires_grad_()
+    weight.main_grad = torch.zeros(v, h, device="cuda")
+    target = torch.randint(0, v, (n,), device="cuda", generator=g)
+    mask = torch.ones(n, device="cuda")
+    budget = 4 << 30 if budget_mib is None else budget_mib << 20
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, Z, token_weights=mask, grad_scale=1 / n,
+                                         gradient_accumulation_fusion=True, grads="forward",
+                                         block_bytes=None if budget_mib is None else budget)
+    (loss * mask / n).sum().backward()
+    torch.cuda.synchronize()
+    beyond = torch.cuda.max_memory_allocated() - before
+    # dhidden (n x h bf16, twice: the op's buffer and the gradient accumulated into hidden.grad), fp32 loss rows
+    # and per-token vectors (~64 bytes a token); the logits themselves would be n x v x 2 = 4 GiB
+    others = 2 * n * h * 2 + 64 * n
+    assert beyond <= budget + others, (beyond / 2**20, budget / 2**20, others / 2**20)
+    if budget_mib is not None:
+        assert beyond < n * v * 2 / 4  # a quarter of the logits at most: the bound is what holds memory down
+    assert torch.isfinite(loss).all() and weight.main_grad.abs().sum() > 0
