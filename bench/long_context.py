@@ -21,7 +21,7 @@ sys.path.insert(0, HERE)
 from e2e_megatron import COMMON, CONFIGS, CONFIG_ENV, launch  # noqa: E402
 from harness import run_info  # noqa: E402
 
-CONFIG = "long"
+CONFIG = "long"  # e2e_megatron's; --config busy: the GPU-bound model at 8192 tokens (throughput)
 RECOMPUTE = {  # Megatron's recompute settings, least work first
     "none": [],
     "selective": ["--recompute-granularity", "selective"],
@@ -42,8 +42,8 @@ class Runs:
     """The launches of one benchmark: each (variant, tokens, micro-batch, recompute) run once, rows kept
     in the results' schema; rows of ``known`` for the ``cite`` variants answer without a launch."""
 
-    def __init__(self, out, iters, budget_s, timeout_s, known=None, cite=()):
-        self.out, self.iters, self.timeout_s = out, iters, timeout_s
+    def __init__(self, out, iters, budget_s, timeout_s, known=None, cite=(), config=CONFIG):
+        self.out, self.iters, self.timeout_s, self.config = out, iters, timeout_s, config
         self.deadline = time.time() + budget_s
         self.rows, self.cited = [], {}
         for row in (known or {}).get("rows", []):
@@ -73,7 +73,7 @@ class Runs:
             return None
         iters = iters or self.iters(tokens)
         name = f"{variant}_{tokens}_mbs{micro_batch}_{recompute}"
-        run = launch(variant, CONFIG, iters, os.path.join(self.out, name + ".log"),
+        run = launch(variant, self.config, iters, os.path.join(self.out, name + ".log"),
                      timeout_s=min(self.timeout_s, self.left_s()), extra_args=megatron_args(tokens, micro_batch, recompute))
         row = {"tokens_per_micro_batch": tokens, "variant": variant, "micro_batch": micro_batch, "recompute": recompute,
                "rc": run["rc"], "out_of_memory": run["out_of_memory"],
@@ -119,6 +119,12 @@ def search_memory(runs, variant, start, resolution, max_tokens):
     return fit, fail
 
 
+def global_batch(config):
+    """Sequences per step: the last ``--global-batch-size`` of the config's arguments (Megatron takes the last)."""
+    args = COMMON + CONFIGS[config]
+    return int([args[i + 1] for i, a in enumerate(args) if a == "--global-batch-size"][-1])
+
+
 def search_throughput(runs, variant, tokens):
     """The settings tried for ``variant`` at ``tokens`` per micro-batch and its fastest that fits: per
     micro-batch size (2, 1), recompute from none to full, stopping at the first that fits (more
@@ -137,23 +143,21 @@ def search_throughput(runs, variant, tokens):
     for row in tried:
         step = steady_ms(row) if fits(row) else None
         if step:
-            row["tokens_per_s"] = GLOBAL_BATCH * tokens / (step / 1e3)
+            row["tokens_per_s"] = global_batch(runs.config) * tokens / (step / 1e3)
             if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
                 best = row
     return tried, best
 
 
-GLOBAL_BATCH = int(CONFIGS[CONFIG][CONFIGS[CONFIG].index("--global-batch-size") + 1])
-
-
-def header(kind):
+def header(kind, config):
     info = run_info()
     return {"benchmark": kind, "device": info["device"], "date": info["date"][:10], "run": info,
             "project_commit": info["commit"],
             "stack": f"megatron-core {info['megatron-core']}, torch {info['torch']}, triton {info['triton']}, "
                      f"Python {info['python']}",
-            "megatron_args": " ".join(COMMON + CONFIGS[CONFIG]) + " + bench/long_context.py megatron_args(); env "
-                             + " ".join(f"{k}={v}" for k, v in CONFIG_ENV[CONFIG].items()),
+            "config": config,
+            "megatron_args": " ".join(COMMON + CONFIGS[config]) + " + bench/long_context.py megatron_args(); env "
+                             + " ".join(f"{k}={v}" for k, v in CONFIG_ENV[config].items()),
             "variants": {v: VARIANT_NAMES[v] for v in VARIANT_NAMES}}
 
 
@@ -165,6 +169,8 @@ def main(argv=None):
     parser.add_argument("--resolution", type=int, default=16384, help="memory: bisect to this many tokens")
     parser.add_argument("--max-tokens", type=int, default=1 << 20, help="memory: no run above this")
     parser.add_argument("--tokens", type=int, default=32768, help="throughput: tokens per sequence")
+    parser.add_argument("--config", default=CONFIG, choices=("long", "busy"),
+                        help="e2e_megatron's model: long (default) or busy (8 layers, hidden 3072, 8 sequences a step)")
     parser.add_argument("--iters", type=int, default=None,
                         help="iterations per launch (default: memory 4, 2 from 262144 tokens, where a step takes over "
                              "20 s and the peak comes in the first; throughput 6)")
@@ -186,9 +192,10 @@ def main(argv=None):
         iters = lambda tokens: 2 if tokens >= 262144 else 4  # noqa: E731
     else:
         iters = lambda tokens: 6  # noqa: E731
-    runs = Runs(args.out, iters, args.budget_s, args.timeout_s, known, args.cite)
-    data = header(args.mode)
-    path = os.path.join(args.out, "long_context.json" if args.mode == "memory" else "throughput.json")
+    runs = Runs(args.out, iters, args.budget_s, args.timeout_s, known, args.cite, args.config)
+    data = header(args.mode, args.config)
+    name = "long_context" if args.mode == "memory" else "throughput"
+    path = os.path.join(args.out, f"{name}.json" if args.config == CONFIG else f"{name}_{args.config}.json")
     if args.mode == "memory":
         data["search"] = {}
         for variant in args.variants:
@@ -197,7 +204,7 @@ def main(argv=None):
             print(f"{variant}: trains {fit} tokens per micro-batch; {fail or 'no failure up to the last run'}"
                   f"{' fails' if fail else ''}", flush=True)
     else:
-        data["tokens_per_sequence"], data["global_batch"], data["best"] = args.tokens, GLOBAL_BATCH, {}
+        data["tokens_per_sequence"], data["global_batch"], data["best"] = args.tokens, global_batch(args.config), {}
         for variant in args.variants:
             tried, best = search_throughput(runs, variant, args.tokens)
             data["best"][variant] = best and {k: best[k] for k in ("micro_batch", "recompute", "tokens_per_s")}
