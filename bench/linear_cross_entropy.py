@@ -132,7 +132,7 @@ def implementations(args):
         for kind in ("addmm_out_dtype", "triton", "gemm_add")[0 if acc.ADDMM_OUT_DTYPE else 1:]:
             step = functools.partial(into_main_grad)
             step.forced = kind  # stepper() runs it under fp32_accumulation.forced(kind)
-            impls[f"default path (fraction 0.5), {kind}"] = step
+            impls[f"default path (blocks of at most 4 GiB of logits), {kind}"] = step
         for fraction in FRACTIONS:
             impls[f"dial: fraction {fraction}, {acc.kind_for(torch.device('cuda'))}"] = functools.partial(
                 into_main_grad, block_fraction=fraction)
