@@ -1,6 +1,7 @@
 """Peak memory against tokens per micro-batch, one line per variant, from long-context results files.
 
     python bench/plot_long_context.py [RESULTS.json ...] [--out docs/images/long_context_memory.png]
+    python bench/plot_long_context.py [RESULTS.json ...] --table     # the README's table, in Markdown
 
 Each file has the schema of bench/results/2026-12-06_h100_long_context_baseline/long_context.json:
 device, date, project_commit, stack, megatron_args, variants, rows[{tokens_per_micro_batch, variant, rc,
@@ -65,12 +66,38 @@ def plot(paths, out, gpu_gib=80 * 1e9 / GIB):
     return out
 
 
+def _cell(row):
+    if row is None:
+        return ""
+    if row["out_of_memory"]:
+        return "out of memory"
+    steps = [ms for it, ms in row["step_ms"].items() if int(it) > 2]  # the first two include warm-up
+    step = f"{min(steps) / 1000:.1f} s" if min(steps) >= 10000 else f"{min(steps):.0f} ms"
+    return f"{row['peak_allocated_bytes'] / GIB:.1f} GiB, {step}"
+
+
+def table(paths):
+    """Markdown: per tokens per micro-batch, each variant's peak allocated memory and its fastest step after
+    the first two (the by-hand block fractions in one column, F named)."""
+    _, rows = load(paths)
+    at = {(r["tokens_per_micro_batch"], r["variant"]): r for r in rows}
+    lines = ["| tokens per micro-batch | Megatron's CE | `--lm-z-loss-coeff 1e-4` | + `--lm-fused-output-layer` "
+             "| + `--lm-fused-output-layer-block-fraction F` |", "|---|---|---|---|---|"]
+    for tokens in sorted({r["tokens_per_micro_batch"] for r in rows}):
+        hand = [r for (t, v), r in sorted(at.items()) if t == tokens and v.startswith("cez_fol_")]
+        cells = [_cell(at.get((tokens, v))) for v in LINES]
+        cells.append("; ".join(f"F {r['variant'][len('cez_fol_'):]}: {_cell(r)}" for r in hand))
+        lines.append(f"| {tokens} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="*", default=[DEFAULT], help="long_context.json files (same schema)")
     parser.add_argument("--out", default="docs/images/long_context_memory.png")
+    parser.add_argument("--table", action="store_true", help="print the Markdown table instead of drawing")
     args = parser.parse_args(argv)
-    print(plot(args.results, args.out))
+    print(table(args.results) if args.table else plot(args.results, args.out))
 
 
 if __name__ == "__main__":
