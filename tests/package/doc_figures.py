@@ -23,6 +23,10 @@ def _warning(stats, key, threshold):
     return dict(row, median=f"{statistics.median(leads):g}", lo=min(leads), hi=max(leads))
 
 
+def _selfcheck_ok(report):
+    return sum(r["status"] == "ok" for r in report["results"])
+
+
 def _lse(claims, coeff):
     v = claims["lm_lse_iters_3901_4000_lr0.2"][coeff]
     return f"{v['min']:.1f}-{v['max']:.1f}"
@@ -80,4 +84,9 @@ ROWS = [
      "{b:.2f} from iteration 300; the rule dates it at {rule}", CLAIMS,
      lambda c: (lambda r: dict(low=r["lowest"], at=r["lowest_smoothed_loss_step"], a=r["smoothed_loss_300_to_2150"][0],
                                b=r["smoothed_loss_300_to_2150"][1], rule=r["verdict"]["step"]))(c["decoupled_wd_lr0.3"][0])),
+    # docs/ascend.md: the self-check on GPUs (both runs on two H200s; the TP=4 run's printed line is in op_tp/)
+    *[("docs/ascend.md", "TP = 4 on four H100s (2026-11-26, {ok} checks each", source,
+       lambda d: {"ok": _selfcheck_ok(d)} if _selfcheck_ok(d) == len(d["results"]) else {})
+      for source in ("bench/results/2026-11-26_2xh200/gpu_checks_final/selfcheck_1gpu.json",
+                     "bench/results/2026-11-26_2xh200/gpu_checks_final/selfcheck_tp2.json")],
 ]
