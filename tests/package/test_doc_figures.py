@@ -88,3 +88,16 @@ def test_claims_file_is_what_the_script_prints():
             summaries.append(json.load(fh))
     with open(os.path.join(ROOT, "bench", "results", "2026-11-28_zloss_study_4xh200", "claims.json")) as fh:
         assert json.loads(json.dumps(module.claims(summaries))) == json.load(fh)
+
+
+def test_relative_links_resolve():
+    docs = ["README.md", "examples/README.md", "bench/results/README.md"] + [
+        os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")]
+    broken = []
+    for doc in docs:
+        with open(os.path.join(ROOT, doc), encoding="utf-8") as fh:
+            for target in re.findall(r"\]\(([^)#\s]+)", fh.read()):
+                if not target.startswith(("http://", "https://")) and not os.path.exists(
+                        os.path.join(ROOT, os.path.dirname(doc), target)):
+                    broken.append(f"{doc}: {target}")
+    assert not broken
