@@ -13,11 +13,6 @@ import argparse
 import json
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                        "2026-12-06_h100_long_context_baseline", "long_context.json")
 LINES = {"native": ("Megatron's CE", "tab:red"), "cez": ("--lm-z-loss-coeff 1e-4", "tab:blue"),
@@ -32,6 +27,11 @@ def load(paths):
 
 
 def plot(paths, out, gpu_gib=80 * 1e9 / GIB):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     docs, rows = load(paths)
     fig, ax = plt.subplots(figsize=(8, 5))
     for variant, (label, color) in LINES.items():

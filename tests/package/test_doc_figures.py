@@ -22,7 +22,6 @@ def _source(name):
     if name.endswith(".json"):
         with open(os.path.join(ROOT, name)) as fh:
             return json.load(fh)
-    pytest.importorskip("matplotlib")
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", name + ".py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
