@@ -32,6 +32,12 @@ def _lse(claims, coeff):
     return f"{v['min']:.1f}-{v['max']:.1f}"
 
 
+def _earlier(stats, lr, coeff):
+    arms = {a["arm"]["coeff"]: a["verdicts"] for a in stats["arms"] if a["arm"]["lr"] == lr
+            and a["arm"]["wd_mode"] == "none" and a["arm"]["clip"] == 1.0}
+    return [arms[0.0][seed]["step"] - arms[coeff][seed]["step"] for seed in arms[0.0]]
+
+
 def _every_seed(stats, lr):
     arms = [a for a in stats["arms"] if a["arm"]["lr"] == lr and a["arm"]["wd_mode"] == "none"
             and a["arm"]["clip"] == 1.0]
@@ -89,4 +95,7 @@ ROWS = [
        lambda d: {"ok": _selfcheck_ok(d)} if _selfcheck_ok(d) == len(d["results"]) else {})
       for source in ("bench/results/2026-11-26_2xh200/gpu_checks_final/selfcheck_1gpu.json",
                      "bench/results/2026-11-26_2xh200/gpu_checks_final/selfcheck_tp2.json")],
+    # docs/z_loss_training.md, "In short": 1e-3 against c = 0 at learning rate 0.3, seed by seed
+    ("docs/z_loss_training.md", "1e-3 diverged {lo}-{hi} iterations *earlier* than c = 0 in every seed", LONG_STATS,
+     lambda s: (lambda d: {"lo": min(d), "hi": max(d)} if min(d) > 0 else {})(_earlier(s, 0.3, 0.001))),
 ]
