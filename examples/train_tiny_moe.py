@@ -1,6 +1,6 @@
 """Tiny MoE GPT pretraining with megatron-core, the LM loss through the fused CE + z-loss op.
 
-    pip install -e .[examples] && python examples/train_tiny_moe.py          # ~40 s on 2 CPU cores (2 runs x 60 it)
+    pip install -e .[examples] && python examples/train_tiny_moe.py          # 2 runs x 60 iterations
     python examples/train_tiny_moe.py --quick                                 # CI: a few iterations
 
 Two gloo (CPU) or NCCL (GPU) processes, tensor parallel 2 with sequence parallelism, a 2-layer

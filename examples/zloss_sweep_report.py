@@ -781,8 +781,10 @@ def report_long(summaries, out_dir, setting=None):
     grid = fig.add_gridspec(3, max(1, len(top)))
     ax = fig.add_subplot(grid[0, :])
     init = [r["init_loss"] for r in runs if r.get("init_loss")]
-    threshold = sum(init) / len(init) if init else math.log(32768)
-    ax.axhline(threshold, color="red", lw=1, ls="--", label=f"loss at initialization ({threshold:.2f}): diverged above")
+    lo, threshold = (min(init), max(init)) if init else (math.log(32768), math.log(32768))
+    # the rule compares each run with its own loss at initialization: a band over the seeds' values
+    ax.axhspan(lo, threshold, color="red", alpha=0.25, lw=0,
+               label=f"loss at initialization, each seed's own ({lo:.2f}-{threshold:.2f}): a run above its own diverged")
     for i, c in enumerate(coeffs):
         shift = 1 + 0.06 * (i - (len(coeffs) - 1) / 2)
         mine = [r for r in runs if r["coeff"] == c]
@@ -799,11 +801,15 @@ def report_long(summaries, out_dir, setting=None):
                    color=colors[c], s=30)
     ax.set_xscale("log")
     ax.set_xlabel("peak learning rate")
-    horizon = max(zd.horizon_of(r) for r in runs)
-    ax.set_ylabel(f"training loss, iterations {horizon - 100}-{horizon}")
-    ax.set_title(f"hidden {setting[0]}, weight decay {setting[1]}, clip {setting[2]:g}, a {setting[3]}-iteration schedule "
-                 f"judged at iteration {horizon}\nevery seed (open: stopped by the time budget before it, at its last "
-                 "loss; x above the line: diverged by then)", fontsize=8)
+    horizons = {}
+    for r in runs:
+        horizons.setdefault(zd.horizon_of(r), set()).add(r["phase"])
+    horizon = min(horizons)
+    judged = "; ".join(f"{'/'.join(sorted(ph))} runs judged at iteration {h}" for h, ph in sorted(horizons.items()))
+    ax.set_ylabel("training loss, the 100 iterations up to\nthe iteration a run is judged at")
+    ax.set_title(f"hidden {setting[0]}, weight decay {setting[1]}, clip {setting[2]:g}, a {setting[3]}-iteration schedule; "
+                 f"{judged}\nevery seed (open: stopped by the time budget before it, at its last "
+                 "loss; x above the band: diverged by then)", fontsize=8)
     ax.legend(fontsize=7)
     for col, lr in enumerate(top):
         ax_loss, ax_lse = fig.add_subplot(grid[1, col]), fig.add_subplot(grid[2, col])
@@ -814,7 +820,7 @@ def report_long(summaries, out_dir, setting=None):
             steps = [p["step"] for p in pts]
             ax_loss.plot(steps, [p.get("loss") for p in pts], color=colors[r["coeff"]], lw=0.7, alpha=0.8)
             ax_lse.plot(steps, [p.get("lse") for p in pts], color=colors[r["coeff"]], lw=0.7, alpha=0.8)
-        ax_loss.axhline(threshold, color="red", lw=1, ls="--")
+        ax_loss.axhspan(lo, threshold, color="red", alpha=0.25, lw=0)
         ax_loss.set_ylim(0, threshold + 2)  # a diverged run's loss in the hundreds would flatten the rest
         ax_loss.set_title(f"LR {lr:g}: training loss (log line, every 10 iterations)", fontsize=9)
         if horizon < setting[3]:  # the study's horizon (the pilot's runs are judged at their end)

@@ -1,0 +1,104 @@
+"""Peak memory against tokens per micro-batch, one line per variant, from long-context results files.
+
+    python bench/plot_long_context.py [RESULTS.json ...] [--out docs/images/long_context_memory.png]
+    python bench/plot_long_context.py [RESULTS.json ...] --table     # the README's table, in Markdown
+
+Each file has the schema of bench/results/2026-12-06_h100_long_context_baseline/long_context.json:
+device, date, project_commit, stack, megatron_args, variants, rows[{tokens_per_micro_batch, variant, rc,
+out_of_memory, peak_allocated_bytes, step_ms}]. Variants: `native` (Megatron's CE), `cez` (the op),
+`cez_fol` (the fused output layer, default blocks) drawn as lines; `cez_fol_<F>` (block fraction F by
+hand) as points labelled with F. An X marks the size at which a variant ran out of memory.
+"""
+import argparse
+import json
+import os
+
+DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                       "2026-12-06_h100_long_context_baseline", "long_context.json")
+LINES = {"native": ("Megatron's CE", "tab:red"), "cez": ("--lm-z-loss-coeff 1e-4", "tab:blue"),
+         "cez_fol": ("+ --lm-fused-output-layer", "tab:green")}
+GIB = 2 ** 30
+
+
+def load(paths):
+    docs = [json.load(open(p)) for p in paths]
+    rows = [r for d in docs for r in d["rows"]]
+    return docs, rows
+
+
+def plot(paths, out, gpu_gib=80 * 1e9 / GIB):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    docs, rows = load(paths)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for variant, (label, color) in LINES.items():
+        ok = sorted((r["tokens_per_micro_batch"], r["peak_allocated_bytes"] / GIB) for r in rows
+                    if r["variant"] == variant and r["rc"] == 0 and r["peak_allocated_bytes"])
+        if ok:
+            ax.plot([t for t, _ in ok], [m for _, m in ok], "o-", color=color, label=label)
+        for r in rows:
+            if r["variant"] == variant and r["out_of_memory"]:
+                ax.plot(r["tokens_per_micro_batch"], gpu_gib, "x", color=color, markersize=12, mew=3)
+    hand = [r for r in rows if r["variant"].startswith("cez_fol_") and r["rc"] == 0 and r["peak_allocated_bytes"]]
+    for i, r in enumerate(sorted(hand, key=lambda r: r["tokens_per_micro_batch"])):
+        t, m = r["tokens_per_micro_batch"], r["peak_allocated_bytes"] / GIB
+        ax.plot(t, m, "s", color="tab:olive", label="fused layer, block fraction F by hand" if i == 0 else None)
+        ax.annotate("F=" + r["variant"][len("cez_fol_"):], (t, m), textcoords="offset points", xytext=(6, -12))
+    ax.axhline(gpu_gib, color="gray", linestyle="--", linewidth=1)
+    ax.text(min(r["tokens_per_micro_batch"] for r in rows), gpu_gib + 2,
+            "80 GB (the GPU's memory); X: out of memory", color="gray", fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per micro-batch")
+    ax.set_ylabel("peak allocated memory (GiB)")
+    ax.set_ylim(0, gpu_gib + 10)
+    sizes = sorted({r["tokens_per_micro_batch"] for r in rows})
+    ax.set_xticks(sizes, [f"{t // 1024}k" for t in sizes])
+    title = "; ".join(sorted({f"{d['device']}, {d['date']}, commit {d['project_commit']}" for d in docs}))
+    ax.set_title("Peak memory in Megatron's pretrain\n" + title, fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def _cell(row):
+    if row is None:
+        return ""
+    if row["out_of_memory"]:
+        return "out of memory"
+    steps = [ms for it, ms in row["step_ms"].items() if int(it) > 2]  # the first two include warm-up
+    step = f"{min(steps) / 1000:.1f} s" if min(steps) >= 10000 else f"{min(steps):.0f} ms"
+    return f"{row['peak_allocated_bytes'] / GIB:.1f} GiB, {step}"
+
+
+def table(paths):
+    """Markdown: per tokens per micro-batch, each variant's peak allocated memory and its fastest step after
+    the first two (the by-hand block fractions in one column, F named)."""
+    _, rows = load(paths)
+    at = {(r["tokens_per_micro_batch"], r["variant"]): r for r in rows}
+    lines = ["| tokens per micro-batch | Megatron's CE | `--lm-z-loss-coeff 1e-4` | + `--lm-fused-output-layer` "
+             "| + `--lm-fused-output-layer-block-fraction F` |", "|---|---|---|---|---|"]
+    for tokens in sorted({r["tokens_per_micro_batch"] for r in rows}):
+        hand = [r for (t, v), r in sorted(at.items()) if t == tokens and v.startswith("cez_fol_")]
+        cells = [_cell(at.get((tokens, v))) for v in LINES]
+        cells.append("; ".join(f"F {r['variant'][len('cez_fol_'):]}: {_cell(r)}" for r in hand))
+        lines.append(f"| {tokens} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="*", default=[DEFAULT], help="long_context.json files (same schema)")
+    parser.add_argument("--out", default="docs/images/long_context_memory.png")
+    parser.add_argument("--table", action="store_true", help="print the Markdown table instead of drawing")
+    args = parser.parse_args(argv)
+    print(table(args.results) if args.table else plot(args.results, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Where each figure quoted in README.md and docs/ comes from: one row per quoted passage.
+
+A row is ``(doc, passage, source, compute)``: ``compute(data)`` reads the committed results file ``source``
+(its parsed JSON, or the module named) and returns the values the ``passage`` template is formatted with; the
+formatted passage must appear in ``doc`` (whitespace and line breaks ignored). So a figure that drifts from its
+source, or a passage reworded without its row, fails test_doc_figures.py. To quote a new figure: add its row.
+"""
+import statistics
+
+LONG_CONTEXT = "bench/results/2026-12-06_h100_long_context_baseline/long_context.json"
+CLAIMS = "bench/results/2026-11-28_zloss_study_4xh200/claims.json"  # python examples/zloss_claims.py
+LONG_STATS = "bench/results/2026-11-28_zloss_study_4xh200/report_with_pilot/long_stats.json"
+
+
+def _paired(stats, lr, coeff):
+    return next(p for p in stats["paired"] if p["value"] == "tail_loss" and p["arm"]["lr"] == lr
+                and p["arm"]["coeff"] == coeff and p["arm"]["wd_mode"] == "none")
+
+
+def _warning(stats, key, threshold):
+    row = next(r for r in stats["early_warning"][key] if r["threshold"] == threshold)
+    leads = [x for x in row["leads"] if x is not None]
+    return dict(row, median=f"{statistics.median(leads):g}", lo=min(leads), hi=max(leads))
+
+
+def _selfcheck_ok(report):
+    return sum(r["status"] == "ok" for r in report["results"])
+
+
+def _lse(claims, coeff):
+    v = claims["lm_lse_iters_3901_4000_lr0.2"][coeff]
+    return f"{v['min']:.1f}-{v['max']:.1f}"
+
+
+def _earlier(stats, lr, coeff):
+    arms = {a["arm"]["coeff"]: a["verdicts"] for a in stats["arms"] if a["arm"]["lr"] == lr
+            and a["arm"]["wd_mode"] == "none" and a["arm"]["clip"] == 1.0}
+    return [arms[0.0][seed]["step"] - arms[coeff][seed]["step"] for seed in arms[0.0]]
+
+
+def _every_seed(stats, lr):
+    arms = [a for a in stats["arms"] if a["arm"]["lr"] == lr and a["arm"]["wd_mode"] == "none"
+            and a["arm"]["clip"] == 1.0]
+    assert arms and all(len(a["diverged"]) == len(a["seeds"]) for a in arms)
+    return {"coeffs": sorted(a["arm"]["coeff"] for a in arms)}
+
+
+ROWS = [
+    # README: what it buys (the table is the plot script's own output)
+    ("README.md", "{table}", "plot_long_context", lambda m: {"table": m.table([m.DEFAULT])}),
+    ("README.md", "MoE model (4 layers, hidden 2048, vocabulary 151936, full recompute) on one H100 80GB, {date}",
+     LONG_CONTEXT, lambda d: {"date": d["date"]} if "H100 80GB" in d["device"] and "--hidden-size 2048" in
+     d["megatron_args"] and "--num-layers 4" in d["megatron_args"] else {}),
+    # README: choosing the coefficient
+    ("README.md", "(at learning rate 0.3 every seed, every coefficient from 0 to {top})", LONG_STATS,
+     lambda s: {"top": f"{_every_seed(s, 0.3)['coeffs'][-1]:.0e}".replace("e-0", "e-")}),
+    ("README.md", "1e-3 cost about {cost:.2f} nats at a low learning rate", LONG_STATS,
+     lambda s: {"cost": _paired(s, 0.1, 0.001)["mean"]}),
+    ("README.md", "1e-4 changed the training loss by less than the seeds differ", LONG_STATS,
+     lambda s: {} if all(abs(_paired(s, lr, 1e-4)["mean"]) < _paired(s, lr, 1e-4)["ci95"] for lr in (0.1, 0.2))
+     else {"missing": True}),
+    ("README.md", "(mean `lm_lse` about {c0:.1f} without, {c4:.1f} with, at learning rate 0.2)", CLAIMS,
+     lambda c: {"c0": c["lm_lse_iters_3901_4000_lr0.2"]["0.0"]["median"],
+                "c4": c["lm_lse_iters_3901_4000_lr0.2"]["0.0001"]["median"]}),
+    ("README.md", "`lm_lse` above 18 followed in {warned} of {of} and never fired in the {quiet} healthy runs",
+     CLAIMS, lambda c: c["lse_18"]["as_dated_by_rule"] if c["lse_18"]["as_dated_by_rule"]["false_alarms"] == 0
+     else {}),
+    ("README.md", "all healthy ones at learning rate {lr:g} or below", CLAIMS, lambda c: {"lr": c["quiet_runs_max_lr"]}),
+    # docs/z_loss_training.md: the early-warning table, every row
+    *[("docs/z_loss_training.md", f"| {label} | {{warned}} / {{diverged}} | {{median}} ({{lo}}-{{hi}}) | "
+       f"{{false_alarms}} / {{not_diverged}} |", LONG_STATS, lambda s, k=key, t=t: _warning(s, k, t))
+      for label, key, t in [("training loss, 50-iteration mean 1 nat above its lowest", "loss_rise", 1.0),
+                            ("`lm_lse` (mean log Z) >= 18", "lse", 18), ("`lm_lse` >= 16", "lse", 16),
+                            ("`lm_lse_max` >= 100", "lse_max", 100), ("`lm_lse_max` >= 300", "lse_max", 300),
+                            ("`lm_z_loss` >= 0.3 (c > 0 runs)", "z_loss", 0.3), ("`grad norm` >= 50", "grad_norm", 50)]],
+    ("docs/z_loss_training.md", "Dated where the loss passed its initial value, `lm_lse >= 18` warned a median "
+     "{median:g} iterations ahead ({min}-{max})", CLAIMS, lambda c: c["lse_18"]["lr1_dated_when_loss_passed_initial"]),
+    ("docs/z_loss_training.md", "those {runs} runs' loss passed its initial value during warmup (iterations {lo}-{hi}), "
+     "but the rule dates them at {rule}", CLAIMS,
+     lambda c: dict(runs=c["lr1_above_init"]["runs"], lo=min(c["lr1_above_init"]["loss_passed_initial"]),
+                    hi=max(c["lr1_above_init"]["loss_passed_initial"]), rule=c["lr1_above_init"]["dated_by_rule"][0])),
+    ("docs/z_loss_training.md", "36 of the 37 divergences are dated by the rule's `above_init`", CLAIMS,
+     lambda c: {} if (c["verdict_rules"]["above_init"], c["diverged"]) == (36, 37) else {"missing": True}),
+    ("docs/z_loss_training.md", "never fired in a run that did not diverge, over the {lo}-{hi} iterations each ran",
+     CLAIMS, lambda c: dict(zip(("lo", "hi"), c["quiet_runs_iterations"]))),
+    ("docs/z_loss_training.md", "14.2-14.6 at c = 0, {c6} at 1e-6, {c4} at 1e-4 and {c3} at 1e-3", CLAIMS,
+     lambda c: {"c6": _lse(c, "1e-06"), "c4": _lse(c, "0.0001"), "c3": _lse(c, "0.001")}
+     if _lse(c, "0.0") == "14.2-14.6" else {}),
+    ("docs/z_loss_training.md", "its loss reached its lowest, {low:.2f}, at iteration {at} and stayed between {a:.2f} and "
+     "{b:.2f} from iteration 300; the rule dates it at {rule}", CLAIMS,
+     lambda c: (lambda r: dict(low=r["lowest"], at=r["lowest_smoothed_loss_step"], a=r["smoothed_loss_300_to_2150"][0],
+                               b=r["smoothed_loss_300_to_2150"][1], rule=r["verdict"]["step"]))(c["decoupled_wd_lr0.3"][0])),
+    # docs/ascend.md: the self-check on GPUs (both runs on two H200s; the TP=4 run's printed line is in op_tp/)
+    *[("docs/ascend.md", "TP = 4 on four H100s (2026-11-26, {ok} checks each", source,
+       lambda d: {"ok": _selfcheck_ok(d)} if _selfcheck_ok(d) == len(d["results"]) else {})
+      for source in ("bench/results/2026-11-26_2xh200/gpu_checks_final/selfcheck_1gpu.json",
+                     "bench/results/2026-11-26_2xh200/gpu_checks_final/selfcheck_tp2.json")],
+    # docs/z_loss_training.md, "In short": 1e-3 against c = 0 at learning rate 0.3, seed by seed
+    ("docs/z_loss_training.md", "1e-3 diverged {lo}-{hi} iterations *earlier* than c = 0 in every seed", LONG_STATS,
+     lambda s: (lambda d: {"lo": min(d), "hi": max(d)} if min(d) > 0 else {})(_earlier(s, 0.3, 0.001))),
+]
