@@ -147,6 +147,18 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
     return activate(settings)
 
 
+def _with_environment(**given):
+    """apply()'s backends: each argument, else its variable's value (:func:`.settings.backends_from_environment`)."""
+    from_environment = _settings.backends_from_environment()
+    variables = {"backend": _settings.BACKEND_ENV, "linear_backend": _settings.LINEAR_BACKEND_ENV}
+    for field, value in given.items():
+        set_value = from_environment[field]
+        if value is not None and set_value is not None and value != set_value:
+            raise ValueError(f"apply({field}={value!r}) and {variables[field]}={set_value!r} disagree: "
+                             "keep one (drop the argument or unset the variable)")
+    return tuple(given[field] or from_environment[field] for field in ("backend", "linear_backend"))
+
+
 def _check_megatron_args(settings):
     args = megatron_args()
     if args is not None:
@@ -421,18 +433,6 @@ def registered_with_mindspeed():
 
 
 # ---------------------------------------------------------------------------------------------
-def _with_environment(**given):
-    """apply()'s backends: each argument, else its variable's value (:func:`.settings.backends_from_environment`)."""
-    from_environment = _settings.backends_from_environment()
-    variables = {"backend": _settings.BACKEND_ENV, "linear_backend": _settings.LINEAR_BACKEND_ENV}
-    for field, value in given.items():
-        set_value = from_environment[field]
-        if value is not None and set_value is not None and value != set_value:
-            raise ValueError(f"apply({field}={value!r}) and {variables[field]}={set_value!r} disagree: "
-                             "keep one (drop the argument or unset the variable)")
-    return tuple(given[field] or from_environment[field] for field in ("backend", "linear_backend"))
-
-
 # the adaptor's import (mindspeed_cez.megatron_adaptor)
 # ---------------------------------------------------------------------------------------------
 
