@@ -65,3 +65,19 @@ def test_triton_on_the_cpu_interpreter_stays_allowed():
         pytest.skip("Triton does not import here")
     assert environment.read_backends({"MINDSPEED_CEZ_BACKEND": "triton", "TRITON_INTERPRET": "1"}) == {
         "backend": "triton", "linear_backend": None}
+
+
+def test_the_selfcheck_marks_the_variables_choice_as_what_a_run_uses(monkeypatch):
+    import torch
+
+    from mindspeed_cez import selfcheck_cases
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if environment.triton_cannot_run({"TRITON_INTERPRET": "1"}):
+        pytest.skip("Triton does not import here")
+    cpu = torch.device("cpu")
+    assert dict(selfcheck_cases.ce_backends(cpu, 1)) == {"triton": False, "torch": True}  # automatic on a CPU
+    chosen = environment.read_backends({"MINDSPEED_CEZ_BACKEND": "triton", "TRITON_INTERPRET": "1"})
+    assert dict(selfcheck_cases.ce_backends(cpu, 1, chosen)) == {"triton": True, "torch": False}
+    used = [(lb, ce) for lb, _, ce, auto in selfcheck_cases.linear_variants(cpu, 1, chosen) if auto]
+    assert used == [("gemm", "triton")]
