@@ -1,7 +1,7 @@
 """Peak memory against tokens per micro-batch, one line per variant, from long-context results files.
 
     python bench/plot_long_context.py [RESULTS.json ...] [--out docs/images/long_context_memory.png]
-    python bench/plot_long_context.py [RESULTS.json ...] --table     # the README's table, in Markdown
+    python bench/plot_long_context.py [RESULTS.json ...] --table     # docs/performance.md's table, in Markdown
 
 Each file has the schema of bench/results/2026-12-06_h100_long_context_baseline/long_context.json:
 device, date, project_commit, stack, megatron_args, variants, rows[{tokens_per_micro_batch, variant, rc,
@@ -12,9 +12,10 @@ hand) as points labelled with F. An X marks the size at which a variant ran out 
 import argparse
 import json
 import os
+import statistics
 
 DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                       "2026-12-06_h100_long_context_baseline", "long_context.json")
+                       "2026-12-06_h100_long_context", "long_context.json")
 LINES = {"native": ("Megatron's CE", "tab:red"), "cez": ("--lm-z-loss-coeff 1e-4", "tab:blue"),
          "cez_fol": ("+ --lm-fused-output-layer", "tab:green")}
 GIB = 2 ** 30
@@ -54,8 +55,8 @@ def plot(paths, out, gpu_gib=80 * 1e9 / GIB):
     ax.set_xlabel("tokens per micro-batch")
     ax.set_ylabel("peak allocated memory (GiB)")
     ax.set_ylim(0, gpu_gib + 10)
-    sizes = sorted({r["tokens_per_micro_batch"] for r in rows})
-    ax.set_xticks(sizes, [f"{t // 1024}k" for t in sizes])
+    sizes = sorted({t for t in (r["tokens_per_micro_batch"] for r in rows) if t & (t - 1) == 0})
+    ax.set_xticks(sizes, [f"{t // 1024}k" for t in sizes])  # powers of two: the bisected sizes lie between
     title = "; ".join(sorted({f"{d['device']}, {d['date']}, commit {d['project_commit']}" for d in docs}))
     ax.set_title("Peak memory in Megatron's pretrain\n" + title, fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
@@ -66,28 +67,32 @@ def plot(paths, out, gpu_gib=80 * 1e9 / GIB):
     return out
 
 
+def step_ms(row):
+    """The median step after the first two (warm-up); with two steps or fewer, the last."""
+    steps = [ms for _, ms in sorted(row["step_ms"].items(), key=lambda kv: int(kv[0]))]
+    return statistics.median(steps[2:]) if len(steps) > 2 else steps[-1]
+
+
 def _cell(row):
     if row is None:
         return ""
+    cited = "*" if "baseline" in row.get("source", "") else ""  # a row cited from an earlier run
     if row["out_of_memory"]:
-        return "out of memory"
-    steps = [ms for it, ms in row["step_ms"].items() if int(it) > 2]  # the first two include warm-up
-    step = f"{min(steps) / 1000:.1f} s" if min(steps) >= 10000 else f"{min(steps):.0f} ms"
-    return f"{row['peak_allocated_bytes'] / GIB:.1f} GiB, {step}"
+        return "out of memory" + cited
+    step = step_ms(row)
+    step = f"{step / 1000:.1f} s" if step >= 10000 else f"{step:.0f} ms"
+    return f"{row['peak_allocated_bytes'] / GIB:.1f} GiB, {step}{cited}"
 
 
 def table(paths):
-    """Markdown: per tokens per micro-batch, each variant's peak allocated memory and its fastest step after
-    the first two (the by-hand block fractions in one column, F named)."""
+    """Markdown: per tokens per micro-batch, each variant's peak allocated memory and its median step after
+    the first two (``step_ms``); * marks a row cited from an earlier run (its ``source``)."""
     _, rows = load(paths)
-    at = {(r["tokens_per_micro_batch"], r["variant"]): r for r in rows}
-    lines = ["| tokens per micro-batch | Megatron's CE | `--lm-z-loss-coeff 1e-4` | + `--lm-fused-output-layer` "
-             "| + `--lm-fused-output-layer-block-fraction F` |", "|---|---|---|---|---|"]
-    for tokens in sorted({r["tokens_per_micro_batch"] for r in rows}):
-        hand = [r for (t, v), r in sorted(at.items()) if t == tokens and v.startswith("cez_fol_")]
-        cells = [_cell(at.get((tokens, v))) for v in LINES]
-        cells.append("; ".join(f"F {r['variant'][len('cez_fol_'):]}: {_cell(r)}" for r in hand))
-        lines.append(f"| {tokens} | " + " | ".join(cells) + " |")
+    at = {(r["tokens_per_micro_batch"], r["variant"]): r for r in rows if r.get("micro_batch", 1) == 1}
+    lines = ["| tokens per micro-batch | Megatron's CE | `--lm-z-loss-coeff 1e-4` (the op) | "
+             "`+ --lm-fused-output-layer` |", "|---|---|---|---|"]
+    for tokens in sorted({t for t, v in at if v in LINES}):
+        lines.append(f"| {tokens} | " + " | ".join(_cell(at.get((tokens, v))) for v in LINES) + " |")
     return "\n".join(lines)
 
 

@@ -1,20 +1,25 @@
-"""Tiny MoE GPT pretraining with megatron-core, the LM loss through the fused CE + z-loss op.
+"""Tiny MoE GPT pretraining with megatron-core, z-loss turned on by the flag ``--lm-z-loss-coeff``.
 
-    pip install -e .[examples] && python examples/train_tiny_moe.py          # 2 runs x 60 iterations
-    python examples/train_tiny_moe.py --quick                                 # CI: a few iterations
+    python -m mindspeed_cez.launch examples/train_tiny_moe.py --lm-z-loss-coeff 1e-2          # 2 runs x 60 it
+    python -m mindspeed_cez.launch examples/train_tiny_moe.py --lm-z-loss-coeff 1e-2 --quick  # CI: 6 it each
+
+Launched as a Megatron entry script is (``python -m mindspeed_cez.launch``: the adaptor's import checks
+the ``--lm-*`` flags and ``MINDSPEED_CEZ_*`` variables first); the flags are then read and validated
+by the same functions as on Megatron-LM's route (:func:`mindspeed_cez.patches.arguments.parse_command_line`,
+:func:`~mindspeed_cez.patches.arguments.validate`) and their Settings activated in each rank.
 
 Two gloo (CPU) or NCCL (GPU) processes, tensor parallel 2 with sequence parallelism, a 2-layer
 GPT with 4 experts (top-2) on synthetic data (a fixed random bigram language, so the loss can
-fall). The script trains the same model from the same seed once per z-loss coefficient
-(default: 0, i.e. the fused kernel without z-loss, and 1e-2) with
-``mindspeed_cez.patches.apply(z_loss_coeff=c, log_lse=True)``, prints Megatron-style log lines
-with ``lm loss`` (the CE), ``load_balancing_loss`` and ``lm_z_loss`` (Megatron's MoE report and the
-adaptor's metrics) and writes ``out/tiny_moe_zloss.png``: lm loss, lm_z_loss and mean lse per
-iteration for each run.
+fall). The script trains the same model from the same seed twice: first the fused kernel without
+z-loss (the flags' Settings with coefficient 0, for comparison), then with the flags' Settings.
+Each rank 0 prints Megatron-style log lines with ``lm loss`` (the CE), ``load_balancing_loss`` and
+``lm_z_loss`` (Megatron's MoE report and the adaptor's metrics, :mod:`mindspeed_cez.patches.reporting`);
+the script writes ``out/tiny_moe_zloss.png``: lm loss, lm_z_loss and mean lse per iteration for
+each run (``lm_lse`` is always logged here, as ``--lm-z-loss-log-lse`` would).
 
 Why 1e-2: the usual 1e-4 (PaLM) barely moves the log-sum-exp in a few dozen steps of a tiny
 model; 1e-2 makes the z-loss pull the log-sum-exp towards 0 visibly within the run while the
-lm loss stays close to the run without z-loss. ``--coeffs 0 1e-4 1e-2`` compares all three.
+lm loss stays close to the run without z-loss.
 
 On a machine with GPUs the same script uses them (NCCL, the Triton kernels; the CPU mode stays off).
 """
@@ -31,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 VOCAB, SEQ, MICRO_BATCH, LAYERS, EXPERTS = 512, 32, 4, 2, 4
+LR = 3e-3
 
 
 def quiet_megatron_warnings():
@@ -88,7 +94,15 @@ def synthetic_batches(seed, device):
         yield tokens, labels, loss_mask
 
 
-def train_one(rank, world_size, coeff, iters, out_json):
+def log_line(it, iters, ms, losses):
+    """Megatron's ``training_log`` line (its fields and formats; one micro-batch, no loss scaling)."""
+    return (f" iteration {it:8d}/{iters:8d} | consumed samples: {it * MICRO_BATCH:12d} |"
+            f" elapsed time per iteration (ms): {ms:.1f} | learning rate: {LR:.6E} | global batch size: {MICRO_BATCH:5d} |"
+            + "".join(f" {name}: {value:.6E} |" for name, value in losses.items())
+            + " loss scale: 1.0 | number of skipped iterations:   0 | number of nan iterations:   0 |")
+
+
+def train_one(rank, world_size, settings, iters, out_json):
     import torch
     import torch.distributed as dist
 
@@ -99,9 +113,9 @@ def train_one(rank, world_size, coeff, iters, out_json):
     use_cpu = not torch.cuda.is_available()
     device = torch.device("cpu") if use_cpu else torch.device("cuda", torch.cuda.current_device())
     model = build(world_size, use_cpu)
-    patches.apply(z_loss_coeff=coeff, log_lse=True)
+    patches.activate(settings)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     mask = local_gpt.causal_attention_mask(SEQ, device)
     position_ids = torch.arange(SEQ, device=device).unsqueeze(0).expand(MICRO_BATCH, SEQ)
     batches = synthetic_batches(0, device)  # same data on both TP ranks
@@ -121,13 +135,7 @@ def train_one(rank, world_size, coeff, iters, out_json):
         row = {"iteration": it, "lm loss": lm_loss, **scalars}
         history.append(row)
         if rank == 0:
-            print(
-                f" iteration {it:8d}/{iters:8d} | elapsed time per iteration (ms): {1000 * (time.time() - start):.1f} |"
-                f" lm loss: {lm_loss:.6E} | load_balancing_loss: {scalars['load_balancing_loss']:.6E} |"
-                f" lm_z_loss: {scalars.get('lm_z_loss', 0.0):.6E} | lm_lse: {scalars['lm_lse']:.4f} |"
-                f" z_loss_coeff: {coeff:g} |",
-                flush=True,
-            )
+            print(log_line(it, iters, 1000 * (time.time() - start), {"lm loss": lm_loss, **scalars}), flush=True)
     patches.remove()
     if rank == 0:
         with open(out_json, "w") as f:
@@ -135,14 +143,32 @@ def train_one(rank, world_size, coeff, iters, out_json):
     dist.barrier()
 
 
+def read_flags(parser, argv):
+    """The demo's own options and the ``--lm-*`` flags' Namespace, read and validated as on Megatron-LM's
+    route (:mod:`mindspeed_cez.patches.arguments`); a bad value or a missing flag: one line, exit 2."""
+    from mindspeed_cez.patches import arguments
+
+    own, rest = parser.parse_known_args(argv)
+    leftover = arguments.add_lm_z_loss_args(argparse.ArgumentParser(add_help=False)).parse_known_args(rest)[1]
+    if leftover:
+        parser.error(f"unrecognized arguments: {' '.join(leftover)}")
+    if "mindspeed_cez.megatron_adaptor" not in sys.modules:
+        parser.error("launch it as a Megatron script: python -m mindspeed_cez.launch examples/train_tiny_moe.py "
+                     "--lm-z-loss-coeff 1e-2")
+    flags = arguments.parse_command_line(rest)
+    settings = arguments.validate(flags)
+    if settings is None or settings.z_loss_coeff == 0:
+        parser.error(f"{arguments.FLAG_COEFF} C > 0 is what this demo shows: add {arguments.FLAG_COEFF} 1e-2")
+    return own, flags
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)  # as Megatron's
     parser.add_argument("--iters", type=int, default=60)
     parser.add_argument("--quick", action="store_true", help="6 iterations per run (CI)")
-    parser.add_argument("--coeffs", type=float, nargs="+", default=[0.0, 1e-2], help="z-loss coefficients, one run each")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "out"))
-    args = parser.parse_args(argv)
+    args, flags = read_flags(parser, sys.argv[1:] if argv is None else argv)
     iters = 6 if args.quick else args.iters
 
     import torch
@@ -153,11 +179,14 @@ def main(argv=None):
     runs = {}
     t0 = time.time()
     with tempfile.TemporaryDirectory() as rendezvous:
-        for coeff in args.coeffs:
-            print(f"== run: z_loss_coeff={coeff:g}, TP={args.tp}, backend={backend}, {iters} iterations", flush=True)
+        for baseline in (True, False):
+            coeff = 0.0 if baseline else flags.lm_z_loss_coeff
+            what = "without z-loss (for comparison)" if baseline else f"--lm-z-loss-coeff {coeff:g}"
+            print(f"== run: {what}, TP={args.tp}, backend={backend}, {iters} iterations", flush=True)
             path = os.path.join(args.out, f"tiny_moe_c{coeff:g}.json")
             init = "file://" + os.path.join(rendezvous, f"c{coeff:g}")  # the ranks meet through a fresh file
-            torch.multiprocessing.spawn(_entry, args=(args.tp, init, backend, coeff, iters, path), nprocs=args.tp)
+            torch.multiprocessing.spawn(_entry, args=(args.tp, init, backend, flags, baseline, iters, path),
+                                        nprocs=args.tp)
             with open(path) as f:
                 runs[coeff] = json.load(f)
     print(f"wall time: {time.time() - t0:.1f} s")
@@ -171,7 +200,16 @@ def main(argv=None):
     return runs
 
 
-def _entry(rank, world_size, init_method, backend, coeff, iters, out_json):
+def rank_settings(flags, baseline):
+    """This rank's Settings: the flags' (validated again in this process, as each Megatron rank does),
+    with the mean lse logged for the plot; ``baseline``: the same with coefficient 0."""
+    from mindspeed_cez.patches import arguments
+
+    settings = arguments.validate(flags).replace(log_lse=True)
+    return settings.replace(z_loss_coeff=0.0) if baseline else settings
+
+
+def _entry(rank, world_size, init_method, backend, flags, baseline, iters, out_json):
     """One rank (a process of torch.multiprocessing.spawn): join the group, train, leave."""
     quiet_megatron_warnings()
     import torch
@@ -182,7 +220,7 @@ def _entry(rank, world_size, init_method, backend, coeff, iters, out_json):
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     try:
-        train_one(rank, world_size, coeff, iters, out_json)
+        train_one(rank, world_size, rank_settings(flags, baseline), iters, out_json)
     finally:
         dist.destroy_process_group()
 

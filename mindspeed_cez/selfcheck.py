@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.kernels import cann
+from mindspeed_cez.environment import read_backends
 from mindspeed_cez.selfcheck_cases import REAL_VOCAB, absent_backends, ce_backends, linear_variants, sizes
 from mindspeed_cez.selfcheck_report import environment, table
 
@@ -259,8 +260,9 @@ def _max_over_ranks(values, device, group):
     return t.tolist()
 
 
-def run(args, device, group=None):
-    """Every check; a list of result dicts (identical on every rank)."""
+def run(args, device, group=None, chosen=None):
+    """Every check; a list of result dicts (identical on every rank). ``chosen``: the variables'
+    backends (:func:`mindspeed_cez.environment.read_backends`): the ``auto`` column marks what a run uses."""
     world = dist.get_world_size(group) if group is not None else 1
     dtypes = args.dtypes or (["fp32", "bf16"] if device.type == "cpu" else ["fp32", "bf16", "fp16"])
     results = []
@@ -269,8 +271,8 @@ def run(args, device, group=None):
         for dtype_name in dtypes:
             dtype = DTYPES[dtype_name]
             cases = [("vocab_parallel_cross_entropy_zloss", b, None, None, auto)
-                     for b, auto in ce_backends(device, world)]
-            cases += [("linear_cross_entropy_zloss", lb, g, ce, auto) for lb, g, ce, auto in linear_variants(device, world)]
+                     for b, auto in ce_backends(device, world, chosen)]
+            cases += [("linear_cross_entropy_zloss", lb, g, ce, auto) for lb, g, ce, auto in linear_variants(device, world, chosen)]
             for op, backend, grads, ce_backend, auto in cases:
                 interpreted = device.type == "cpu" and "triton" in (backend, ce_backend)
                 row = {"op": op, "backend": backend or "auto", "ce_backend": ce_backend, "grads": grads, "auto": auto,
@@ -345,6 +347,10 @@ def parse_args(argv=None):
 def main(argv=None, group=None):
     """Run, print the table (rank 0), write --json; returns the exit status (0: all passed)."""
     args = parse_args(argv)
+    try:  # the MINDSPEED_CEZ_* variables, checked as on every route; set, they mark the rows a run uses
+        chosen = read_backends()
+    except ValueError as err:
+        sys.exit(f"selfcheck: error: {err}")
     device = current_device()
     created = group is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     if created:  # under torchrun: the group this run makes, and destroys at its end
@@ -356,7 +362,7 @@ def main(argv=None, group=None):
     if 1000 % world or REAL_VOCAB % world:
         sys.exit(f"selfcheck: the small vocab (1000) and 151936 must divide by the world size, got {world}")
     info = environment(device)
-    results = run(args, device, group if world > 1 else None)
+    results = run(args, device, group if world > 1 else None, chosen)
     absent = absent_backends(device, world)
     ok = all(r["status"] != "FAIL" for r in results)
     if rank == 0:

@@ -16,9 +16,11 @@ def _triton_runs_on(device):
     return device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def ce_backends(device, world_size):
-    """[(name, picked automatically)] for ``vocab_parallel_cross_entropy_zloss`` here."""
-    auto = "torch" if kernels.backend_for(device) is kernels.torch_reference else "triton"
+def ce_backends(device, world_size, chosen=None):
+    """[(name, what a run uses)] for ``vocab_parallel_cross_entropy_zloss`` here: the automatic pick, or
+    ``chosen["backend"]`` (MINDSPEED_CEZ_BACKEND) where set."""
+    auto = (chosen or {}).get("backend") or (
+        "torch" if kernels.backend_for(device) is kernels.torch_reference else "triton")
     names = ["triton"] if _triton_runs_on(device) else []
     names.append("torch")
     if device.type == "npu" and world_size == 1 and cann.available():
@@ -43,12 +45,13 @@ def absent_backends(device, world_size):
     return out
 
 
-def linear_variants(device, world_size):
+def linear_variants(device, world_size, chosen=None):
     """[(linear_backend, grads, cross-entropy backend, picked automatically)] for
-    ``linear_cross_entropy_zloss`` here: the GEMM projection with each cross-entropy backend that
+    ``linear_cross_entropy_zloss`` here (``chosen``: as for :func:`ce_backends`): the GEMM projection with each cross-entropy backend that
     takes vocab partials (not ``cann``), the Triton projection, and ``grads="forward"``."""
-    auto = "gemm" if isinstance(kernels.linear_backend_for(device), ChunkedLinear) else "triton"
-    auto_ce = [name for name, picked in ce_backends(device, world_size) if picked][0]
+    auto = (chosen or {}).get("linear_backend") or (
+        "gemm" if isinstance(kernels.linear_backend_for(device), ChunkedLinear) else "triton")
+    auto_ce = ([name for name, picked in ce_backends(device, world_size, chosen) if picked] or [None])[0]
     out = [("gemm", "recompute", ce, auto == "gemm" and ce == auto_ce)
            for ce, _ in ce_backends(device, world_size) if ce != cann.NAME]
     if _triton_runs_on(device):

@@ -123,7 +123,10 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
             block of logits takes (None, with no ``block_fraction``: 4 GiB).
         block_fraction: the same dial as the op's ``block_fraction``, the share of the tokens one
             block takes (0.125 the lean setting); pass one of the two.
-        backend, linear_backend: the ops' ``backend`` / ``linear_backend`` (None: automatic per device).
+        backend, linear_backend: the ops' ``backend`` / ``linear_backend``; None: ``MINDSPEED_CEZ_BACKEND`` /
+            ``MINDSPEED_CEZ_LINEAR_BACKEND`` where set, else automatic per device. The variables are read and
+            checked as on every route (:func:`mindspeed_cez.environment.read_backends`); an argument that
+            disagrees with a set variable is a ``ValueError`` naming both.
 
     Runs the startup checks of the flag path (MindSpeed-LLM's modes that bypass the fused kernel,
     :func:`.arguments.check_mindspeed_llm_args`) on Megatron's parsed arguments when there are some; with
@@ -134,6 +137,7 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
     naming ``pip install megatron-core``.
     """
     require_megatron_core()
+    backend, linear_backend = _with_environment(backend=backend, linear_backend=linear_backend)
     if logit_transform is None:
         args = megatron_args()
         logit_transform = None if args is None else arguments.mindspeed_llm_logit_transform(args)
@@ -144,6 +148,18 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
                         grads=grads, logit_transform=logit_transform, backend=backend, linear_backend=linear_backend,
                         block_fraction=block_fraction, block_bytes=block_bytes)
     return activate(settings)
+
+
+def _with_environment(**given):
+    """apply()'s backends: each argument, else its variable's value (:func:`.settings.backends_from_environment`)."""
+    from_environment = _settings.backends_from_environment()
+    variables = {"backend": _settings.BACKEND_ENV, "linear_backend": _settings.LINEAR_BACKEND_ENV}
+    for field, value in given.items():
+        set_value = from_environment[field]
+        if value is not None and set_value is not None and value != set_value:
+            raise ValueError(f"apply({field}={value!r}) and {variables[field]}={set_value!r} disagree: "
+                             "keep one (drop the argument or unset the variable)")
+    return tuple(given[field] or from_environment[field] for field in ("backend", "linear_backend"))
 
 
 def _check_megatron_args(settings):

@@ -45,7 +45,7 @@ from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
 from mindspeed_cez.linear_cross_entropy import GRADS
 from mindspeed_cez.patches import launch_checks
-from mindspeed_cez.patches.settings import BACKEND_ENV, LINEAR_BACKEND_ENV, Settings, backends_from_environment
+from mindspeed_cez.patches.settings import Settings, backends_from_environment
 
 FLAG_COEFF = "--lm-z-loss-coeff"
 FLAG_FUSED = "--lm-fused-ce"
@@ -426,11 +426,11 @@ FLAGS = (FLAG_COEFF, FLAG_FUSED, FLAG_NO_FUSED, FLAG_LOG_LSE, FLAG_OUTPUT_LAYER,
 
 def check_launch(argv, environ=None):
     """What the adaptor's import checks whatever the flags turn on (:mod:`.launch_checks`): an unknown
-    ``--lm-*`` option (the closest flag named), ``--lm-fused-ce`` with ``--no-lm-fused-ce``, an unknown
-    ``MINDSPEED_CEZ_*`` variable or a bad value of one. Each is an argument error (one line, exit 2)."""
+    ``--lm-*`` option or underscore spelling (the closest flag named), ``--lm-fused-ce`` with
+    ``--no-lm-fused-ce``, and the ``MINDSPEED_CEZ_*`` variables as every route checks them
+    (:func:`mindspeed_cez.environment.read_backends`). Each is an argument error (one line, exit 2)."""
     environ = os.environ if environ is None else environ
-    message = (launch_checks.flag_error(argv, FLAGS)
-               or launch_checks.variable_error((BACKEND_ENV, LINEAR_BACKEND_ENV), environ))
+    message = launch_checks.flag_error(argv, FLAGS)
     if message is None:
         try:
             backends_from_environment(environ)

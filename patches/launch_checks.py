@@ -7,7 +7,9 @@ checks ``sys.argv`` and the environment (:func:`.arguments.check_launch`), whate
 * an unknown ``--lm-*`` option (a typo, or an abbreviation: Megatron's parser takes none, its
   ``allow_abbrev=False``) is refused naming the closest flag, before Megatron's usage dump;
 * ``--lm-fused-ce`` with ``--no-lm-fused-ce`` is refused (argparse would keep the last silently);
-* an unknown ``MINDSPEED_CEZ_*`` variable, or a bad value of a known one, is refused naming it.
+* an unknown ``--lm-*`` option spelled with underscores (``--lm_z_loss_coeff``) likewise;
+* an unknown ``MINDSPEED_CEZ_*`` variable, a bad value of a known one, or a backend that cannot run
+  here is refused naming it (:func:`mindspeed_cez.environment.read_backends`, the same on every route).
 
 :func:`report` prints a refusal as argparse does (``SCRIPT: error: ...``) from the first process only
 (``RANK`` 0, else ``LOCAL_RANK`` 0, else a process without either), so that a ``torchrun`` of N ranks
@@ -25,7 +27,6 @@ import sys
 import time
 
 PREFIXES = ("--lm-", "--no-lm-")
-ENV_PREFIX = "MINDSPEED_CEZ_"
 CONTRADICTIONS = (("--lm-fused-ce", "--no-lm-fused-ce"),)
 
 
@@ -40,25 +41,13 @@ def flag_error(argv, known_flags):
     argv = list(argv)
     if "--" in argv:
         argv = argv[:argv.index("--")]
-    names = [token.split("=", 1)[0] for token in argv if token.startswith(PREFIXES)]
+    names = [token.split("=", 1)[0] for token in argv if token.replace("_", "-").startswith(PREFIXES)]
     for name in names:
-        if name not in known_flags:
-            return f"unrecognized argument {name}: {_closest(name, list(known_flags))}"
+        if name not in known_flags:  # underscores are typos too: Megatron's flags take hyphens
+            return f"unrecognized argument {name}: {_closest(name.replace('_', '-'), list(known_flags))}"
     for first, second in CONTRADICTIONS:
         if first in names and second in names:
             return f"{first} and {second} contradict each other: keep one"
-    return None
-
-
-def variable_error(known_variables, environ=None):
-    """The one-line refusal of an unknown ``MINDSPEED_CEZ_*`` variable in ``environ``, or None (the
-    known variables' values are checked by :func:`.settings.backends_from_environment`)."""
-    environ = os.environ if environ is None else environ
-    for variable in sorted(environ):
-        if variable.startswith(ENV_PREFIX) and variable not in known_variables:
-            match = difflib.get_close_matches(variable, list(known_variables), n=1, cutoff=0.6)
-            hint = f"did you mean {match[0]}?" if match else "the variables: " + ", ".join(known_variables)
-            return f"unknown environment variable {variable}: {hint}"
     return None
 
 

@@ -7,15 +7,15 @@ made by :func:`while_active`: it reads :data:`ACTIVE` on each call; ``None`` mea
 Megatron" (the original function runs), a :class:`Settings` "use the fused op with these settings",
 handed to the wrapper as its first argument.
 
-:func:`backends_from_environment` is the one place that reads the launch script's overrides of the
-kernels (``MINDSPEED_CEZ_BACKEND``, ``MINDSPEED_CEZ_LINEAR_BACKEND``), for the flags' settings.
+:func:`backends_from_environment` (:func:`mindspeed_cez.environment.read_backends`, the one reader of
+``MINDSPEED_CEZ_BACKEND`` / ``MINDSPEED_CEZ_LINEAR_BACKEND`` on every route) gives the flags' backends.
 """
 
 import functools
-import os
 from typing import Optional
 
-from mindspeed_cez import kernels
+from mindspeed_cez import environment, kernels
+from mindspeed_cez.environment import BACKEND_ENV, LINEAR_BACKEND_ENV  # noqa: F401 (public names)
 from mindspeed_cez.kernels import cann
 from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
 from mindspeed_cez.kernels.loss_spec import LossSpec
@@ -27,8 +27,8 @@ LM_LSE = "lm_lse"
 LM_LSE_MAX = "lm_lse_max"
 
 BACKENDS = kernels.BACKENDS  # "cann": torch_npu's op, where the vocab is not sharded
-BACKEND_ENV = "MINDSPEED_CEZ_BACKEND"
-LINEAR_BACKEND_ENV = "MINDSPEED_CEZ_LINEAR_BACKEND"
+# the one reader of the MINDSPEED_CEZ_* variables, for the flags' settings (and apply(), the self-check)
+backends_from_environment = environment.read_backends
 
 
 class Settings:
@@ -164,23 +164,6 @@ class Settings:
         if self.log_lse:
             names += [LM_LSE, LM_LSE_MAX]
         return names
-
-
-def backends_from_environment(environ=os.environ):
-    """``{"backend": ..., "linear_backend": ...}`` from a launch script's environment (unset or empty:
-    None, automatic); a bad name, or ``cann`` where torch_npu's op does not import, is a ``ValueError``
-    naming the variable."""
-    chosen = {}
-    for field, variable, names in (("backend", BACKEND_ENV, BACKENDS),
-                                   ("linear_backend", LINEAR_BACKEND_ENV, tuple(kernels.LINEAR_BACKENDS))):
-        value = environ.get(variable) or None
-        if value not in (None, *names):
-            raise ValueError(f"{variable}={value!r}: choose one of {names} (or leave it unset: automatic)")
-        chosen[field] = value
-    if chosen["backend"] == cann.NAME and not cann.available():
-        raise ValueError(f"{BACKEND_ENV}=cann needs torch_npu with npu_cross_entropy_loss (Ascend NPUs, CANN), which "
-                         "does not import here: unset it (automatic) or choose triton or torch")
-    return chosen
 
 
 # Global: Megatron calls the patched functions without a handle to the adaptor, so they read it here.

@@ -74,7 +74,7 @@ sys.exit(f"no test passed in: {' '.join(idle)}" if idle else 0)
 PY
 
 if [ "$GPUS" -ge 2 ]; then  # the demo and the Megatron-LM style launch run TP=2, one rank per GPU
-    step "main job on GPUs (quick)" 150 60 "$OUT/train_tiny_moe_gpu.log" 15 python3 examples/train_tiny_moe.py --quick
+    step "main job on GPUs (quick)" 150 60 "$OUT/train_tiny_moe_gpu.log" 15 python3 -m mindspeed_cez.launch examples/train_tiny_moe.py --lm-z-loss-coeff 1e-2 --quick
     step "Megatron-LM style launch, TP=2 over NCCL" 200 90 "$OUT/megatron_lm_moe_gpu.log" 15 \
         env PYTHON=python3 TRAIN_ITERS=10 bash examples/run_megatron_lm_moe.sh
 else

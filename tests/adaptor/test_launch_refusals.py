@@ -21,6 +21,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--x", "1", "--no-lm-fused"], "unrecognized argument --no-lm-fused: did you mean --no-lm-fused-ce?"),
     (["--lm-fused-output-layer-block-frac", "0.5"], "unrecognized argument --lm-fused-output-layer-block-frac: "
                                                     "did you mean --lm-fused-output-layer-block-fraction?"),
+    (["--lm_z_loss_coeff", "1e-4"], "unrecognized argument --lm_z_loss_coeff: did you mean --lm-z-loss-coeff?"),
+    (["--no_lm_fused_ce"], "unrecognized argument --no_lm_fused_ce: did you mean --no-lm-fused-ce?"),
+    (["--lm-fused_ce"], "unrecognized argument --lm-fused_ce: did you mean --lm-fused-ce?"),
     (["--lm-fused-ce", "--no-lm-fused-ce"], "--lm-fused-ce and --no-lm-fused-ce contradict each other: keep one"),
     (["--no-lm-fused-ce", "--lm-z-loss-coeff", "0", "--lm-fused-ce"],
      "--lm-fused-ce and --no-lm-fused-ce contradict each other: keep one"),
@@ -89,6 +92,8 @@ def test_a_typo_or_a_bad_variable_stops_the_process_before_the_script(script, ho
     """The launcher, or the import in the script: exit status 2, the one line and nothing else."""
     cases = [(["--lm-zloss-coeff", "1e-4"], {},
               "unrecognized argument --lm-zloss-coeff: did you mean --lm-z-loss-coeff?"),
+             (["--lm_z_loss_coeff", "1e-4"], {},
+              "unrecognized argument --lm_z_loss_coeff: did you mean --lm-z-loss-coeff?"),
              ([], {"MINDSPEED_CEZ_BACKEND": "cuda"},
               "MINDSPEED_CEZ_BACKEND='cuda': choose one of ('torch', 'triton', 'cann') (or leave it unset: automatic)"),
              (["--lm-fused-output-layer", "--lm-fused-output-layer-block-fraction", "2"], {}, None)]

@@ -7,7 +7,8 @@ source, or a passage reworded without its row, fails test_doc_figures.py. To quo
 """
 import statistics
 
-LONG_CONTEXT = "bench/results/2026-12-06_h100_long_context_baseline/long_context.json"
+LONG_CONTEXT = "bench/results/2026-12-06_h100_long_context/long_context.json"
+THROUGHPUT = "bench/results/2026-12-06_h100_long_context/throughput.json"
 CLAIMS = "bench/results/2026-11-28_zloss_study_4xh200/claims.json"  # python examples/zloss_claims.py
 LONG_STATS = "bench/results/2026-11-28_zloss_study_4xh200/report_with_pilot/long_stats.json"
 
@@ -46,11 +47,24 @@ def _every_seed(stats, lr):
 
 
 ROWS = [
-    # README: what it buys (the table is the plot script's own output)
-    ("README.md", "{table}", "plot_long_context", lambda m: {"table": m.table([m.DEFAULT])}),
-    ("README.md", "MoE model (4 layers, hidden 2048, vocabulary 151936, full recompute) on one H100 80GB, {date}",
-     LONG_CONTEXT, lambda d: {"date": d["date"]} if "H100 80GB" in d["device"] and "--hidden-size 2048" in
-     d["megatron_args"] and "--num-layers 4" in d["megatron_args"] else {}),
+    # docs/performance.md: long context (the table is the plot script's own output, from LONG_CONTEXT)
+    ("docs/performance.md", "{table}", "plot_long_context", lambda m: {"table": m.table([m.DEFAULT])}),
+    # README's first screen: the longest micro-batch each trains, and tokens per second at each one's best
+    ("README.md", "On one H100 80GB, Megatron's `pretrain` of a 4-layer MoE with a {vocab} vocabulary, {date}",
+     LONG_CONTEXT, lambda d: {"date": d["date"], "vocab": d["megatron_args"].split("--vocab-size ")[1].split()[0]}
+     if "H100 80GB" in d["device"] and "--num-layers 4" in d["megatron_args"] else {}),
+    ("README.md", "| longest micro-batch that trains | {native} tokens | {cez} tokens | {cez_fol} tokens (the longest "
+     "tried) |", LONG_CONTEXT, lambda d: {v: d["search"][v]["largest_fit"] for v in ("native", "cez", "cez_fol")}),
+    ("README.md", "| tokens/s at {tokens} per sequence, each at its fastest setting | {native:.0f} | {cez:.0f} ({rc:.2f}x) "
+     "| {cez_fol:.0f} ({rf:.2f}x) |", THROUGHPUT,
+     lambda d: (lambda b: {"tokens": d["tokens_per_sequence"], "native": b["native"], "cez": b["cez"],
+                           "cez_fol": b["cez_fol"], "rc": b["cez"] / b["native"], "rf": b["cez_fol"] / b["native"]})(
+         {v: d["best"][v]["tokens_per_s"] for v in d["best"]})),
+    ("docs/performance.md", "| `--lm-z-loss-coeff 1e-4` | micro-batch {mbs}, no recompute (micro-batch 2: 574 ms) | "
+     "{step:.0f} ms | {tps:,.0f} | {ratio:.2f}x |", THROUGHPUT,
+     lambda d: (lambda r: {"mbs": r["micro_batch"], "step": 2 * d["tokens_per_sequence"] / r["tokens_per_s"] * 1e3,
+                           "tps": r["tokens_per_s"], "ratio": r["tokens_per_s"] / d["best"]["native"]["tokens_per_s"]})(
+         d["best"]["cez"])),
     # README: choosing the coefficient
     ("README.md", "(at learning rate 0.3 every seed, every coefficient from 0 to {top})", LONG_STATS,
      lambda s: {"top": f"{_every_seed(s, 0.3)['coeffs'][-1]:.0e}".replace("e-0", "e-")}),
