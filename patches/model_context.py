@@ -12,7 +12,8 @@ the main head's output layer call.
   its :class:`MainHeadCall` from :func:`main_head_call` and hands it to its output layer
   (:func:`handed`: an attribute of the layer while the forward runs). The patched
   ``ColumnParallelLinear.forward`` of that layer then returns, for the main head's call (the last: MTP
-  heads, ``config.mtp_num_layers``, call it first and get real logits), :class:`DeferredLogits` (its
+  heads, ``config.mtp_num_layers``, call it first and get real logits, unless the forward runs none:
+  ``mtp_process`` False, ``compute_mtp_loss=False``), :class:`DeferredLogits` (its
   input and weight) instead of logits, or :class:`TransformedLogits` around its result, which records
   MindSpeed-LLM's scaling and soft cap (``--output-multiplier-scale``, ``--output-logit-softcapping``:
   ``x * s``, then ``x / C``, ``tanh``, ``x * C``) for the loss kernels instead of computing them. The
@@ -157,11 +158,21 @@ def main_head_call(model, bound_args, settings):
         return None
     if settings.fused_output_layer and getattr(getattr(model, "config", None), "use_mup", False):
         raise FusedOutputLayerError(f"{FLAG} does not serve MuP's output scaling (--use-mup)")
-    return MainHeadCall(layer, getattr(model.config, "mtp_num_layers", None) or 0, settings.fused_output_layer,
+    return MainHeadCall(layer, mtp_heads_before(model, bound_args), settings.fused_output_layer,
                         settings.logit_transform is not None)
 
 
-def _check_layer(layer, runtime_gather_output):
+def mtp_heads_before(model, bound_args):
+    """How many MTP heads call the output layer before the main head in a forward with ``bound_args``:
+    ``config.mtp_num_layers``, or none where the model runs no MTP heads this forward (``mtp_process``
+    False, or Megatron main's ``HybridModel.forward(compute_mtp_loss=False)``)."""
+    heads = getattr(model.config, "mtp_num_layers", None) or 0
+    if not getattr(model, "mtp_process", True) or bound_args.get("compute_mtp_loss", True) is False:
+        return 0
+    return heads
+
+
+def _check_layer(layer, runtime_gather_output, hidden):
     gather = layer.gather_output if runtime_gather_output is None else runtime_gather_output
     if gather:
         raise FusedOutputLayerError(f"{FLAG} needs vocab-parallel logits; the output layer gathers them "
