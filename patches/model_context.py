@@ -181,6 +181,11 @@ def _check_layer(layer, runtime_gather_output, hidden):
         raise FusedOutputLayerError(f"{FLAG}: the output layer has a bias, which the fused op does not take")
     if getattr(layer.config, "defer_embedding_wgrad_compute", False):
         raise FusedOutputLayerError(f"{FLAG} does not serve --defer-embedding-wgrad-compute")
+    output_dtype = getattr(layer, "output_dtype", None)  # Megatron main's --output-logit-dtype
+    if output_dtype is not None and output_dtype != getattr(hidden, "dtype", output_dtype):
+        raise FusedOutputLayerError(f"{FLAG} makes no logits tensor, so the output layer's output_dtype "
+                                    f"{output_dtype} (--output-logit-dtype) for {hidden.dtype} hidden states is not "
+                                    f"served: drop --output-logit-dtype or {FLAG}")
 
 
 # The output layer's attribute holding its MainHeadCall during the model's forward.
@@ -208,7 +213,7 @@ def column_parallel_forward_wrapper(fn):
         if call != main_head.main_call:
             return fn(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
         if main_head.defer:
-            _check_layer(self, runtime_gather_output)
+            _check_layer(self, runtime_gather_output, input_)
             if weight is None:
                 weight = self.weight
             if weight is None:
