@@ -13,7 +13,7 @@ the main head's output layer call.
   (:func:`handed`: an attribute of the layer while the forward runs). The patched
   ``ColumnParallelLinear.forward`` of that layer then returns, for the main head's call (the last: MTP
   heads, ``config.mtp_num_layers``, call it first and get real logits, unless the forward runs none:
-  ``mtp_process`` False, ``compute_mtp_loss=False``), :class:`DeferredLogits` (its
+  ``HybridModel.forward(compute_mtp_loss=False)``, or no ``mtp_process`` there), :class:`DeferredLogits` (its
   input and weight) instead of logits, or :class:`TransformedLogits` around its result, which records
   MindSpeed-LLM's scaling and soft cap (``--output-multiplier-scale``, ``--output-logit-softcapping``:
   ``x * s``, then ``x / C``, ``tanh``, ``x * C``) for the loss kernels instead of computing them. The
@@ -101,10 +101,11 @@ def loss_context_wrapper(fn):
     ``lm_z_loss`` metric, the main head told from MTP heads), and hand its output layer the main
     head's call."""
     signature = inspect.signature(fn)
+    mtp_switch = "compute_mtp_loss" in signature.parameters  # Megatron main's HybridModel.forward
 
     def with_loss_context(settings, self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
-        main_head = main_head_call(self, bound, settings)
+        main_head = main_head_call(self, bound, settings, mtp_switch)
         context = LossContext(bound.get("labels"), bound.get("loss_mask"), main_head)
         with opened_on(self, context), handed(main_head):
             return fn(self, *args, **kwargs)
@@ -144,7 +145,7 @@ class MainHeadCall:
         self.layer, self.main_call, self.calls, self.defer, self.transform = layer, main_call, 0, defer, transform
 
 
-def main_head_call(model, bound_args, settings):
+def main_head_call(model, bound_args, settings, mtp_switch=False):
     """The :class:`MainHeadCall` of a model forward with ``bound_args``, or None (neither setting
     on, no labels, no output layer on this stage, inference)."""
     if settings is None or not (settings.fused_output_layer or settings.logit_transform is not None):
@@ -158,16 +159,17 @@ def main_head_call(model, bound_args, settings):
         return None
     if settings.fused_output_layer and getattr(getattr(model, "config", None), "use_mup", False):
         raise FusedOutputLayerError(f"{FLAG} does not serve MuP's output scaling (--use-mup)")
-    return MainHeadCall(layer, mtp_heads_before(model, bound_args), settings.fused_output_layer,
+    return MainHeadCall(layer, mtp_heads_before(model, bound_args, mtp_switch), settings.fused_output_layer,
                         settings.logit_transform is not None)
 
 
-def mtp_heads_before(model, bound_args):
+def mtp_heads_before(model, bound_args, mtp_switch=False):
     """How many MTP heads call the output layer before the main head in a forward with ``bound_args``:
-    ``config.mtp_num_layers``, or none where the model runs no MTP heads this forward (``mtp_process``
-    False, or Megatron main's ``HybridModel.forward(compute_mtp_loss=False)``)."""
+    ``config.mtp_num_layers`` (GPTModel's ``process_mtp_loss`` runs on that alone). A forward with the
+    switch (``mtp_switch``: Megatron main's ``HybridModel.forward(compute_mtp_loss=...)``) runs them only
+    where ``mtp_process`` and ``compute_mtp_loss`` (default True) are both on: else none."""
     heads = getattr(model.config, "mtp_num_layers", None) or 0
-    if not getattr(model, "mtp_process", True) or bound_args.get("compute_mtp_loss", True) is False:
+    if mtp_switch and not (getattr(model, "mtp_process", True) and bound_args.get("compute_mtp_loss", True)):
         return 0
     return heads
 

@@ -152,7 +152,20 @@ def test_the_main_head_is_the_last_call_with_or_without_mtp_heads(active, fields
         assert torch.equal(main, hidden @ weight.t())
     # no MTP process on this stage: the main head's call is the first whatever compute_mtp_loss says
     model.mtp_process = False
-    assert len(model.forward(hidden, labels, loss_mask=torch.ones(4), **kwargs)) == 1
+    again = model.forward(hidden, labels, loss_mask=torch.ones(4), **kwargs)
+    assert len(again) == 1 and type(again[0]) is type(calls[-1])
+
+
+def test_a_forward_without_the_switch_counts_mtp_heads_from_the_config():
+    """GPTModel's ``process_mtp_loss`` calls the output layer per MTP head whenever
+    ``config.mtp_num_layers`` is set (``mtp_process`` is whether this stage runs the MTP block): only a
+    forward with ``compute_mtp_loss`` (HybridModel's) reads the two switches."""
+    model = argparse.Namespace(config=argparse.Namespace(mtp_num_layers=2), mtp_process=False)
+    assert model_context.mtp_heads_before(model, {"compute_mtp_loss": False}) == 2
+    assert model_context.mtp_heads_before(model, {}, mtp_switch=True) == 0
+    model.mtp_process = True
+    assert model_context.mtp_heads_before(model, {}, mtp_switch=True) == 2
+    assert model_context.mtp_heads_before(model, {"compute_mtp_loss": False}, mtp_switch=True) == 0
 
 
 def test_an_output_dtype_other_than_the_hidden_states_is_refused_at_the_call(active):
