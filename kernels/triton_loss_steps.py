@@ -2,8 +2,8 @@
 a kernel built from them compiles to what it would with the steps written out).
 
 - The logit transform: ``z`` of fp32 logits under the ``TRANSFORM`` constexpr
-  (:mod:`.logit_transform`'s kinds) and its slope. tanh comes from ``exp2``
-  (:func:`tanh_and_slope`): ``tl.math.tanh`` does not lower on triton-ascend.
+  (:mod:`.logit_transform`'s kinds) and its slope. tanh comes from ``exp2``, and from its
+  series near zero (:func:`tanh_and_slope`): ``tl.math.tanh`` does not lower on triton-ascend.
 - The online softmax: a running max and a sum of ``exp(z - max)`` per row, rescaled when a tile
   (:func:`softmax_tile`) or another slice's lse (:func:`softmax_lse`) raises the max; exponentials
   are ``exp2`` of log2-scaled values, and a row that is -inf so far rescales by nothing (no
@@ -40,16 +40,30 @@ SOFTCAP = tl.constexpr(logit_transform.SOFTCAP)
 
 # --------------------------------------------------------------------------- the logit transform
 
+# tanh's Taylor series below |u| < TANH_SERIES_BELOW, through u**7 (the next term, 62/2835 u**9, is
+# < 1e-7 of tanh there): 1 - e loses u's digits when e = exp(-2|u|) nears 1, the series does not.
+# The numbers are :mod:`.logit_transform`'s, which the torch reference uses.
+TANH_SERIES_BELOW = tl.constexpr(logit_transform.TANH_SERIES_BELOW)
+TANH_C3 = tl.constexpr(logit_transform.TANH_SERIES[0])
+TANH_C5 = tl.constexpr(logit_transform.TANH_SERIES[1])
+TANH_C7 = tl.constexpr(logit_transform.TANH_SERIES[2])
+
+
 @triton.jit
 def tanh_and_slope(u):
     """(tanh(u), 1 - tanh(u)**2) from e = exp(-2|u|) in (0, 1]: tanh = sign(u) * (1 - e) / (1 + e)
     and 1 - tanh**2 = 4e / (1 + e)**2. exp2 never overflows, so large |u| give exactly +-1 and 0
     (NaN stays NaN); the slope has no cancellation where tanh nears +-1. Written with exp2 because
-    ``tl.math.tanh`` does not lower on triton-ascend."""
+    ``tl.math.tanh`` does not lower on triton-ascend (``expm1`` is only in each backend's libdevice). Below
+    ``TANH_SERIES_BELOW`` tanh is its odd series ``u + u**3 (c3 + u**2 (c5 + u**2 c7))`` (four
+    FMAs and a select), within fp32's rounding of tanh where ``1 - e`` would cancel."""
     e = tl.exp2(tl.abs(u) * (-2.0 * LOG2E))
     r = 1.0 / (1.0 + e)
     t = (1.0 - e) * r
-    return tl.where(u < 0, -t, t), 4.0 * e * r * r
+    u2 = u * u
+    series = u + u * u2 * (TANH_C3 + u2 * (TANH_C5 + u2 * TANH_C7))
+    t = tl.where(tl.abs(u) < TANH_SERIES_BELOW, series, tl.where(u < 0, -t, t))
+    return t, 4.0 * e * r * r
 
 
 @triton.jit

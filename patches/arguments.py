@@ -249,8 +249,35 @@ def _check_with_other_flags(args):
                            ("use_mup", "--use-mup")):
             if getattr(args, dest, False):
                 raise ValueError(f"{FLAG_OUTPUT_LAYER} does not serve {flag}; drop one of them")
+        if getattr(args, "use_megatron_fsdp", False) and getattr(args, "megatron_fsdp_version", 1) == 2:
+            raise ValueError(f"{FLAG_OUTPUT_LAYER} does not serve --megatron-fsdp-version 2 (its parameters are "
+                             "not Megatron-FSDP v1's, whose weight-gradient path the flag follows): use "
+                             f"--megatron-fsdp-version 1 or drop {FLAG_OUTPUT_LAYER}")
+        message = output_logit_dtype_error(args)
+        if message:
+            raise ValueError(message)
     if fused_ce_enabled(args):
         check_mindspeed_llm_args(args, _flag_turning_fused_on(args), FLAG_OUTPUT_LAYER if mode else None)
+
+
+# Megatron's --output-logit-dtype (dest ``logit_dtype``: its choices' names, a torch.dtype once
+# Megatron's validate_args mapped them), and the parameters' dtype its flags set.
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def output_logit_dtype_error(args):
+    """The refusal of Megatron's ``--output-logit-dtype`` (the output layer's ``output_dtype``, Megatron
+    main / 0.20) beside the fused output layer, or None. That layer makes no logits tensor whose dtype the
+    flag could set: it is served where it sets the dtype the logits have anyway (the parameters')."""
+    wanted = getattr(args, "logit_dtype", None)
+    if wanted is None:
+        return None
+    wanted = _DTYPE_NAMES.get(str(wanted).replace("torch.", ""), str(wanted))
+    params = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+    if wanted == params:
+        return None
+    return (f"{FLAG_OUTPUT_LAYER} makes no logits tensor, so --output-logit-dtype {wanted} (with {params} "
+            f"parameters) is not served: drop --output-logit-dtype or {FLAG_OUTPUT_LAYER}")
 
 
 def _default_inputs():

@@ -12,7 +12,8 @@ the main head's output layer call.
   its :class:`MainHeadCall` from :func:`main_head_call` and hands it to its output layer
   (:func:`handed`: an attribute of the layer while the forward runs). The patched
   ``ColumnParallelLinear.forward`` of that layer then returns, for the main head's call (the last: MTP
-  heads, ``config.mtp_num_layers``, call it first and get real logits), :class:`DeferredLogits` (its
+  heads, ``config.mtp_num_layers``, call it first and get real logits, unless the forward runs none:
+  ``HybridModel.forward(compute_mtp_loss=False)``, or no ``mtp_process`` there), :class:`DeferredLogits` (its
   input and weight) instead of logits, or :class:`TransformedLogits` around its result, which records
   MindSpeed-LLM's scaling and soft cap (``--output-multiplier-scale``, ``--output-logit-softcapping``:
   ``x * s``, then ``x / C``, ``tanh``, ``x * C``) for the loss kernels instead of computing them. The
@@ -100,10 +101,11 @@ def loss_context_wrapper(fn):
     ``lm_z_loss`` metric, the main head told from MTP heads), and hand its output layer the main
     head's call."""
     signature = inspect.signature(fn)
+    mtp_switch = "compute_mtp_loss" in signature.parameters  # Megatron main's HybridModel.forward
 
     def with_loss_context(settings, self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
-        main_head = main_head_call(self, bound, settings)
+        main_head = main_head_call(self, bound, settings, mtp_switch)
         context = LossContext(bound.get("labels"), bound.get("loss_mask"), main_head)
         with opened_on(self, context), handed(main_head):
             return fn(self, *args, **kwargs)
@@ -143,7 +145,7 @@ class MainHeadCall:
         self.layer, self.main_call, self.calls, self.defer, self.transform = layer, main_call, 0, defer, transform
 
 
-def main_head_call(model, bound_args, settings):
+def main_head_call(model, bound_args, settings, mtp_switch=False):
     """The :class:`MainHeadCall` of a model forward with ``bound_args``, or None (neither setting
     on, no labels, no output layer on this stage, inference)."""
     if settings is None or not (settings.fused_output_layer or settings.logit_transform is not None):
@@ -157,11 +159,22 @@ def main_head_call(model, bound_args, settings):
         return None
     if settings.fused_output_layer and getattr(getattr(model, "config", None), "use_mup", False):
         raise FusedOutputLayerError(f"{FLAG} does not serve MuP's output scaling (--use-mup)")
-    return MainHeadCall(layer, getattr(model.config, "mtp_num_layers", None) or 0, settings.fused_output_layer,
+    return MainHeadCall(layer, mtp_heads_before(model, bound_args, mtp_switch), settings.fused_output_layer,
                         settings.logit_transform is not None)
 
 
-def _check_layer(layer, runtime_gather_output):
+def mtp_heads_before(model, bound_args, mtp_switch=False):
+    """How many MTP heads call the output layer before the main head in a forward with ``bound_args``:
+    ``config.mtp_num_layers`` (GPTModel's ``process_mtp_loss`` runs on that alone). A forward with the
+    switch (``mtp_switch``: Megatron main's ``HybridModel.forward(compute_mtp_loss=...)``) runs them only
+    where ``mtp_process`` and ``compute_mtp_loss`` (default True) are both on: else none."""
+    heads = getattr(model.config, "mtp_num_layers", None) or 0
+    if mtp_switch and not (getattr(model, "mtp_process", True) and bound_args.get("compute_mtp_loss", True)):
+        return 0
+    return heads
+
+
+def _check_layer(layer, runtime_gather_output, hidden):
     gather = layer.gather_output if runtime_gather_output is None else runtime_gather_output
     if gather:
         raise FusedOutputLayerError(f"{FLAG} needs vocab-parallel logits; the output layer gathers them "
@@ -170,6 +183,11 @@ def _check_layer(layer, runtime_gather_output):
         raise FusedOutputLayerError(f"{FLAG}: the output layer has a bias, which the fused op does not take")
     if getattr(layer.config, "defer_embedding_wgrad_compute", False):
         raise FusedOutputLayerError(f"{FLAG} does not serve --defer-embedding-wgrad-compute")
+    output_dtype = getattr(layer, "output_dtype", None)  # Megatron main's --output-logit-dtype
+    if output_dtype is not None and output_dtype != getattr(hidden, "dtype", output_dtype):
+        raise FusedOutputLayerError(f"{FLAG} makes no logits tensor, so the output layer's output_dtype "
+                                    f"{output_dtype} (--output-logit-dtype) for {hidden.dtype} hidden states is not "
+                                    f"served: drop --output-logit-dtype or {FLAG}")
 
 
 # The output layer's attribute holding its MainHeadCall during the model's forward.
@@ -197,7 +215,7 @@ def column_parallel_forward_wrapper(fn):
         if call != main_head.main_call:
             return fn(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
         if main_head.defer:
-            _check_layer(self, runtime_gather_output)
+            _check_layer(self, runtime_gather_output, input_)
             if weight is None:
                 weight = self.weight
             if weight is None:

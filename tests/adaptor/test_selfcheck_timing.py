@@ -78,7 +78,7 @@ def test_ranks_time_the_same_number_of_calls():
 
 
 def _footnote(monkeypatch, capsys, rows):
-    monkeypatch.setattr(selfcheck, "run", lambda args, device, group=None: rows)
+    monkeypatch.setattr(selfcheck, "run", lambda args, device, group=None, chosen=None: rows)
     monkeypatch.setattr(selfcheck, "environment", lambda device: {
         "device": "cpu", "device_name": "x", "torch": "t", "triton": "-", "triton-ascend": None, "torch_npu": None})
     monkeypatch.setattr(selfcheck, "table", lambda results: "")

@@ -251,3 +251,26 @@ def test_backward_gets_no_zero_tensors_for_the_logging_outputs(backend_device, m
     ((grad_loss, grad_z_loss, grad_lse),) = seen
     assert grad_loss is not None and grad_z_loss is None and grad_lse is None
     assert torch.isfinite(leaf.grad).all() and torch.count_nonzero(leaf.grad) > 0
+
+
+@pytest.mark.parametrize("logit_softcap", [30.0, 100.0])
+def test_soft_cap_gradient_within_liger_tolerance(backend_device, logit_softcap):
+    """Liger-Kernel's soft-cap check, element-wise against float64: fp32 logits near zero (tanh's
+    argument ~1e-5..1e-2, where ``1 - exp(-2|u|)`` cancels: an absolute error of ~cap * 3e-8 in z,
+    hundreds of elements off before tanh's series), of order one, and large (tanh at +-1), every
+    gradient element within rtol 1e-6 / atol 1e-8 (3 x 31 x 47 = 4371 elements, as Liger's)."""
+    backend, device = backend_device
+    gen = torch.Generator().manual_seed(int(logit_softcap) + 63)
+    # 16 rows each: |x| ~ 1e-3 .. 1 (|z| < ~4, where fp32's softmax itself holds 1e-6) and 30 * cap
+    # (tanh at +-1 for most, a tiny slope for the rest)
+    spreads = torch.tensor([1e-3, 1e-2, 0.1, 0.3, 1.0, 30 * logit_softcap]).repeat_interleave(16)[:93, None]
+    base = (torch.randn(93, 47, generator=gen) * spreads).reshape(3, 31, 47).to(device)
+    target = torch.randint(0, 47, (3, 31), generator=gen).to(device)
+    upstream = torch.randn(3, 31, generator=gen).to(device)
+    transform = {"logit_softcap": logit_softcap, "logit_scale": 1.0}
+    exp_loss, _, exp_grad = loss_and_grad_float64(base, target, upstream, z_loss_coeff=1e-4, **transform)
+    logits = base.clone().requires_grad_(True)
+    loss, _ = vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=1e-4, backend=backend, **transform)
+    (grad,) = torch.autograd.grad(loss, logits, upstream)
+    assert relative_error(loss, exp_loss) < LOSS_TOLERANCE
+    torch.testing.assert_close(grad.double(), exp_grad, rtol=1e-6, atol=1e-8)
