@@ -27,15 +27,17 @@ Z_LOSS_COEFF = 1e-4
 
 
 
-def build_impls(tp_group, device, coeff):
-    """[(name, callable(logits, target) -> (loss, z_loss) or None, note)]."""
+def build_impls(tp_group, device, coeff, softcap=0.0):
+    """[(name, callable(logits, target) -> (loss, z_loss) or None, note)]; ``softcap``: this package's op
+    with that logit soft cap (``logit_softcap``; the peers are timed without one)."""
     impls = []
 
     def ours():
         from mindspeed_cez import kernels, vocab_parallel_cross_entropy_zloss as op
 
-        return (lambda x, t: op(x, t, z_loss_coeff=coeff, tp_group=tp_group, backend=BACKEND)), \
-            f"backend {kernels.backend_for(device, BACKEND).__name__.rsplit('.', 1)[-1]}"
+        return (lambda x, t: op(x, t, z_loss_coeff=coeff, tp_group=tp_group, backend=BACKEND, logit_softcap=softcap)), \
+            f"backend {kernels.backend_for(device, BACKEND).__name__.rsplit('.', 1)[-1]}" + (
+                f", logit_softcap {softcap:g}" if softcap else "")
 
     def with_z(ce):  # the usual add-on z-loss: c * logsumexp(logits)^2 in fp32, its own autograd graph
         def fn(x, t):
@@ -191,7 +193,8 @@ def init_single_process(device):
 
 def run_single(args, device):
     t_begin, (tp_group, tp_note) = time.time(), init_single_process(device)
-    impls = [i for i in build_impls(tp_group, device, Z_LOSS_COEFF) if i[0].startswith(tuple(args.impls or ("",)))]
+    impls = [i for i in build_impls(tp_group, device, Z_LOSS_COEFF, args.logit_softcap)
+             if i[0].startswith(tuple(args.impls or ("",)))]
     bw = copy_bandwidth(device)
     log(f"copy bandwidth: {bw / 1e12:.3f} TB/s (read + write)")
 
@@ -437,6 +440,8 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=0, help="skip the remaining timings after this many seconds")
     parser.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available, cpu with --smoke)")
+    parser.add_argument("--logit-softcap", type=float, default=0.0,
+                        help="this package's op with this logit soft cap (the fp32 tanh in its kernels); 0: none")
     parser.add_argument("--impls", nargs="*", default=None,
                         help="only the implementations whose names start with these (e.g. mindspeed_cez liger)")
     args = parser.parse_args(argv)
