@@ -127,7 +127,8 @@ def _forward_kernel(
                 logits_ptr, row_stride, tl.where(row_ends, row + 1, row), tl.where(row_ends, 0, col + BLOCK_V),
                 n_cols, end, offs, -float("inf"), EVICT,
             )
-            xf = transform_logits(x.to(tl.float32), logit_scale, logit_softcap, TRANSFORM)
+            xf = transform_logits(x.to(tl.float32), logit_scale, logit_softcap, TRANSFORM,
+                                  logits_ptr.dtype.element_ty == tl.float32)
             if TRANSFORM == SOFTCAP:  # the padding's -inf became -cap: keep it out of the softmax
                 xf = tl.where(offs < n_cols - col, xf, -float("inf"))
             slot_max, slot_sum = softmax_tile(slot_max, slot_sum, xf)
@@ -137,7 +138,9 @@ def _forward_kernel(
 
         row_max, sum_exp = softmax_slots(slot_max, slot_sum)
         # z(0) = 0: a target on another rank still adds nothing
-        term = target_term(transform_logits(picked, logit_scale, logit_softcap, TRANSFORM), tl.sum(slot_logits, axis=0),
+        z_picked = transform_logits(picked, logit_scale, logit_softcap, TRANSFORM,
+                                    logits_ptr.dtype.element_ty == tl.float32)
+        term = target_term(z_picked, tl.sum(slot_logits, axis=0),
                            target, ignore_index, global_vocab, target_weight, smoothing_per_col, WITH_LOGIT_SUM,
                            CHECK_TARGETS)
         lse = lse_of(row_max, sum_exp)  # -inf for a slice that is -inf across the row
@@ -224,7 +227,8 @@ def _grad_kernel(
                 logits_ptr, logits_row_stride, tl.where(row_ends, row + 1, row), tl.where(row_ends, 0, col + BLOCK_V),
                 n_cols, end, offs, 0.0, EVICT,
             )
-            z, slope = transform_logits_with_slope(x.to(tl.float32), logit_scale, logit_softcap, TRANSFORM)
+            z, slope = transform_logits_with_slope(x.to(tl.float32), logit_scale, logit_softcap, TRANSFORM,
+                                                   logits_ptr.dtype.element_ty == tl.float32)
             dx = grad_tile(z, slope, offs, local - col, scale, lse2, smooth, onehot, TRANSFORM)
             tl.store(grad_row + col + offs, dx.to(grad_ptr.dtype.element_ty), mask=offs < n_cols - col,
                      eviction_policy=EVICT)

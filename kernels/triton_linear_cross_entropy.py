@@ -123,7 +123,8 @@ def _partials_kernel(
             cols = first_col + j * BLOCK_N + tl.arange(0, BLOCK_N)
             logits = _logits_tile(x_ptr, x_row_stride, w_ptr, w_row_stride, rows, cols, n_rows, n_cols, h,
                                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-            logits = transform_logits(logits, logit_scale, logit_softcap, TRANSFORM)  # columns past the end: masked
+            logits = transform_logits(logits, logit_scale, logit_softcap, TRANSFORM,  # columns past the end: masked
+                                      x_ptr.dtype.element_ty == tl.float32)
             col_ok = cols[None, :] < n_cols
             row_max, sum_exp = softmax_tile(row_max, sum_exp, tl.where(col_ok, logits, -float("inf")))
             picked += tl.sum(tl.where(cols[None, :] == local[:, None], logits, 0.0), axis=1)
@@ -176,7 +177,8 @@ def _grad_kernel(
                                               ignore_index)
         logits = _logits_tile(x_ptr, x_row_stride, w_ptr, w_row_stride, rows, cols, n_rows, n_cols, h,
                               BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-        z, slope = transform_logits_with_slope(logits, logit_scale, logit_softcap, TRANSFORM)
+        z, slope = transform_logits_with_slope(logits, logit_scale, logit_softcap, TRANSFORM,
+                                               x_ptr.dtype.element_ty == tl.float32)
         scale, lse2, smooth, onehot = grad_coefficients(g, lse, z_loss_coeff, target_weight, smoothing_per_col)
         dx = grad_tile(z, slope, cols[None, :], (target - vocab_start)[:, None], scale[:, None], lse2[:, None],
                        smooth[:, None], onehot[:, None], TRANSFORM)
