@@ -47,6 +47,12 @@ stamp "install $wheel[test,examples] with torch==$TORCH_VERSION triton==$TRITON_
 stamp "the installed wheel, from outside the checkout"
 (cd "$(mktemp -d)" && "$OLDPWD/$VENV/bin/python" "$OLDPWD/.ci/wheel_check.py" --installed)
 
+stamp "the installed wheel, from the checkout root: the source folder shadows it, and says so in one line"
+if out=$("$VENV/bin/python" -c "import mindspeed_cez" 2>&1); then
+    echo "leg users: from the checkout root the source tree imported without an install's mapping" >&2; exit 1
+fi
+grep -q "you are importing the source tree at $PWD.*pip install -e \." <<<"$out" || { echo "$out" >&2; exit 1; }
+
 stamp "the package reinstalled editable, for the suite run from the checkout root"
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 

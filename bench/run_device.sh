@@ -10,7 +10,7 @@ ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "no wheels in $WHEELS/: carry them,
 pip_install() { $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$SITE" "$@" || exit 1; }
 pip_install --no-compile "$WHEELS"/*.whl
 pip_install --no-build-isolation .
-export PYTHONPATH=$SITE
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 for pth in "$SITE"/*.pth; do  # pip --target leaves .pth files unread (nvidia-cutlass-dsl's dsl_packages)
     [ -f "$pth" ] || continue
     while read -r line; do

@@ -30,7 +30,7 @@ stamp() { echo "== zloss $PHASE [$((SECONDS - start)) s] $*"; }
 stamp "install megatron-core and this package into $SITE"
 $PY -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/megatron_core-*.whl || exit 1
 $PY -m pip install -q --no-index --no-deps --no-cache-dir --no-build-isolation --upgrade --target "$SITE" . || exit 1
-export PYTHONPATH=$SITE
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 for f in "$DATA"/*; do [ -e "$WORK/data/$(basename "$f")" ] || cp -r "$f" "$WORK/data/"; done
 
 stamp "data: build or check $WORK/data"

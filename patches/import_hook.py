@@ -18,6 +18,8 @@ Nothing here knows what is patched: the table is :mod:`.patch_points`, handed to
 
 import importlib
 import importlib.abc
+import os
+import re
 import sys
 from typing import Callable, NamedTuple, Optional, Tuple
 
@@ -320,6 +322,79 @@ class MegatronCoreMissing(SystemExit):
 
 
 def require_megatron_core():
-    """Raise :class:`MegatronCoreMissing` unless ``megatron.core`` can be imported (imports nothing)."""
+    """Raise :class:`MegatronCoreMissing` unless ``megatron.core`` can be imported, and
+    :class:`MegatronLayoutRefused` where its layout is one the patch points cannot serve
+    (:func:`check_megatron_layout`). Imports nothing."""
     if not module_exists("megatron.core"):
         raise MegatronCoreMissing()
+    check_megatron_layout()
+
+
+def module_spec(name):
+    """``name``'s module spec, each package on the way found through its parent's ``__path__``
+    (imported ones read from ``sys.modules``), without running any module; None where absent."""
+    path, spec = None, None
+    parts = name.split(".")
+    for depth in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        module = sys.modules.get(prefix)
+        if module is not None:
+            spec = getattr(module, "__spec__", None)
+            path = getattr(module, "__path__", None)
+        else:
+            spec = _find_spec(prefix, path)
+            if spec is None:
+                return None
+            path = spec.submodule_search_locations
+        if depth < len(parts) and path is None:
+            return None
+    return spec
+
+
+def megatron_version():
+    """megatron-core's version and where it is, for messages only (decisions feature-detect): read from
+    the text of ``megatron/core/package_info.py`` (a source checkout on ``PYTHONPATH`` has no
+    distribution metadata), without importing Megatron."""
+    spec = module_spec("megatron.core.package_info")
+    where = os.path.dirname(os.path.dirname(os.path.dirname(spec.origin))) if spec is not None and spec.origin else "?"
+    try:
+        text = open(spec.origin, encoding="utf-8").read()
+        parts = {key: re.search(rf"^{key}\s*=\s*['\"]?([^'\"\n]*)['\"]?\s*$", text, re.M).group(1)
+                 for key in ("MAJOR", "MINOR", "PATCH", "PRE_RELEASE")}
+        version = f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts['PRE_RELEASE']}"
+    except (AttributeError, OSError, TypeError):
+        version = "of unknown version"
+    return f"megatron-core {version} at {where}"
+
+
+# Where the cross entropy's own code lives once it leaves tensor_parallel/ and fusions/ (Megatron's nightly
+# documentation: megatron/core/ops/loss/cross_entropy.py and fused_cross_entropy.py, bound to the model
+# once by ops.loss.backends.select_cross_entropy). Not served: that source was not readable when this was
+# written (the newest readable, Megatron-LM PR 6689 at d9240090, adds ops/loss/backends.py over the old
+# homes, which the table's targets serve as they are).
+MOVED_CROSS_ENTROPY = ("megatron.core.ops.loss.cross_entropy", "megatron.core.ops.loss.fused_cross_entropy")
+
+
+class MegatronLayoutRefused(SystemExit):
+    """This Megatron's layout is one the patch points cannot serve: uncaught, the process ends with this
+    one line on stderr and exit status 1 (no traceback)."""
+
+
+def check_megatron_layout(table=None):
+    """Raise :class:`MegatronLayoutRefused`, one line naming the version, where this Megatron keeps its
+    cross entropy in ``megatron/core/ops/loss`` (:data:`MOVED_CROSS_ENTROPY`) or lacks the module of a
+    required megatron-core patch point of ``table`` (default: the hook's). Imports nothing."""
+    moved = [name for name in MOVED_CROSS_ENTROPY if module_spec(name) is not None]
+    if moved:
+        raise MegatronLayoutRefused(
+            f"mindspeed_cez: this Megatron ({megatron_version()}) keeps its cross entropy in {moved[0]}, a layout "
+            "mindspeed_cez does not serve yet (its fused loss would be bypassed): use megatron-core <= 0.20 or "
+            "Megatron-LM main up to d98e8a64, or report the version")
+    table = HOOK.table if table is None else table
+    gone = sorted({t.module for t in table if t.required and t.route == ALWAYS
+                   and t.module.startswith("megatron.core.") and module_spec(t.module) is None})
+    if gone:
+        raise MegatronLayoutRefused(
+            f"mindspeed_cez: this Megatron ({megatron_version()}) has no {', '.join(gone)}, where mindspeed_cez "
+            "patches its loss (a layout it does not serve, the fused loss would be bypassed): use megatron-core "
+            "0.12 to 0.20, or report the version")

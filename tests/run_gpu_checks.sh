@@ -24,7 +24,7 @@ SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
-export PYTHONPATH=$SITE
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [ "${1:-all}" = layouts ] || [ "${1:-all}" = features ]; then

@@ -350,7 +350,7 @@ def test_registering_imports_no_megatron_and_patches_attach_at_import():
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", LATE_IMPORTS], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=repo), cwd=repo)
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])), cwd=repo)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.splitlines()[-1])
     assert seen["after_register"] == [], seen["after_register"][:10]

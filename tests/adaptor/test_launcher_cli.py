@@ -128,7 +128,7 @@ def test_without_megatron_core_one_line_names_the_install(script, tmp_path, how)
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(HIDE_MEGATRON)  # megatron-core as if not installed
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), REPO]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), REPO, os.environ.get("PYTHONPATH", "")]))
     command = {"launcher": ["-m", "mindspeed_cez.launch", str(script)],
                "adaptor": ["-c", "import mindspeed_cez.megatron_adaptor"],
                "apply": ["-c", "import mindspeed_cez.patches as p; p.apply(z_loss_coeff=1e-4)"]}[how]

@@ -101,7 +101,7 @@ def test_megatron_arguments():
 
 
 def test_missing_requirement_in_one_line(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     (tmp_path / "tensorboard.py").write_text("raise ImportError('hidden for the test')\n")
     code = ("import sys; sys.path.insert(0, %r); import importlib.util as u; real = u.find_spec\n"
             "u.find_spec = lambda name, *a: None if name == 'tensorboard' else real(name, *a)\n"

@@ -63,11 +63,33 @@ LOG_LSE = ["--lm-z-loss-log-lse"]
 FUSED_OUTPUT_LAYER = FLAG + ["--lm-fused-output-layer"]
 
 
+def megatron_mtp_bug():
+    """Why Megatron's own MTP layer cannot be built here, or None. Megatron-LM main (since its commit
+    8018459d) builds it through ``is_inference_column_parallel_linear``, an ``isinstance`` against
+    Transformer Engine's classes, which are ``MagicMock``s where Transformer Engine is absent: the
+    probe raises Megatron's own ``TypeError`` (detected by calling it, not by version)."""
+    try:
+        from megatron.core.tensor_parallel import inference_layers
+    except ImportError:
+        return None
+    probe = getattr(inference_layers, "is_inference_column_parallel_linear", None)
+    if probe is None:
+        return None
+    try:
+        probe(object())
+    except TypeError as error:
+        return (f"Megatron's own MTP bug without Transformer Engine: multi_token_prediction.py calls "
+                f"is_inference_column_parallel_linear, whose TE classes are MagicMocks here ({error})")
+    return None
+
+
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def runs(request, tmp_path_factory):
     name = request.param
     if name in CUDA_ONLY and not torch.cuda.is_available():
         pytest.skip(f"{name}: Megatron runs it in bf16 only, which its optimizer supports on CUDA only")
+    if name.startswith("mtp") and megatron_mtp_bug():
+        pytest.skip(f"{name}: {megatron_mtp_bug()}")
     out = tmp_path_factory.mktemp(name)
     return (name, launch(out / "z_loss", LAYOUTS[name] + FLAG + LOG_LSE), launch(out / "no_flag", LAYOUTS[name]),
             launch(out / "fused_output_layer", LAYOUTS[name] + FUSED_OUTPUT_LAYER))

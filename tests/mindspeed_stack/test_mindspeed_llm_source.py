@@ -291,7 +291,7 @@ def _probe(order, *launch_args):
     the source trees on PYTHONPATH as a user's install has them)."""
     import subprocess
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS, *SOURCES]), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS, *SOURCES, os.environ.get("PYTHONPATH", "")]), CUDA_DEVICE_MAX_CONNECTIONS="1")
     script = mindspeed_llm_source.__file__
     command = [sys.executable, *(["-m", "mindspeed_cez.launch"] if order == "launched" else []), script, order, *SOURCES]
     if launch_args:
