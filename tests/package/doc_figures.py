@@ -1,9 +1,11 @@
 """Where each figure quoted in README.md and docs/ comes from: one row per quoted passage.
 
 A row is ``(doc, passage, source, compute)``: ``compute(data)`` reads the committed results file ``source``
-(its parsed JSON, or the module named) and returns the values the ``passage`` template is formatted with; the
+(its parsed JSON, any other file's text, or the bench/ module named) and returns the values the ``passage`` template is formatted with; the
 formatted passage must appear in ``doc`` (whitespace and line breaks ignored). So a figure that drifts from its
 source, or a passage reworded without its row, fails test_doc_figures.py. To quote a new figure: add its row.
+Rows for README.md (and the first ones for docs/z_loss_training.md) live here; the others in doc_figures_<topic>.py,
+joined below.
 """
 import statistics
 
@@ -113,3 +115,11 @@ ROWS = [
     ("docs/z_loss_training.md", "1e-3 diverged {lo}-{hi} iterations *earlier* than c = 0 in every seed", LONG_STATS,
      lambda s: (lambda d: {"lo": min(d), "hi": max(d)} if min(d) > 0 else {})(_earlier(s, 0.3, 0.001))),
 ]
+
+# The other docs' rows, one module per topic.
+from doc_figures_performance import ROWS as _PERFORMANCE  # noqa: E402
+from doc_figures_layer import ROWS as _LAYER  # noqa: E402
+from doc_figures_integration import ROWS as _INTEGRATION  # noqa: E402
+from doc_figures_zloss import ROWS as _ZLOSS  # noqa: E402
+
+ROWS += _PERFORMANCE + _LAYER + _INTEGRATION + _ZLOSS

@@ -19,9 +19,13 @@ def _text(path):
 
 
 def _source(name):
+    """A committed results file (JSON parsed, any other file as text) or a bench/ module by name."""
     if name.endswith(".json"):
         with open(os.path.join(ROOT, name)) as fh:
             return json.load(fh)
+    if os.path.isfile(os.path.join(ROOT, name)):
+        with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
+            return fh.read()
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", name + ".py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
