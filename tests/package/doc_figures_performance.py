@@ -251,6 +251,11 @@ def _layer_text(text):
     return text.replace(head, "| N x h x V | implementation | events ms | _ev | device ms | _dev |")
 
 
+def _loss_error(text):
+    worst = max(float(r["loss vs fp32"]) for r in _layer(text) if r["implementation"].startswith("fused"))
+    return {"err": f"{worst:.1e}".replace("e-0", "e-")}
+
+
 def _quiet_host(text):
     rows = _layer(_layer_text(text))
     c16 = [float(r["_dev"]) for r in rows if r["implementation"].startswith("unfused: cuBLAS + cez op")]
@@ -490,7 +495,7 @@ ROWS = [
        lambda t, s=s: _layer_row(_layer_text(t), s)) for s in SHAPES5],
     (PERF, "By device time the fused layer took {dlo}-{dhi}x the unfused layer into `main_grad`, by events {elo}-{ehi}x",
      LAYER, lambda t: _layer_ratios(_layer_text(t), "fused layer, default")),
-    (PERF, "Every loss within {err} of fp32", LAYER, lambda t: {"err": f"{max(float(r['loss vs fp32']) for r in _layer(t) if r['implementation'].startswith('fused')):.1e}".replace("e-0", "e-")}),  # noqa: E501
+    (PERF, "Every loss within {err} of fp32", LAYER, _loss_error),
     (PERF, "the unfused layer with a 16-bit weight gradient (the fused layer's kernels less the fp32 pass) came out at "
      "{lo}-{hi} of the reference, and the reference's events under its own kernel sum at {n} shapes", LAYER, _quiet_host),
     (PERF, "`2026-11-28_4xh200/final/breakdown.md`) measured identical work (one block, default and `block_fraction=1.0`) "
