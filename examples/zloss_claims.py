@@ -102,6 +102,26 @@ def claims(summaries):
     out["lm_lse_iters_3901_4000_lr0.2"] = {c: {"min": round(min(v), 2), "max": round(max(v), 2),
                                               "median": round(statistics.median(v), 2), "seeds": len(v)}
                                           for c, v in sorted(lse4000.items())}
+    # learning rate 0.1: the lines where the mean log Z went below 0 lack `lm_lse` (Megatron prints a metric only
+    # when its interval mean is >= 0); the mean is over the lines present
+    lse01, missing = {}, {}
+    for r in runs:
+        if r["lr"] == 0.1 and r["phase"] == "study":
+            pts = [p["lse"] for p in r["points"] if 3900 < p["step"] <= 4000 and p.get("lse") is not None]
+            lse01.setdefault(str(r["coeff"]), []).append(sum(pts) / len(pts))
+            m = missing.setdefault(str(r["coeff"]), {"lines": 0, "without_lse": 0})
+            m["lines"] += len(r["points"])
+            m["without_lse"] += sum(1 for p in r["points"] if p.get("lse") is None)
+    out["lm_lse_iters_3901_4000_lr0.1"] = {c: {"min": round(min(v), 2), "max": round(max(v), 2), "seeds": len(v)}
+                                          for c, v in sorted(lse01.items())}
+    out["log_lines_without_lm_lse_lr0.1"] = dict(sorted(missing.items()))
+    lse_max = {}
+    for r in runs:
+        if r["lr"] == 0.2 and r["phase"] == "study":
+            lse_max.setdefault(str(r["coeff"]), []).append(
+                max(p["lse_max"] for p in r["points"] if p["step"] <= 4000 and p.get("lse_max") is not None))
+    out["lm_lse_max_to_4000_lr0.2"] = {c: {"min": min(v), "max": max(v), "seeds": len(v)}
+                                      for c, v in sorted(lse_max.items())}
     first = [r["points"][0].get("lse") for r in runs if r["points"] and r["points"][0].get("lse") is not None]
     out["lm_lse_first_log_line"] = [round(min(first), 2), round(max(first), 2)]
     out["valid_tokens"] = {s.get("phase"): s.get("valid_tokens") for s in summaries}
