@@ -24,10 +24,10 @@ import torch
 # The kernels' TRANSFORM constexpr: the loss of x itself, of z = scale * x, of z = cap * tanh(scale * x / cap).
 NO_TRANSFORM, SCALE, SOFTCAP = 0, 1, 2
 KIND_NAMES = {NO_TRANSFORM: "none", SCALE: "scale", SOFTCAP: "softcap"}
-# tanh(u) for |u| < TANH_SERIES_BELOW: u + u**3 (c3 + u**2 (c5 + u**2 c7)), Taylor's coefficients
+# tanh(u) for |u| < TANH_SERIES_BELOW: u + u**3 (c3 + u**2 (c5 + u**2 (c7 + u**2 c9))), Taylor's coefficients
 # (the kernels' ``triton_loss_steps.tanh_and_slope`` has the same numbers).
 TANH_SERIES_BELOW = 0.25
-TANH_SERIES = (-1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0)
+TANH_SERIES = (-1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0, 62.0 / 2835.0)
 
 
 def _finite(value):
@@ -66,14 +66,15 @@ class LogitTransform:
         """``(z, dz/dx)`` of a (fp32) tensor ``x``, as the Triton kernels compute them: with a cap,
         from ``e = exp(-2|u|)``, ``u = scale * x / cap``: ``tanh(u) = sign(u) (1 - e) / (1 + e)`` and
         ``1 - tanh(u)**2 = 4e / (1 + e)**2``, which has no cancellation where ``tanh`` nears +-1; below
-        ``|u| < TANH_SERIES_BELOW``, where ``1 - e`` cancels, tanh is its series through ``u**7``."""
+        ``|u| < TANH_SERIES_BELOW``, where ``1 - e`` cancels, tanh is its series through ``u**9``."""
         if self.cap:
             u = x * (self.scale / self.cap)
             e = torch.exp(-2.0 * u.abs())
             r = 1.0 / (1.0 + e)
             t = (1.0 - e) * r
             u2 = u * u
-            series = u + u * u2 * (TANH_SERIES[0] + u2 * (TANH_SERIES[1] + u2 * TANH_SERIES[2]))
+            c3, c5, c7, c9 = TANH_SERIES
+            series = u + u * u2 * (c3 + u2 * (c5 + u2 * (c7 + u2 * c9)))
             t = torch.where(u.abs() < TANH_SERIES_BELOW, series, torch.where(u < 0, -t, t))
             return self.cap * t, self.scale * 4.0 * e * r * r
         if self.scale != 1.0:

@@ -53,6 +53,7 @@ fi
 # test_linear_cross_entropy_gpu.py forces each CUDA accumulation of the weight gradient in turn.
 # test_op_properties.py and test_linear_properties.py run on the CPU (gloo, the interpreter).
 GPU_TEST_FILES=(ops/test_op.py ops/test_op_errors.py ops/test_op_autograd.py gpu/test_gpu.py kernels/test_launch_configs.py
+                kernels/test_logit_transform.py
                 gpu/test_linear_cross_entropy_gpu.py)
 step "op tests on CUDA" 480 120 "$OUT/gpu_tests.log" 15 \
     bash -c 'cd tests && exec python3 -m pytest -q -p no:cacheprovider --junitxml="$0/gpu_tests.xml" "$@"' \

@@ -3,8 +3,11 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from mindspeed_cez.kernels.logit_transform import IDENTITY, SCALE, SOFTCAP, LogitTransform
+from mindspeed_cez.kernels import triton_loss_steps
+from mindspeed_cez.kernels.logit_transform import IDENTITY, SCALE, SOFTCAP, TANH_SERIES_BELOW, LogitTransform
 from mindspeed_cez.patches.model_context import LogitTransformError, TransformedLogits
 
 
@@ -74,7 +77,8 @@ def test_the_value_checks_itself_and_names_the_kernel_variant():
 def test_soft_cap_tanh_in_fp32_within_torch_tanh_error():
     """The reference's (and the kernels') fp32 tanh against float64, from |u| 1e-9 to saturation, both
     signs: within 3.8e-7 relative (torch.tanh's own on CUDA; ``(1 - e) / (1 + e)`` alone loses all of u's
-    digits below ~1e-8 and ~1e-6 of them near 0.1), and the slope within 3e-7 relative."""
+    digits below ~1e-8 and ~1e-6 of them near 0.1), below the series' bound |u| < 0.25 within 1.5e-7 (a series
+    stopped at u**7 is 3.6e-7 off near 0.25), and the slope within 3e-7 relative."""
     gen = torch.Generator().manual_seed(63)
     u = torch.logspace(-9, 1.2, 20001, dtype=torch.float64) * (torch.rand(20001, generator=gen, dtype=torch.float64) + 0.5)
     u = torch.cat([u, -u]).float()
@@ -83,6 +87,42 @@ def test_soft_cap_tanh_in_fp32_within_torch_tanh_error():
         z, slope = LogitTransform(scale, cap).apply_with_slope(x)
         v = (x * (scale / cap)).double()  # tanh's fp32 argument, as the transform rounds it
         exact = torch.tanh(v)
-        assert ((z.double() / cap - exact).abs() / exact.abs()).max() < 3.8e-7
+        relative = (z.double() / cap - exact).abs() / exact.abs()
+        assert relative.max() < 3.8e-7 and relative[v.abs() < TANH_SERIES_BELOW].max() < 1.5e-7
         exact_slope = scale / torch.cosh(v) ** 2
         assert ((slope.double() - exact_slope).abs() <= 3e-7 * exact_slope + 1e-30).all()
+
+
+@triton.jit
+def _soft_cap_kernel(x_ptr, z_ptr, slope_ptr, n, scale, cap, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n)
+    z, slope = triton_loss_steps.transform_logits_with_slope(x, scale, cap, SOFTCAP, PRECISE)
+    tl.store(z_ptr + offsets, z, mask=offsets < n)
+    tl.store(slope_ptr + offsets, slope, mask=offsets < n)
+
+
+@pytest.mark.parametrize("precise", [True, False])
+def test_the_kernels_soft_cap_is_the_references(precise):
+    """The Triton kernels' soft cap (on a GPU, or Triton's interpreter) against float64 over |u| 1e-7 .. 20:
+    fp32 logits (``PRECISE``) as the reference's bounds above, the series' range included; 16-bit logits'
+    form (no series) within 2e-7 absolute of tanh, far below a bf16 logit's rounding; the slope within 3e-7 relative, 3e-7 |u| where
+    |u| > 1 (exp2's fp32 argument ``-2|u| log2(e)`` rounds; the slope there is below 0.1 x scale)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(64)
+    u = torch.logspace(-7, 1.3, 4096, dtype=torch.float64) * (torch.rand(4096, generator=gen, dtype=torch.float64) + 0.5)
+    scale, cap = 0.7, 30.0
+    x = (torch.cat([u, -u]) * (cap / scale)).float().to(device)
+    z, slope = torch.empty_like(x), torch.empty_like(x)
+    _soft_cap_kernel[(triton.cdiv(x.numel(), 1024),)](x, z, slope, x.numel(), scale, cap, PRECISE=precise, BLOCK=1024)
+    v = (x * (scale / cap)).double().cpu()  # tanh's fp32 argument, as the kernel rounds it
+    exact = torch.tanh(v)
+    error = (z.double().cpu() / cap - exact).abs()
+    if precise:
+        relative = error / exact.abs()
+        assert relative.max() < 3.8e-7 and relative[v.abs() < TANH_SERIES_BELOW].max() < 1.5e-7
+    else:
+        assert error.max() < 2e-7
+    exact_slope = scale / torch.cosh(v) ** 2
+    relative_slope = (slope.double().cpu() - exact_slope).abs() / exact_slope
+    assert (relative_slope <= 3e-7 * v.abs().clamp(min=1)).all()  # exp2's argument rounds: ~|u| ulps far out
