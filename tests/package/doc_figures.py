@@ -7,11 +7,13 @@ source, or a passage reworded without its row, fails test_doc_figures.py. To quo
 Rows for README.md (and the first ones for docs/z_loss_training.md) live here; the others in doc_figures_<topic>.py,
 joined below.
 """
+import re
 import statistics
 
 LONG_CONTEXT = "bench/results/2026-12-06_h100_long_context/long_context.json"
 THROUGHPUT = "bench/results/2026-12-06_h100_long_context/throughput.json"
-CLAIMS = "bench/results/2026-11-28_zloss_study_4xh200/claims.json"  # python examples/zloss_claims.py
+CLAIMS = "bench/results/2026-11-28_zloss_study_4xh200/claims.json"
+MAIN_JOB = "bench/results/2026-12-06_cpu_main_job/"  # README command 1's job on a 2-core CPU machine  # python examples/zloss_claims.py
 LONG_STATS = "bench/results/2026-11-28_zloss_study_4xh200/report_with_pilot/long_stats.json"
 
 
@@ -67,6 +69,12 @@ ROWS = [
      lambda d: (lambda r: {"mbs": r["micro_batch"], "step": 2 * d["tokens_per_sequence"] / r["tokens_per_s"] * 1e3,
                            "tps": r["tokens_per_s"], "ratio": r["tokens_per_s"] / d["best"]["native"]["tokens_per_s"]})(
          d["best"]["cez"])),
+    # README: the main job's time and its printed lines (the last ones: its z-loss run's)
+    ("README.md", "the main job ran in {lo}-{hi} s after the install (60 iterations without, then with, z-loss; "
+     "{runs} runs", MAIN_JOB + "wall.txt", lambda t: (lambda w: {"lo": f"{min(w):.1f}", "hi": f"{max(w):.1f}", "runs": len(w)})(
+         [float(v) for v in re.findall(r"^run \d+: ([\d.]+) s$", t, re.M)])),
+    *[("README.md", "{line}", MAIN_JOB + "printed.txt", lambda t, p=pattern: {"line": re.findall(p, t, re.M)[-1]})
+      for pattern in (r"^ iteration +60/ +60 \|.*$", r"^c=0: final .*$", r"^c=0\.01: final .*$")],
     # README: choosing the coefficient
     ("README.md", "(at learning rate 0.3 every seed, every coefficient from 0 to {top})", LONG_STATS,
      lambda s: {"top": f"{_every_seed(s, 0.3)['coeffs'][-1]:.0e}".replace("e-0", "e-")}),
