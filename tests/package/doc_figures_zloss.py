@@ -1,8 +1,11 @@
 """Where each figure quoted in docs/z_loss_training.md comes from, beyond the rows in doc_figures.py: rows as there."""
+import json
 import math
+import os
 import re
 import statistics
 
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DOC = "docs/z_loss_training.md"
 STUDY_DIR = "bench/results/2026-11-28_zloss_study_4xh200/"
 PILOT_DIR = "bench/results/2026-11-28_zloss_pilot_4xh200/"
@@ -33,6 +36,12 @@ def _span(values, fmt="{}"):
 
 def _signed(x):
     return f"{x:+d}"
+
+
+def _load(path):
+    """A second committed results file, for a row whose figure spans two (JSON parsed)."""
+    with open(os.path.join(ROOT, path)) as fh:
+        return json.load(fh)
 
 
 # --- the pilot and the study (2026-11-28) ---
@@ -77,6 +86,75 @@ def _pilot_throughput(text):
             "setup": _i(_console(text, r"\[\s*(\d+) s\] MPS on GPUs")[0])}
 
 
+def _points(run):
+    """A pilot / study run's log lines as dicts (its series' columns differ with c)."""
+    return [dict(zip(run["series"]["columns"], row)) for row in run["series"]["rows"]]
+
+
+def _at(run, step, key):
+    return next(p[key] for p in _points(run) if p["step"] == step)
+
+
+def _runs(summary, **kw):
+    return [r for r in summary["runs"] if all(r[k] == v for k, v in kw.items())]
+
+
+def _smoothed_low(run, until):
+    """The lowest training loss averaged over 5 log lines (the rule's smoothing) up to iteration ``until``."""
+    p = _points(run)
+    return min(statistics.mean(x["loss"] for x in p[i - 4:i + 1]) for i in range(4, len(p)) if p[i]["step"] <= until)
+
+
+def _warmup(summary):
+    return _i(summary["warmup_fraction"] * summary["config"]["steps"])
+
+
+def _pilot_03(s):
+    """At 0.3 (c = 0, clip 1, no or independent weight decay): the loss's low in warmup, log Z from the peak
+    learning rate to the iteration the rule dates."""
+    runs = [r for m in ("none", "independent") for r in _runs(s, lr=0.3, coeff=0.0, clip=1.0, hidden=256, wd_mode=m)]
+    warm, at = _warmup(s), [r["verdict"]["step"] for r in runs]
+    return {"lo": min(_smoothed_low(r, warm) for r in runs), "hi": max(_smoothed_low(r, warm) for r in runs),
+            "start": _i(statistics.median(_at(r, warm, "lse") for r in runs)),
+            "top": _span([_i(_at(r, r["verdict"]["step"], "lse")) for r in runs]),
+            "within": math.ceil((max(at) - warm) / 100) * 100}
+
+
+def _pilot_10(s):
+    """At 1.0: where the loss passed its initial value (claims.json) and log Z by the iteration the rule dates."""
+    runs = _runs(s, lr=1.0)
+    rule = {r["verdict"]["step"] for r in runs}
+    if len(rule) != 1 or rule.pop() != _warmup(s) + 10:
+        return {}
+    dated = runs[0]["verdict"]["step"]
+    lse = [max(p["lse"] for p in _points(r) if p["step"] <= dated) for r in runs]
+    return {"near": statistics.median(_load(CLAIMS)["lr1_above_init"]["loss_passed_initial"]),
+            "lo": f"{round(min(lse), -1):.0f}", "hi": f"{round(max(lse), -1):.0f}", "at": dated}
+
+
+def _decoupled_spike(s):
+    run = _runs(s, lr=0.3, coeff=0.0, clip=1.0, wd_mode="decoupled")[0]
+    p = _points(run)
+    jump = max(zip(p[1:], p), key=lambda ab: ab[0]["loss"] - ab[1]["loss"])[0]
+    return {"at": jump["step"], "v": jump["loss"], "last": run["last_step"]}
+
+
+def _parameters(summary):
+    """The model's parameters from its Megatron arguments: without and with the (untied) embeddings. Megatron's
+    log (A_logs.tgz) prints the total, 19928576, for hidden 256."""
+    flags = summary["megatron_args_example"]
+    arg = lambda f: int(flags[flags.index(f) + 1])  # noqa: E731
+    h, layers, ffn, heads, vocab = (arg(f) for f in ("--hidden-size", "--num-layers", "--ffn-hidden-size",
+                                                      "--num-attention-heads", "--vocab-size"))
+    if not {"--disable-bias-linear", "--qk-layernorm", "--untie-embeddings-and-output-weights"} <= set(flags) \
+            or flags[flags.index("--normalization") + 1] != "LayerNorm":
+        return {}
+    linear = 4 * h * h + 2 * h * ffn  # QKV and the attention's projection, the MLP's two
+    norms = 2 * 2 * h + 2 * 2 * (h // heads)  # two LayerNorms (weight and bias), the q and k norms over a head
+    core = layers * (linear + norms) + 2 * h  # and the final LayerNorm
+    return {"h": h, "vocab": vocab, "core": core / 1e6, "total": (core + 2 * vocab * h) / 1e6}
+
+
 def _study_row(lr):
     """Per coefficient: 'diverged / seeds' and the span of the iterations they diverged at; Fisher's p of each c."""
     def compute(s):
@@ -114,6 +192,69 @@ def _claims_lse(c, key, coeff):
 
 
 # --- the short sweeps (2026-11-27) ---
+
+PAPER_TOKENS = 100_000 * 256 * 512  # the paper's default run: 1e5 steps of 256 sequences of 512 tokens
+T95 = {1: 12.706, 2: 4.303}  # Student's t, two-sided 95 %, by degrees of freedom (zloss_sweep_report.T95)
+
+
+def _run_tokens(summary):
+    c = summary["config"]
+    return c["steps"] * c["micro_batch"] * c["seq"]
+
+
+def _both_phases(a):
+    return a["runs"] + _load(SHORT_DIR + "B_summary.json")["runs"]
+
+
+def _phase_a(a):
+    runs = a["runs"]
+    started = [r for r in runs if r.get("started_s") is not None]
+    at_once = [r for r in started if r["started_s"] == 0]
+    later = [r["started_s"] for r in started if r["started_s"] > 0]
+    cut = [r for r in runs if r["status"].startswith("stopped at the budget")]
+    if len(at_once) != a["config"]["gpu_capacity"] * a["gpus"]:
+        return {}
+    return {"at_once": len(at_once), "runs": len(runs), "cap": a["config"]["gpu_capacity"], "later": len(later),
+            "after": _span([_i(x) for x in later]), "never": sum(r["status"] == "not started" for r in runs),
+            "cut": len(cut), "lo": min(r["last_step"] for r in cut), "hi": max(r["last_step"] for r in cut),
+            "valid": sum(r["final_validation"] is not None for r in runs),
+            "exiting": sum(r["status"] == "complete (stopped while exiting)" for r in runs)}
+
+
+def _phase_b_first(b):
+    lacked = {r["name"] for r in _load(SHORT_DIR + "A_summary.json")["runs"] if not r["status"].startswith("complete")}
+    first = [r for r in b["runs"] if r["group"] == "main"]
+    extra = {r["name"] for r in first} - lacked
+    if not lacked <= {r["name"] for r in first} or [n for n in extra if not n.endswith("_rerun")] \
+            or not all(r["status"] == "complete" for r in first):
+        return {}
+    return {"n": len(lacked), "done": sum(r["status"] == "complete" for r in b["runs"]), "of": len(b["runs"])}
+
+
+def _best_in_a(a):
+    """Phase A's best learning rate at c = 0 among its complete runs, and their seeds."""
+    by_lr = {}
+    for r in a["runs"]:
+        if r["coeff"] == 0 and r["hidden"] == 256 and not r["rerun"] and r["status"].startswith("complete"):
+            by_lr.setdefault(r["lr"], []).append(r["final_validation"])
+    best = min(by_lr, key=lambda lr: statistics.mean(by_lr[lr]))
+    if best != _load(SHORT_DIR + "B_summary.json")["best_lr"]:
+        return {}
+    return {"best": _e(best), "n": len(by_lr[best])}
+
+
+def _lr_paired(s, lr, base):
+    """base minus lr at c = 0, seed by seed: mean and the 95 % half-width."""
+    a, b = (_cell(s, x, 0.0)["final_validation"]["per_seed"] for x in (base, lr))
+    d = [a[k] - b[k] for k in a]
+    return {"d": statistics.mean(d), "ci": T95[len(d) - 1] * statistics.stdev(d) / math.sqrt(len(d))}
+
+
+def _lse_min_c0(a):
+    """The smallest mean log Z of any run without the z-loss, both phases (TensorBoard, every iteration)."""
+    return {"v": min(r["agg"]["lse_min_mean"] for r in _both_phases(a) if r["coeff"] == 0
+                     and r["agg"].get("lse_min_mean") is not None)}
+
 
 def _cell(stats, lr, coeff, hidden=256, wd="none"):
     return next(c for c in stats["cells"] if (c["hidden"], c["wd_mode"], c["lr"], c["coeff"]) == (hidden, wd, lr, coeff))
@@ -195,6 +336,9 @@ ROWS = [
      lambda c: {"c0": c["lm_lse_iters_3901_4000_lr0.2"]["0.0"]["median"],
                 "c4": c["lm_lse_iters_3901_4000_lr0.2"]["0.0001"]["median"]}),
 
+    # the divergence rule: the loss at initialization over every run of the pilot and the study
+    (DOC, "(the loss at initialization: {lo:.1f}-{hi:.1f} here, with", CLAIMS,
+     lambda c: dict(zip(("lo", "hi"), c["initial_loss_range"]))),
     # settings: the batch and the data
     (DOC, "the batch is small ({mb} sequences of {seq} tokens, {tok} tokens an iteration: {steps} iterations are "
      "{total:.0f} M tokens, {passes:.1f} passes over the {train:.1f} M training tokens)", STUDY_DIR + "study_sweep.json",
@@ -245,6 +389,24 @@ ROWS = [
     (DOC, "8 runs sharing a GPU ran {each_on} iterations/s each, {on} a GPU together through CUDA MPS (GPUs {gpus_on}) "
      "and {each_off} each, {off} together, time-sliced without it (GPU 2): MPS gave about {gain} % more. Installing, "
      "encoding the corpus and starting MPS took {setup} s.", PILOT_DIR + "console.log", _pilot_throughput),
+
+    (DOC, "At learning rate 0.3 the loss falls to {lo:.1f}-{hi:.1f} during warmup; from the peak learning rate on, the "
+     "mean `log Z` (`lm_lse`) climbs from about {start} to {top} within {within} iterations", PILOT_DIR + "pilot_summary.json",
+     _pilot_03),
+    (DOC, "(the loss passes its initial value near iteration {near:g}, `log Z` reaches {lo}-{hi} by iteration {at}; the "
+     "rule can only date it at {at}, the end of warmup)", PILOT_DIR + "pilot_summary.json", _pilot_10),
+    (DOC, "the loss spiked at 2150-{at} (to {v:.1f}) without recovering by {last}.", PILOT_DIR + "pilot_summary.json",
+     _decoupled_spike),
+    (DOC, "At 0.3 its z-loss term was {z} when the loss had already passed 11.", PILOT_DIR + "pilot_summary.json",
+     lambda s: {"z": _span([f"{next(p['z_loss'] for p in _points(r) if p['step'] > 1 and p['loss'] > 11):.2f}"
+                            for r in _runs(s, lr=0.3, coeff=1e-4)])}),
+    (DOC, "**Learning rate 0.1 trained** (loss {lo:.1f}-{hi:.1f} when the time ran out) in every weight-decay mode",
+     PILOT_DIR + "pilot_summary.json",
+     lambda s: (lambda runs: {"lo": min(_points(r)[-1]["loss"] for r in runs), "hi": max(_points(r)[-1]["loss"] for r in runs)}
+                if all(not r["diverged"] for r in runs) and len({r["wd_mode"] for r in runs}) == 3 else {})(
+         _runs(s, lr=0.1))),
+    (DOC, "which gave about {gain} % more iterations per second when 8 small runs share a GPU", PILOT_DIR + "console.log",
+     _pilot_throughput),
 
     # the study: how it ran
     (DOC, "x learning rates 0.3 and 0.2 with {edge} seeds each, 0.1 with {below}**: {runs} runs, all started at once, "
@@ -304,6 +466,10 @@ ROWS = [
      lambda s: (lambda v: {"lo": _i(min(v)), "hi": _i(max(v))})(
          [r["lse_max_run"] for r in s["runs"] if not r["diverged"] and r["coeff"] == 0])),
 
+    (DOC, "**`lm_lse` above {t}** ({n} nats above its value at initialization, {v}, with this 32768-token vocabulary)",
+     CLAIMS, lambda c: (lambda v: {"t": 18, "n": _i(18 - float(v)), "v": v})(
+         _span({f"{x:.1f}" for x in c["lm_lse_first_log_line"]}))),
+
     # what the budget held
     (DOC, "stopped by the time budget at {it} iterations (study) and", STUDY,
      lambda s: {"it": _span(s["not_diverged_iterations"])}),
@@ -323,6 +489,16 @@ ROWS = [
     (DOC, "the pilot's {n} runs (on 3 of them)", PILOT, lambda s: {"n": len(s["runs"])}),
     (DOC, "and the study's {n}.", STUDY, lambda s: {"n": len(s["runs"])}),
 
+    # run it
+    (DOC, "(about {mb} MB for the study's {n} runs)", STUDY_DIR + "study_summary.json",
+     lambda s: {"n": len(s["runs"]), "mb": _i(os.path.getsize(os.path.join(ROOT, STUDY_DIR, "study_summary.json")) / 1e6)}),
+    (DOC, "(`--unit-s`: the GPU seconds of one hidden-256 run; phase B used {u:g}, on H100s shared by up to {cap} runs)",
+     SHORT_DIR + "B_summary.json",
+     lambda b: {"u": b["config"]["unit_s"], "cap": b["config"]["gpu_capacity"]}
+     if all("H100" in g for g in b["environment"]["gpus"]) else {}),
+    (DOC, "`--budget-s` (default {b} s on GPUs)", "examples/zloss_lr_sweep.py",
+     lambda t: {"b": re.search(r"budget_s = args.budget_s or \((\d+) if gpus", t).group(1)}),
+
     # the data
     (DOC, "from the rest every such line found in training is dropped. {before} held-out files became {after} ({v} "
      "vendored and {c} copies dropped;", STUDY_DIR + "study_data.json",
@@ -338,6 +514,57 @@ ROWS = [
                                  ("validation (deduplicated: the study)", "pypi_valid", STUDY_DIR + "study_data.json"),
                                  ("validation (the short sweeps and the pilot)", "pypi_valid",
                                   PILOT_DIR + "pilot_data.json")]],
+
+    (DOC, "A run takes {steps} x {mb} x {seq} = {tok:.1f} M tokens: three quarters of the training split",
+     SHORT_DIR + "A_summary.json",
+     lambda a: (lambda c, n: {"steps": c["steps"], "mb": c["micro_batch"], "seq": c["seq"], "tok": n / 1e6}
+                if 0.7 < n / a["data"]["splits"]["pypi_train"]["tokens"] < 0.8 else {})(a["config"], _run_tokens(a))),
+    (DOC, "split: {it} batches of {mb} x {seq}, {used} of its {seqs} sequences of {seq} (Megatron's samples of one pass; "
+     "the {left} left out", SHORT_DIR + "A_summary.json",
+     lambda a: (lambda c, seqs: {"it": a["eval_iters"], "mb": c["micro_batch"], "seq": c["seq"], "seqs": seqs,
+                                 "used": a["eval_iters"] * c["micro_batch"],
+                                 "left": seqs - a["eval_iters"] * c["micro_batch"]})(
+         a["config"], (a["valid_tokens"] - 1) // a["config"]["seq"])),
+
+    # the model table
+    (DOC, "at hidden {h} {core:.1f} M parameters without the embeddings, {total:.0f} M with the two untied {vocab} x {h} "
+     "embeddings", SHORT_DIR + "A_summary.json", _parameters),
+    (DOC, "| schedule | linear warmup over {w} steps ({pct:.0f} %), cosine decay to {min_lr} | a {steps}-iteration schedule: "
+     "linear warmup over {w2} ({pct2:.0f} %), cosine decay to {min_lr}", SHORT_DIR + "A_summary.json",
+     lambda a: (lambda p: {"w": _warmup(a), "pct": 100 * a["warmup_fraction"], "min_lr": _e(a["min_lr"]),
+                           "steps": f"{p['config']['steps']:,}".replace(",", " "), "w2": _warmup(p),
+                           "pct2": 100 * p["warmup_fraction"]})(_load(PILOT_DIR + "pilot_summary.json"))
+     if str(_warmup(a)) in a["megatron_args_example"] else {}),
+    (DOC, "(at most {most} iterations ran)", PILOT_DIR + "pilot_summary.json",
+     lambda s: {"most": max(r["last_step"] for r in s["runs"] + _load(STUDY_DIR + "study_summary.json")["runs"])}),
+    (DOC, "| steps x batch | {steps} x {mb} sequences of {seq} tokens: {tok:.1f} M tokens, each seen at most once | up to "
+     "{most} x {mb2} sequences of {seq2} tokens: at most {tok2:.1f} M tokens, {passes:.2f} passes over the training split "
+     "| 1e5 steps x 256 x 512: about {paper:.0f} B tokens of C4, about {times} times more |", SHORT_DIR + "A_summary.json",
+     lambda a: (lambda c, p, most: {
+         "steps": c["steps"], "mb": c["micro_batch"], "seq": c["seq"], "tok": _run_tokens(a) / 1e6, "most": most,
+         "mb2": p["config"]["micro_batch"], "seq2": p["config"]["seq"],
+         "tok2": most * p["config"]["micro_batch"] * p["config"]["seq"] / 1e6,
+         "passes": most * p["config"]["micro_batch"] * p["config"]["seq"] / p["data"]["splits"]["pypi_train"]["tokens"],
+         "paper": PAPER_TOKENS / 1e9, "times": f"{round(PAPER_TOKENS / _run_tokens(a), -1):.0f}"})(
+         a["config"], _load(PILOT_DIR + "pilot_summary.json"),
+         max(r["last_step"] for r in _load(PILOT_DIR + "pilot_summary.json")["runs"]
+             + _load(STUDY_DIR + "study_summary.json")["runs"]))),
+    (DOC, "(the same weights and batch in all runs of a seed) | the same ({v:.2f} at iteration 1 for seed 1)",
+     PILOT_DIR + "pilot_summary.json",
+     lambda s: (lambda v: {"v": v.pop()} if len(v) == 1 else {})(
+         {r["init_loss"] for r in s["runs"] + _load(STUDY_DIR + "study_summary.json")["runs"]
+          if r["seed"] == 1 and r["hidden"] == 256})),
+
+    # what ran on 2026-11-27
+    (DOC, "{at_once} of the {runs} runs started at once, {cap} a GPU, {later} more after {after} s, {never} never; the "
+     "budget stopped {cut} before their validation ({lo} to {hi} steps in). {valid} runs have their final validation loss "
+     "({exiting} of them were stopped by the budget while exiting, after it).", SHORT_DIR + "A_summary.json", _phase_a),
+    (DOC, "first the {n} runs phase A lacked and the rerun once more (all completed:", SHORT_DIR + "B_summary.json",
+     _phase_b_first),
+    (DOC, "{done} of {of} complete.", SHORT_DIR + "B_summary.json", _phase_b_first),
+    (DOC, "The learning rate of phase B's sweeps, {best}, was the best at c = 0 among phase A's complete runs ({n} seeds "
+     "then).", SHORT_DIR + "A_summary.json", _best_in_a),
+    (DOC, "With all three seeds, 1e-2 is lower by {d:.3f} ± {ci:.3f} (paired)", SHORT, lambda s: _lr_paired(s, 0.01, 0.003)),
 
     # the short sweeps: the main sweep's table, every row
     *[(DOC, "| {lr} | {c0} | {d4} | {d3} |", SHORT, lambda s, lr=lr: _main_row(s, lr))
@@ -390,11 +617,17 @@ ROWS = [
                            "d": g(0.01, 0.0)["mean"], "e": _i(g(0.1, 0.0)["mean"]), "f": _i(g(0.3, 0.0)["mean"]),
                            "g": _i(g(0.1, 0.0)["ci95"]), "h": _i(g(0.3, 0.0)["ci95"])})(
          lambda lr, c: _cell(s, lr, c)["gap_last100"])),
+    (DOC, "(the mean `log Z` without the z-loss never fell below {v:.1f})", SHORT_DIR + "A_summary.json", _lse_min_c0),
+    (DOC, "(3 seeds per cell; `log Z` is {v} at initialization.", SHORT_DIR + "A_summary.json",
+     lambda a: {"v": _span({f"{r['agg']['lse_first']:.1f}" for r in _both_phases(a) if r["agg"].get("lse_first")})}),
     # the coefficient sweep at 3e-3, every row
     *[(DOC, "| {c} | {n} | {loss} | {lse} | {max} |", SHORT, lambda s, c=c: _coeff_row(s, c))
       for c in (0.0, 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2)],
     (DOC, "The mean `log Z` falls with the coefficient as expected: {a:.1f} at 0, {b:.1f} at 1e-3, {c:.1f} at 1e-2.",
      SHORT, lambda s: {k: _cell(s, 0.003, c)["lse_last100"]["mean"] for k, c in zip("abc", (0.0, 1e-3, 1e-2))}),
+    (DOC, "with two seeds the interval reaches {k:.1f} standard errors either side of the mean", SHORT,
+     lambda s: (lambda v: {"k": v["ci95"] / (statistics.stdev(v["diffs"]) / math.sqrt(v["n"]))})(
+         _cell(s, 0.003, 0.003)["final_validation_minus_c0"])),
     # weight decay (one seed), every row
     *[(DOC, "| {lr} | " + label + " | {loss} | {max} | {lse} |", SHORT, lambda s, lr=lr, wd=wd: _wd_row(s, lr, wd))
       for lr in (0.003, 0.3) for label, wd in (("none", "none"), ("decoupled 0.1", "decoupled"),
@@ -406,6 +639,11 @@ ROWS = [
                                     "z": _seed1(dc4, "final_validation_minus_c0") if "per_seed" in
                                     dc4["final_validation_minus_c0"] else dc4["final_validation_minus_c0"]["mean"]})(
          _cell(s, 0.3, 0.0), _cell(s, 0.3, 0.0, wd="decoupled"), _cell(s, 0.3, 1e-4, wd="decoupled"))),
+    (DOC, "decays by 1e-4 x s(t) per step: {a} times less than decoupled 0.1 at learning rate 0.3, {b} times less at "
+     "3e-3)", SHORT_DIR + "B_summary.json",
+     lambda b: (lambda ratio: {"a": ratio(0.3), "b": ratio(0.003)})(
+         lambda lr: _i(lr * _runs(b, lr=lr, coeff=0.0, wd_mode="decoupled")[0]["wd"]
+                       / _runs(b, lr=lr, coeff=0.0, wd_mode="independent")[0]["wd"]))),
     # wider models (500 steps, one seed), every row
     *[(DOC, "| {h} | {l2} | {l1} | {max} | {low} |", SHORT_DIR + "B_summary.json", lambda d, h=h: _width_row(d, h))
       for h in (256, 512, 1024)],
@@ -420,4 +658,25 @@ ROWS = [
      "B_summary.json", lambda d: {"a": " / ".join(
          f"{_width_runs(d, h, 0.3)[0.0]['final_validation'] - _width_runs(d, h, 0.03)[0.0]['final_validation']:.2f}"
          for h in (256, 512, 1024))}),
+    (DOC, "their training loss never went below {a:.1f} ({b:.1f} at hidden 256 in the same 500 steps)",
+     SHORT_DIR + "B_summary.json",
+     lambda d: (lambda low: {"a": min(low(512), low(1024)), "b": low(256)})(
+         lambda h: min(v for _, v in _width_runs(d, h, 0.3)[0.0]["series"]["lm loss"]))),
+    (DOC, "within the first {w} steps, then fell back to {lo}-{hi} by step {end}, the loss stuck near {loss}",
+     SHORT_DIR + "B_summary.json",
+     lambda d: (lambda runs: {
+         "w": math.ceil(max(max(r["series"]["lm_lse"], key=lambda x: x[1])[0] for r in runs) / 100) * 100,
+         "lo": min(_i(r["series"]["lm_lse"][-1][1]) for r in runs),
+         "hi": max(_i(r["series"]["lm_lse"][-1][1]) for r in runs),
+         "end": runs[0]["steps"], "loss": _span({_i(r["series"]["lm loss"][-1][1]) for r in runs})})(
+         [_width_runs(d, h, 0.3)[0.0] for h in (512, 1024)])),
+
+    # did the output-logit divergence appear?
+    (DOC, "(the smallest mean `log Z` without the z-loss was {v:.1f})", SHORT_DIR + "A_summary.json", _lse_min_c0),
+    (DOC, "`log Z` drifting up by {lo}-{hi} nats without the z-loss", SHORT_DIR + "A_summary.json",
+     lambda a: (lambda d: {"lo": _i(min(d)), "hi": _i(max(d))})(
+         [r["agg"]["lse_last100"] - r["agg"]["lse_first"] for r in _both_phases(a) if r["coeff"] == 0
+          and r["hidden"] == 256 and r["steps"] == 1500 and r["status"].startswith("complete")])),
+    (DOC, "These runs are {m:.1f} M tokens long, about {times} times fewer than the paper's", SHORT_DIR + "A_summary.json",
+     lambda a: {"m": _run_tokens(a) / 1e6, "times": f"{round(PAPER_TOKENS / _run_tokens(a), -1):.0f}"}),
 ]
