@@ -4,7 +4,7 @@ The wheels are named, versioned and digested in ``pypi_text_corpus.json`` (besid
 downloads exactly those (``--require-hashes``), so the text does not depend on the machine or its
 Python. Four steps, each deterministic and each checked against the digests in that manifest:
 
-1. ``fetch``: ``pip download`` the pinned wheels into ``DIR/wheels`` (the network; about 57 MB).
+1. ``fetch``: ``pip download`` the pinned wheels into ``DIR/wheels`` (the network).
 2. ``text``: the documents, in manifest order, each wheel's members sorted by name. Kept: ``*.py``,
    ``*.pyi``, ``*.rst``, ``*.md``, ``*.txt`` outside ``*.dist-info/``, valid UTF-8, 256 B to 1 MiB
    after ``\\r\\n`` -> ``\\n``; a file whose text was seen before (same sha256) is dropped. One file in
@@ -29,7 +29,7 @@ Python. Four steps, each deterministic and each checked against the digests in t
     python examples/pypi_text_corpus.py build --dir data/pypi_32k
     python examples/pypi_text_corpus.py check --dir data/pypi_32k     # digests only, no building
 
-A finished build can travel without the wheels: ``corpus.jsonl.xz`` + ``tokenizer.json`` (about 20 MB)
+A finished build can travel without the wheels: ``corpus.jsonl.xz`` + ``tokenizer.json``
 rebuild the rest (``index``), or ``pack`` the indexed files into one ``.tar.xz``.
 """
 

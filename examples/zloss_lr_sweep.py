@@ -78,8 +78,8 @@ sys.path.insert(0, HERE)
 from zloss_divergence import Divergence, parse_line  # noqa: E402
 
 # The paper's proxy at the small end: 4 layers, hidden 256, sized so 55 runs share 4 GPUs in minutes
-# (12 units a GPU: 12 runs of hidden 256 at once, about 5 GB each). unit_s: the GPU seconds of one
-# such run (four H100s, 12 runs a GPU: 31-32 s each, 2026-11-27); startup_s: a run's start before its
+# (12 units a GPU: 12 runs of hidden 256 at once, about 5 GB each). unit_s: the GPU seconds budgeted for one
+# such run (the 2026-11-27 sweep on four H100s ran with 32; 34 leaves a margin); startup_s: a run's start before its
 # first step. A run starts only if the GPU's admitted work is predicted to end within the budget.
 FULL = dict(layers=4, hidden=256, seq=512, micro_batch=32, steps=1500, vocab=32768, log_interval=10,
             tb_interval=1, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], seeds=[1, 2, 3], gpu_capacity=12,
