@@ -54,4 +54,6 @@ for f in $(grep -l "megatron\.training" tests/*/test_*.py); do
 done
 stamp "pytest ${tests[*]}"
 "$VENV/bin/python" -m pytest -q -rs "${tests[@]}"
+stamp "the main job, quick mode (README command 1 on Python 3.12)"
+"$VENV/bin/python" -m mindspeed_cez.launch examples/train_tiny_moe.py --lm-z-loss-coeff 1e-2 --quick
 stamp "done"
