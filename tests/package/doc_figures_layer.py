@@ -1,11 +1,10 @@
 """Where each figure quoted in docs/weight_gradient.md, docs/fused_linear_cross_entropy.md and docs/op.md comes from:
 rows as in doc_figures.py."""
-import os
 import re
 import statistics
-from decimal import ROUND_HALF_UP, Decimal
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+from results_files import half_up, load
+
 H200_ACC = "bench/results/2026-11-26_h200/accumulations.md"
 H200_TUNE = "bench/results/2026-11-26_h200/tune_accumulate.md"
 H200_BREAKDOWN = "bench/results/2026-11-28_4xh200/call1_profile/breakdown.json"
@@ -18,20 +17,10 @@ DEFAULT = "default path (fraction 0.5), "  # accumulations.md's rows of the defa
 FIVE = ["8192x4096x151936", "8192x4096x37984", "32768x4096x151936", "16384x4096x75968", "8192x7168x16160"]
 
 
-def _read(path):
-    with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
-        return fh.read()
-
-
 def _table(text):
     """A markdown file's table rows (every table), as lists of cells; separator rows left out."""
     return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
             if line.startswith("|") and not line.startswith("|---")]
-
-
-def _round(value, digits):
-    """A printed decimal rounded half up (as read), not as its binary float rounds."""
-    return str(Decimal(str(value)).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
 
 
 def _shape(s):
@@ -108,19 +97,19 @@ def _third(text):
 ROWS = [
     # docs/weight_gradient.md, which accumulation runs where: the Triton kernel (its chosen tiles) and the path
     ("docs/weight_gradient.md", "the kernel is {lo}-{hi}x cuBLAS's `addmm(out_dtype)` on an H200", H200_TUNE,
-     lambda t: (lambda r: {"lo": _round(min(r), 2), "hi": _round(max(r), 2)} if "NVIDIA H200" in t else {})(
+     lambda t: (lambda r: {"lo": half_up(min(r), 2), "hi": half_up(max(r), 2)} if "NVIDIA H200" in t else {})(
          [float(r[3]) for r in _table(t) if r[1:2] == ["128, 128, 64, 8, 8, 4, 1, True"]])),
     ("docs/weight_gradient.md", "the whole default path {lo:.2f}-{hi:.2f}x the torch >= 2.8 path", H200_ACC,
      lambda t: (lambda r: {"lo": min(r), "hi": max(r)})(
          [float(_acc(t, s, DEFAULT + "triton")) / float(_acc(t, s, DEFAULT + "addmm_out_dtype")) for s in FIVE])),
     # weight_gradient.md, the accumulations measured: every row of the table
     *[("docs/weight_gradient.md", "| {shape} | {unfused} | {addmm_out_dtype} | {triton} | {gemm_add} |", H200_ACC,
-       lambda t, s=s: {"shape": _shape(s), "unfused": _round(_acc(t, s, "unfused: cuBLAS + cez op"), 1),
-                       **{k: _round(_acc(t, s, DEFAULT + k), 1) for k in ("addmm_out_dtype", "triton", "gemm_add")}}
+       lambda t, s=s: {"shape": _shape(s), "unfused": half_up(_acc(t, s, "unfused: cuBLAS + cez op"), 1),
+                       **{k: half_up(_acc(t, s, DEFAULT + k), 1) for k in ("addmm_out_dtype", "triton", "gemm_add")}}
        if "NVIDIA H200" in t else {}) for s in FIVE],
     # weight_gradient.md, the dial: one more block's pass over main_grad (the GEMMs alone) and its share of the layer
     ("docs/weight_gradient.md", "every further block adds one pass: {lo}-{hi} ms at the five benchmark shapes on an "
-     "H200", H200_BREAKDOWN, lambda d: (lambda x: {"lo": _round(min(x), 1), "hi": _round(max(x), 1)}
+     "H200", H200_BREAKDOWN, lambda d: (lambda x: {"lo": half_up(min(x), 1), "hi": half_up(max(x), 1)}
                                          if "H200" in d["run"]["device"] else {})([_breakdown(d, s)[0] for s in FIVE])),
     ("docs/weight_gradient.md", "{lo:.1f}-{hi:.1f} % at 8192 tokens, {n16:.2f} % at 16384, {n32:.2f} % at 32768",
      H200_BREAKDOWN, lambda d: (lambda s8: {"lo": min(s8), "hi": max(s8), "n16": _share(d, FIVE[3]),
@@ -148,7 +137,7 @@ ROWS = [
     # ("defer"), each alternated with the op in one pretrain run (both GPUs; the second file read beside the first)
     ("docs/fused_linear_cross_entropy.md", "with them in forward the step was {lo:.0f}-{hi:.0f} % longer than the op's",
      AB_TP1 + "r1_main_gpu1.txt", lambda t: (lambda m: {"lo": min(m), "hi": max(m)})(
-         [_ab_mean(x)[0] for x in (t, _read(AB_TP1 + "r2_main_gpu0.txt")) if _ab_mean(x)[0] > _ab_mean(x)[1]])),
+         [_ab_mean(x)[0] for x in (t, load(AB_TP1 + "r2_main_gpu0.txt")) if _ab_mean(x)[0] > _ab_mean(x)[1]])),
     *[("docs/fused_linear_cross_entropy.md", "in backward it is within noise of it", AB_TP1 + f,
        lambda t: {} if abs(_ab_mean(t)[0]) < _ab_mean(t)[1] else {"missing": True})
       for f in ("r1_defer_gpu0.txt", "r2_defer_gpu1.txt")],
@@ -164,5 +153,5 @@ ROWS = [
      lambda t: (lambda u: {"fwd": _graph_replay(t, "fwd") / _graph_replay(u, "fwd"),
                            "both": _graph_replay(t, "fwd+bwd") / _graph_replay(u, "fwd+bwd")}
                 if all(k in t for k in ("H100", "2026-11-25", "8192 x 151936", "logit_softcap=30.0"))
-                and "logit_softcap=0.0" in u else {})(_read(H100_SOFTCAP + "dt_new_1.md"))),
+                and "logit_softcap=0.0" in u else {})(load(H100_SOFTCAP + "dt_new_1.md"))),
 ]

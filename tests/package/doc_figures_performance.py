@@ -1,15 +1,13 @@
 """Where each figure quoted in docs/performance.md and bench/README.md comes from: rows as in doc_figures.py.
 
-A row needing a second results file beside its source reads it with ``_load``. Rounding is half up on the
-printed digits (``_r``), as a reader rounds "0.075" to "0.08".
+A row needing a second results file beside its source reads it with ``load``. Rounding is half up on the
+printed digits (``half_up``).
 """
-import json
-import os
 import re
 import statistics
-from decimal import ROUND_HALF_UP, Decimal
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+from results_files import half_up, load
+
 R = "bench/results/"
 PERF, BENCH = "docs/performance.md", "bench/README.md"
 LONG_CONTEXT = R + "2026-12-06_h100_long_context/long_context.json"
@@ -29,17 +27,8 @@ TRANSFORMS = R + "2026-11-25_h100/fused_layer/e2e_transforms/e2e_busy_rep{}.json
 SHAPES5 = ["8192x4096x151936", "8192x4096x37984", "32768x4096x151936", "16384x4096x75968", "8192x7168x16160"]
 
 
-def _load(path):
-    with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
-        return json.load(fh) if path.endswith(".json") else fh.read()
-
-
-def _r(x, places=0):
-    return str(Decimal(str(x)).quantize(Decimal(1).scaleb(-places), ROUND_HALF_UP))
-
-
 def _s(x, places=0):  # signed
-    return ("+" if x >= 0 else "") + _r(x, places)
+    return ("+" if x >= 0 else "") + half_up(x, places)
 
 
 def _cells(line):
@@ -121,7 +110,7 @@ def _per_token(d):
     """The fused layer's peak grows by the transformer's activations: its slope between the two longest sizes."""
     (t1, m1), (t2, m2) = sorted((r["tokens_per_micro_batch"], r["peak_allocated_bytes"]) for r in d["rows"]
                                 if r["variant"] == "cez_fol" and r["rc"] == 0)[-2:]
-    return {"kib": _r((m2 - m1) / (t2 - t1) / 1024)}
+    return {"kib": half_up((m2 - m1) / (t2 - t1) / 1024)}
 
 
 def _fol_vs_op(m):
@@ -134,7 +123,7 @@ def _fol_vs_op(m):
     earlier = [t for t in both if "baseline" in at[t, "cez"]["source"]]
     if len(same) != 2 or len(earlier) != 1:
         return {}
-    return {"within": _r(max(abs(x) for x in diff.values()), 1), "t1": same[0], "d1": _s(diff[same[0]], 1),
+    return {"within": half_up(max(abs(x) for x in diff.values()), 1), "t1": same[0], "d1": _s(diff[same[0]], 1),
             "t2": same[1], "d2": _s(diff[same[1]], 1), "t3": earlier[0], "d3": _s(diff[earlier[0]], 1)}
 
 
@@ -143,15 +132,15 @@ def _throughput_native(d):
     mb2 = [_setting(d, "native", 2, rc) for rc in ("none", "selective", "full")]
     if not (mb2[0]["out_of_memory"] and mb2[1]["out_of_memory"] and mb2[2]["rc"] == 0 and best["recompute"] == "none"):
         return {}
-    return {"mb": best["micro_batch"], "mb2": _r(_step36(mb2[2])),
-            "step": _r(2 * d["tokens_per_sequence"] / best["tokens_per_s"] * 1e3), "tps": f"{best['tokens_per_s']:,.0f}"}
+    return {"mb": best["micro_batch"], "mb2": half_up(_step36(mb2[2])),
+            "step": half_up(2 * d["tokens_per_sequence"] / best["tokens_per_s"] * 1e3), "tps": f"{best['tokens_per_s']:,.0f}"}
 
 
 def _throughput_fol(d):
     best, ref = d["best"]["cez_fol"], d["best"]["native"]["tokens_per_s"]
-    return {"mb": best["micro_batch"], "mb1": _r(_step36(_setting(d, "cez_fol", 1, "none"))),
-            "step": _r(d["global_batch"] * d["tokens_per_sequence"] / best["tokens_per_s"] * 1e3),
-            "tps": f"{best['tokens_per_s']:,.0f}", "ratio": _r(best["tokens_per_s"] / ref, 2)}
+    return {"mb": best["micro_batch"], "mb1": half_up(_step36(_setting(d, "cez_fol", 1, "none"))),
+            "step": half_up(d["global_batch"] * d["tokens_per_sequence"] / best["tokens_per_s"] * 1e3),
+            "tps": f"{best['tokens_per_s']:,.0f}", "ratio": half_up(best["tokens_per_s"] / ref, 2)}
 
 
 def _throughput_gain(d):
@@ -159,8 +148,8 @@ def _throughput_gain(d):
     if (op["micro_batch"], op["recompute"]) != (ce["micro_batch"], ce["recompute"]) or _throughput_native(d) == {}:
         return {}
     ms = lambda b: d["global_batch"] * d["tokens_per_sequence"] / b["tokens_per_s"] * 1e3  # noqa: E731
-    return {"more": _r((op["tokens_per_s"] / ce["tokens_per_s"] - 1) * 100),
-            "shorter": _r((1 - ms(op) / ms(ce)) * 100), "op": _r(ms(op)), "ce": _r(ms(ce))}
+    return {"more": half_up((op["tokens_per_s"] / ce["tokens_per_s"] - 1) * 100),
+            "shorter": half_up((1 - ms(op) / ms(ce)) * 100), "op": half_up(ms(op)), "ce": half_up(ms(ce))}
 
 
 # --- the op ---
@@ -168,7 +157,7 @@ def _throughput_gain(d):
 def _graph_replay(text, mode):
     rows = _rows(_table(text, "graph replay ms (/ floor)"), mode=mode)
     ratios = [float(re.search(r"\(([\d.]+)\)", r["graph replay ms (/ floor)"]).group(1)) for r in rows]
-    return {"lo": _r(min(ratios), 2), "hi": _r(max(ratios), 2), "date": re.search(r"(\d{4}-\d\d-\d\d) \d\d:\d\d UTC",
+    return {"lo": half_up(min(ratios), 2), "hi": half_up(max(ratios), 2), "date": re.search(r"(\d{4}-\d\d-\d\d) \d\d:\d\d UTC",
             text).group(1), "shapes": ", ".join(r["N x V"] for r in rows)}
 
 
@@ -184,17 +173,17 @@ def _op_tp(text):
         slowest.setdefault(tp, (ms, ratio))  # the first of each: the --align host rerun comes after
     gathers = [float(x) for x in re.findall(r"all-gather kernel ([\d.]+) ms", text) if float(x) > 0]
     return {"t1": slowest["1"][0], "t2": slowest["2"][0], "t4": slowest["4"][0], "r1": slowest["1"][1],
-            "r2": slowest["2"][1], "r4": slowest["4"][1], "lo": _r(min(gathers), 2), "hi": _r(max(gathers), 2)}
+            "r2": slowest["2"][1], "r4": slowest["4"][1], "lo": half_up(min(gathers), 2), "hi": half_up(max(gathers), 2)}
 
 
 def _host(tp2):
-    tp1 = _load(R + "2026-11-26_h100_tp12/final_checks/two_gpus/bench_tp1.json")
+    tp1 = load(R + "2026-11-26_h100_tp12/final_checks/two_gpus/bench_tp1.json")
     op1 = [r for r in tp1["tables"][0] if r["what"] == "op, TP=1"]
     op2 = [r for r in tp2["tables"][0] if r["what"].startswith("op, TP=2")]
-    rng = lambda rows, k: f"{_r(min(float(r[k]) for r in rows), 2)}-{_r(max(float(r[k]) for r in rows), 2)}"  # noqa
-    return {"f1": _r(op1[0]["fwd host ms"], 2), "fb1": _r(op1[0]["fwd+bwd host ms"], 2),
+    rng = lambda rows, k: f"{half_up(min(float(r[k]) for r in rows), 2)}-{half_up(max(float(r[k]) for r in rows), 2)}"  # noqa
+    return {"f1": half_up(op1[0]["fwd host ms"], 2), "fb1": half_up(op1[0]["fwd+bwd host ms"], 2),
             "f2": rng(op2, "fwd host ms"), "fb2": rng(op2, "fwd+bwd host ms"),
-            "d1": _r(max(float(r["fwd+bwd ms"]) for r in op1), 1), "d2": _r(max(float(r["fwd+bwd ms"]) for r in op2), 1)}
+            "d1": half_up(max(float(r["fwd+bwd ms"]) for r in op1), 1), "d2": half_up(max(float(r["fwd+bwd ms"]) for r in op2), 1)}
 
 
 def _peers(text):
@@ -208,15 +197,15 @@ def _peers(text):
     if len(mem) != 1 or len(mmem) != 1 or len(mega) != 8:
         return {}
     ratios = lambda rows: [float(r["fwd+bwd / floor"]) for r in rows]  # noqa: E731
-    return {"ver": re.search(r"liger-kernel ([\d.]+)", evening).group(1), "lo": _r(min(ratios(liger)), 1),
-            "hi": _r(max(ratios(liger)), 1), "mem": f"{mem.pop():g}", "mlo": _r(min(ratios(mega))),
-            "mhi": _r(max(ratios(mega))), "mmem": f"{mmem.pop():g}"}
+    return {"ver": re.search(r"liger-kernel ([\d.]+)", evening).group(1), "lo": half_up(min(ratios(liger)), 1),
+            "hi": half_up(max(ratios(liger)), 1), "mem": f"{mem.pop():g}", "mlo": half_up(min(ratios(mega))),
+            "mhi": half_up(max(ratios(mega))), "mmem": f"{mmem.pop():g}"}
 
 
 def _softcap(text):
     replay = lambda t: _rows(_table(t, "graph replay ms (/ floor)"), mode="fwd+bwd")[0][  # noqa: E731
         "graph replay ms (/ floor)"].split()[0]
-    return {"cap": _r(replay(text), 2), "base": _r(replay(_load(R + "2026-11-25_h100/softcap/dt_new_1.md")), 2)}
+    return {"cap": half_up(replay(text), 2), "base": half_up(replay(load(R + "2026-11-25_h100/softcap/dt_new_1.md")), 2)}
 
 
 # --- the fused output layer ---
@@ -231,7 +220,7 @@ def _layer_row(text, shape):
     return {"shape": _shape(shape), "ref": f"{float(ref['device ms']):.4g}",
             "fused": _dev(fused),
             "blocks": round(1 / float(fused["peak extra (x logits)"])), "c16": _dev(rows["unfused: cuBLAS + cez op"]),
-            "liger": _dev(rows["Liger 0.8.5 FLCE"]), "cce": _r(_dev(rows["cut-cross-entropy 25.1.1"]), 2),
+            "liger": _dev(rows["Liger 0.8.5 FLCE"]), "cce": half_up(_dev(rows["cut-cross-entropy 25.1.1"]), 2),
             "pf": fused["peak extra (x logits)"], "pl": rows["Liger 0.8.5 FLCE"]["peak extra (x logits)"]}
 
 
@@ -242,7 +231,7 @@ def _dev(row):  # the device-time ratio (layer.md's second "/ unfused into main_
 def _layer_ratios(text, implementation):
     rows = [r for r in _layer(text) if r["implementation"].startswith(implementation)]
     dev, ev = [float(r["_dev"]) for r in rows], [float(r["_ev"]) for r in rows]
-    return {"dlo": _r(min(dev), 2), "dhi": _r(max(dev), 2), "elo": _r(min(ev), 2), "ehi": _r(max(ev), 2)}
+    return {"dlo": half_up(min(dev), 2), "dhi": half_up(max(dev), 2), "elo": half_up(min(ev), 2), "ehi": half_up(max(ev), 2)}
 
 
 def _layer_text(text):
@@ -261,7 +250,7 @@ def _quiet_host(text):
     c16 = [float(r["_dev"]) for r in rows if r["implementation"].startswith("unfused: cuBLAS + cez op")]
     ref = [r for r in rows if r["implementation"].startswith("unfused into fp32 main_grad")]
     under = sum(float(r["events ms"]) < float(r["device ms"]) for r in ref)
-    return {"lo": _r(min(c16), 2), "hi": _r(max(c16), 2), "n": ["no", "one", "two", "three", "four", "five"][under]}
+    return {"lo": half_up(min(c16), 2), "hi": half_up(max(c16), 2), "n": ["no", "one", "two", "three", "four", "five"][under]}
 
 
 def _breakdown(text):
@@ -274,7 +263,7 @@ def _one_block_overhead(text):
     extra = {int(r["kernels"]) - int(_rows(rows, path="unfused into main_grad", **{"N x h x V": r["N x h x V"]})[0][
         "kernels"]) for r in one}
     torch_ms = [float(r["torch ms"]) for r in one]
-    return {"n": extra.pop(), "lo": _r(min(torch_ms), 2), "hi": _r(max(torch_ms), 2)} if len(extra) == 1 else {}
+    return {"n": extra.pop(), "lo": half_up(min(torch_ms), 2), "hi": half_up(max(torch_ms), 2)} if len(extra) == 1 else {}
 
 
 def _identical_work(text):
@@ -285,7 +274,7 @@ def _identical_work(text):
         if at["fused default"]["blocks"] == at["fused, fraction 1.0"]["blocks"] == "1":
             a, b = float(at["fused default"]["device ms"]), float(at["fused, fraction 1.0"]["device ms"])
             gaps.append((max(a, b) / min(a, b) - 1) * 100)
-    return {"pct": _r(max(gaps), 1)}
+    return {"pct": half_up(max(gaps), 1)}
 
 
 def _gemms(text):
@@ -298,10 +287,10 @@ def _unfused_device(text):
 
 def _second_block(final):
     """At 32768 x 4096 x 151936, one more block's dweight excess in both runs and its share of the unfused layer."""
-    shape, runs = "32768x4096x151936", [_load(PROFILE), final]
+    shape, runs = "32768x4096x151936", [load(PROFILE), final]
     ms = [float(_gemms(t)[shape]["extra per block"]) for t in runs]
     pct = [m / _unfused_device(t)[shape] * 100 for m, t in zip(ms, runs)]
-    return {"lo": _r(min(ms), 1), "hi": _r(max(ms), 1), "plo": _r(min(pct), 1), "phi": _r(max(pct), 1)}
+    return {"lo": half_up(min(ms), 1), "hi": half_up(max(ms), 1), "plo": half_up(min(pct), 1), "phi": half_up(max(pct), 1)}
 
 
 def _per_block(text):
@@ -309,8 +298,8 @@ def _per_block(text):
     extra = [float(gemms[s]["extra per block"]) for s in SHAPES5]
     pct = [e / unfused[s] * 100 for e, s in zip(extra, SHAPES5)]
     floor = [float(gemms[s]["floor into main_grad"]) / unfused[s] for s in SHAPES5]
-    return {"ms": " / ".join(_r(e, 2) for e in extra), "lo": _r(min(pct), 1), "hi": _r(max(pct), 1),
-            "flo": _r(min(floor), 2), "fhi": _r(max(floor), 2)}
+    return {"ms": " / ".join(half_up(e, 2) for e in extra), "lo": half_up(min(pct), 1), "hi": half_up(max(pct), 1),
+            "flo": half_up(min(floor), 2), "fhi": half_up(max(floor), 2)}
 
 
 def _tp2_row(text, shape, first):
@@ -331,7 +320,7 @@ def _recompute(text):
     errs = [float(v) for r in cublas for k, v in r.items() if "error" in k]
     rows = [r for r in _table(text, "/ 3-GEMM floor") if r["implementation"] == "cez fused, cuBLAS chunks"]
     ratio, peak = [float(r["/ 3-GEMM floor"]) for r in rows], [float(r["peak extra (x logits)"]) for r in rows]
-    return {"lo": _r(min(ratio), 1), "hi": _r(max(ratio), 1), "mlo": f"{min(peak):g}", "mhi": _r(max(peak), 1),
+    return {"lo": half_up(min(ratio), 1), "hi": half_up(max(ratio), 1), "mlo": f"{min(peak):g}", "mhi": half_up(max(peak), 1),
             "elo": f"{min(errs) * 1e3:.2f}", "ehi": f"{max(errs) * 1e3:.2f}"}
 
 
@@ -353,25 +342,25 @@ def _run_medians(d):
 
 
 def _e2e_row(d, others, variant, reference=None):
-    medians = [m for f in [d] + [_load(p) for p in others] for v, m in _run_medians(f) if v == variant]
+    medians = [m for f in [d] + [load(p) for p in others] for v, m in _run_medians(f) if v == variant]
     s = d["summary"][variant]
-    row = {"med": _r(statistics.median(medians)), "lo": _r(min(medians)), "hi": _r(max(medians)), "runs": len(medians),
-           "peak": _r(s["peak_gb"], 1), "busy": _r((1 - s["gpu_idle_share_traced"]) * 100),
-           "busy_all": _r((1 - s["gpu_idle_share"]) * 100), "head": _r(s["lm_head_share"] * 100, 1)}
+    row = {"med": half_up(statistics.median(medians)), "lo": half_up(min(medians)), "hi": half_up(max(medians)), "runs": len(medians),
+           "peak": half_up(s["peak_gb"], 1), "busy": half_up((1 - s["gpu_idle_share_traced"]) * 100),
+           "busy_all": half_up((1 - s["gpu_idle_share"]) * 100), "head": half_up(s["lm_head_share"] * 100, 1)}
     if reference:
-        ref = [m for f in [d] + [_load(p) for p in others] for v, m in _run_medians(f) if v == reference]
+        ref = [m for f in [d] + [load(p) for p in others] for v, m in _run_medians(f) if v == reference]
         row["vs"] = _s((statistics.median(medians) / statistics.median(ref) - 1) * 100, 1)
     return row
 
 
 def _busy_config(d):
-    c, tp4 = d["command"], _load(TP4)["command"]
+    c, tp4 = d["command"], load(TP4)["command"]
     return {"layers": _arg(c, "--num-layers"), "hidden": _arg(c, "--hidden-size"), "experts": _arg(c, "--num-experts"),
             "topk": _arg(c, "--moe-router-topk"), "seq": _arg(c, "--seq-length"),
             "mbs": int(_arg(c, "--global-batch-size")) // int(_arg(c, "--micro-batch-size")),
             "mb": _arg(c, "--micro-batch-size"), "h4": _arg(tp4, "--hidden-size"), "s4": _arg(tp4, "--seq-length"),
             "mbs4": int(_arg(tp4, "--global-batch-size")) // int(_arg(tp4, "--micro-batch-size")),
-            "iters": d["args"]["iters"], "first": d["args"]["skip"] + 1, "reps": _reps([d, _load(TP1_REP3)])}
+            "iters": d["args"]["iters"], "first": d["args"]["skip"] + 1, "reps": _reps([d, load(TP1_REP3)])}
 
 
 def _reps(files):  # runs per variant over the calls, the same for each
@@ -395,18 +384,18 @@ def _alt_row(tp, gpu):
 
 
 def _noise(tp2):
-    runs = [_alternated(t) for t in (tp2, _load(AB + "r1_defer_gpu0.txt"), _load(AB + "r2_defer_gpu1.txt"))]
+    runs = [_alternated(t) for t in (tp2, load(AB + "r1_defer_gpu0.txt"), load(AB + "r2_defer_gpu1.txt"))]
     if any(abs(float(r["mean"])) >= float(r["se"]) for r in runs):
         return {}
     less = [float(r["po"]) - float(r["pf"]) for r in runs]
-    return {"lo": _r(min(less), 2), "hi": _r(max(less), 2)}
+    return {"lo": half_up(min(less), 2), "hi": half_up(max(less), 2)}
 
 
 def _earlier_pairs(tp1):
     """Fused layer over op per pair of runs: the i-th cez_fol run against the i-th cez run of each call."""
     out, spreads = {}, []
-    for name, files in (("tp1", [tp1, _load(TP1_REP3)]), ("tp2", [_load(TP2), _load(TP2_REP3)]),
-                        ("tp4", [_load(TP4), _load(TP4_M2)])):
+    for name, files in (("tp1", [tp1, load(TP1_REP3)]), ("tp2", [load(TP2), load(TP2_REP3)]),
+                        ("tp4", [load(TP4), load(TP4_M2)])):
         pairs = []
         for f in files:
             m = _run_medians(f)
@@ -414,24 +403,24 @@ def _earlier_pairs(tp1):
             pairs += [(b / a - 1) * 100 for a, b in zip(op, fol)]
         out[name] = ", ".join(_s(p, 2) for p in pairs)
         spreads.append(max(pairs) - min(pairs))
-    return dict(out, lo=_r(min(spreads), 1), hi=_r(max(spreads), 1))
+    return dict(out, lo=half_up(min(spreads), 1), hi=half_up(max(spreads), 1))
 
 
 def _busy_row(d, variant):
     s, ref = d["summary"][variant], d["summary"]["native"]["median_ms"]
-    longest = _load(BUSY + "longest_busy.json")["longest"]
-    longest.update(_load(R + "2026-11-25_h100/longest_busy_fused_z_by_hand.json")["longest"])
-    return {"med": _r(s["median_ms"]), "lo": _r(s["min_ms"]), "hi": _r(s["max_ms"]), "peak": _r(s["peak_gb"], 1),
+    longest = load(BUSY + "longest_busy.json")["longest"]
+    longest.update(load(R + "2026-11-25_h100/longest_busy_fused_z_by_hand.json")["longest"])
+    return {"med": half_up(s["median_ms"]), "lo": half_up(s["min_ms"]), "hi": half_up(s["max_ms"]), "peak": half_up(s["peak_gb"], 1),
             "vs": _s((s["median_ms"] / ref - 1) * 100, 1), "longest": longest[variant]["longest"]}
 
 
 def _transforms(rep1):
-    reps = [rep1, _load(TRANSFORMS.format(2)), _load(TRANSFORMS.format(3))]
+    reps = [rep1, load(TRANSFORMS.format(2)), load(TRANSFORMS.format(3))]
     med = lambda v: statistics.median(r["summary"][v]["median_ms"] for r in reps)  # noqa: E731
-    peak = lambda v: _r(max(r["summary"][v]["peak_gb"] for r in reps), 1)  # noqa: E731
+    peak = lambda v: half_up(max(r["summary"][v]["peak_gb"] for r in reps), 1)  # noqa: E731
     out = {}
     for k in ("grok", "softcap"):
-        out.update({k: _r(med(f"cez_{k}")), k + "_t": _r(med(f"cez_{k}_torch")),
+        out.update({k: half_up(med(f"cez_{k}")), k + "_t": half_up(med(f"cez_{k}_torch")),
                     k + "_p": _s((med(f"cez_{k}") / med(f"cez_{k}_torch") - 1) * 100, 1),
                     k + "_m": peak(f"cez_{k}"), k + "_mt": peak(f"cez_{k}_torch")})
     return out
@@ -440,7 +429,7 @@ def _transforms(rep1):
 def _longest_fol(d):
     t = d["longest"]["cez_fol"]["trials"]
     return {"L": d["longest"]["cez_fol"]["longest"],
-            "mb": _r((t["16384"]["peak_gb"] - t["8192"]["peak_gb"]) * 1e3 / 8192, 2)}
+            "mb": half_up((t["16384"]["peak_gb"] - t["8192"]["peak_gb"]) * 1e3 / 8192, 2)}
 
 
 ROWS = [
@@ -463,7 +452,7 @@ ROWS = [
     (PERF, "| Megatron's CE | micro-batch {mb}, no recompute (micro-batch 2 fits only with full recompute: {mb2} ms) | "
      "{step} ms | {tps} | 1.00x |", THROUGHPUT, _throughput_native),
     (PERF, "| `--lm-z-loss-coeff 1e-4` | micro-batch 1, no recompute (micro-batch 2: {ms} ms) |", THROUGHPUT,
-     lambda d: {"ms": _r(_step36(_setting(d, "cez", 2, "none")))}),
+     lambda d: {"ms": half_up(_step36(_setting(d, "cez", 2, "none")))}),
     (PERF, "| `+ --lm-fused-output-layer` | micro-batch {mb}, no recompute (micro-batch 1: {mb1} ms) | {step} ms | "
      "{tps} | {ratio}x |", THROUGHPUT, _throughput_fol),
     (PERF, "With the z-loss on, {more} % more tokens per second than Megatron's CE without it; at the same setting "
@@ -506,7 +495,7 @@ ROWS = [
     (PERF, "plus ~{n} small kernels on `[tokens]` vectors (the upstream gradient and its check in backward, the loss "
      "from the partials: {lo}-{hi} ms in all)", BREAKDOWN, _one_block_overhead),
     (PERF, "(loss, then the gradient in place: {ms} ms at 8192 x 4096 x 151936)", BREAKDOWN,
-     lambda t: {"ms": _r(_breakdown(t)["fused default"]["Triton ms"], 1)}),
+     lambda t: {"ms": half_up(_breakdown(t)["fused default"]["Triton ms"], 1)}),
     (PERF, "at 32768 x 4096 x 151936 the default's second block adds one pass over `main_grad` ({lo}-{hi} ms, "
      "{plo}-{phi} %)", BREAKDOWN, _second_block),
     (PERF, "measured on the GEMMs alone {ms} ms at the five shapes, {lo}-{hi} % of the layer", PROFILE, _per_block),
@@ -550,11 +539,11 @@ ROWS = [
      R + "2026-11-28_2xh200/defer_layer_tp2/e2e_tp2.txt", _noise),
     # the unfused layer's two gradient GEMMs at the busy config's shape (N = 8192, h = 3072, V = 151936)
     (PERF, "starts the backward with its two gradient GEMMs queued (~{ms} ms at TP=1", PROFILE,
-     lambda t: (lambda g: {"ms": _r(float(g["dhidden"]) + float(g["dweight into fp32, 1 block"]))})(
+     lambda t: (lambda g: {"ms": half_up(float(g["dhidden"]) + float(g["dweight into fp32, 1 block"]))})(
          _gemms(t)["8192x3072x151936"])),
     (PERF, "that code (GEMMs in forward) measured {a} +- {b} % and {c} +- {d} % (GPUs 1 and 0", AB + "r1_main_gpu1.txt",
      lambda t: (lambda x, y: {"a": x["mean"], "b": x["se"], "c": y["mean"], "d": y["se"]})(
-         _alternated(t), _alternated(_load(AB + "r2_main_gpu0.txt")))),
+         _alternated(t), _alternated(load(AB + "r2_main_gpu0.txt")))),
     (PERF, "block fraction 0.5): TP=1 {tp1} %; TP=2 + SP {tp2} %; TP=4 + SP {tp4} %; the spread between such pairs "
      "({lo}-{hi} points)", TP1, _earlier_pairs),
     # the 2026-11-24 busy table, its longest sequences (2026-11-24; fused and z_by_hand 2026-11-25)
@@ -573,12 +562,12 @@ ROWS = [
      TRANSFORMS.format(1), _transforms),
     # bench/README.md: busy_tp4's size, the device steps' durations
     (BENCH, "4 micro-batches of one sequence, ~{b}B parameters)", R + "2026-11-26_4xh100/e2e_busy_tp4/machine1/"
-     "busy_tp4_tp4_cez_1.log", lambda t: {"b": _r(re.search(r"parameters in billions: ([\d.]+)", t).group(1), 1)}),
+     "busy_tp4_tp4_cez_1.log", lambda t: {"b": half_up(re.search(r"parameters in billions: ([\d.]+)", t).group(1), 1)}),
     (BENCH, "WHEELS=DIR bash bench/run_device.sh env final # 4 GPUs, ~{m} minutes", R + "2026-11-28_4xh200/final/README.md",
      lambda t: (lambda a, b, c, d: {"m": (int(c) * 60 + int(d)) - (int(a) * 60 + int(b))})(
          *re.search(r"(\d\d):(\d\d)-(\d\d):(\d\d) UTC", t).groups())),
     (BENCH, 'E2E_ARGS="--config busy_tp4 --tp 4 --variants cez cez_fol --pairs {p} --iters {i} --profile --budget-s {b}" '
      "\\ bash bench/run_device.sh e2e # 4 GPUs, ~{m} minutes", TP4,
      lambda d: {"p": d["args"]["pairs"], "i": d["args"]["iters"], "b": f"{d['args']['budget_s']:g}",
-                "m": _r(sum(r["wall_s"] for r in d["runs"]) / 60)}),
+                "m": half_up(sum(r["wall_s"] for r in d["runs"]) / 60)}),
 ]

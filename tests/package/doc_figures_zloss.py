@@ -1,11 +1,11 @@
 """Where each figure quoted in docs/z_loss_training.md comes from, beyond the rows in doc_figures.py: rows as there."""
-import json
 import math
 import os
 import re
 import statistics
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+from results_files import ROOT, load
+
 DOC = "docs/z_loss_training.md"
 STUDY_DIR = "bench/results/2026-11-28_zloss_study_4xh200/"
 PILOT_DIR = "bench/results/2026-11-28_zloss_pilot_4xh200/"
@@ -36,12 +36,6 @@ def _span(values, fmt="{}"):
 
 def _signed(x):
     return f"{x:+d}"
-
-
-def _load(path):
-    """A second committed results file, for a row whose figure spans two (JSON parsed)."""
-    with open(os.path.join(ROOT, path)) as fh:
-        return json.load(fh)
 
 
 # --- the pilot and the study (2026-11-28) ---
@@ -128,7 +122,7 @@ def _pilot_10(s):
         return {}
     dated = runs[0]["verdict"]["step"]
     lse = [max(p["lse"] for p in _points(r) if p["step"] <= dated) for r in runs]
-    return {"near": statistics.median(_load(CLAIMS)["lr1_above_init"]["loss_passed_initial"]),
+    return {"near": statistics.median(load(CLAIMS)["lr1_above_init"]["loss_passed_initial"]),
             "lo": f"{round(min(lse), -1):.0f}", "hi": f"{round(max(lse), -1):.0f}", "at": dated}
 
 
@@ -203,7 +197,7 @@ def _run_tokens(summary):
 
 
 def _both_phases(a):
-    return a["runs"] + _load(SHORT_DIR + "B_summary.json")["runs"]
+    return a["runs"] + load(SHORT_DIR + "B_summary.json")["runs"]
 
 
 def _phase_a(a):
@@ -222,7 +216,7 @@ def _phase_a(a):
 
 
 def _phase_b_first(b):
-    lacked = {r["name"] for r in _load(SHORT_DIR + "A_summary.json")["runs"] if not r["status"].startswith("complete")}
+    lacked = {r["name"] for r in load(SHORT_DIR + "A_summary.json")["runs"] if not r["status"].startswith("complete")}
     first = [r for r in b["runs"] if r["group"] == "main"]
     extra = {r["name"] for r in first} - lacked
     if not lacked <= {r["name"] for r in first} or [n for n in extra if not n.endswith("_rerun")] \
@@ -238,7 +232,7 @@ def _best_in_a(a):
         if r["coeff"] == 0 and r["hidden"] == 256 and not r["rerun"] and r["status"].startswith("complete"):
             by_lr.setdefault(r["lr"], []).append(r["final_validation"])
     best = min(by_lr, key=lambda lr: statistics.mean(by_lr[lr]))
-    if best != _load(SHORT_DIR + "B_summary.json")["best_lr"]:
+    if best != load(SHORT_DIR + "B_summary.json")["best_lr"]:
         return {}
     return {"best": _e(best), "n": len(by_lr[best])}
 
@@ -533,10 +527,10 @@ ROWS = [
      "linear warmup over {w2} ({pct2:.0f} %), cosine decay to {min_lr}", SHORT_DIR + "A_summary.json",
      lambda a: (lambda p: {"w": _warmup(a), "pct": 100 * a["warmup_fraction"], "min_lr": _e(a["min_lr"]),
                            "steps": f"{p['config']['steps']:,}".replace(",", " "), "w2": _warmup(p),
-                           "pct2": 100 * p["warmup_fraction"]})(_load(PILOT_DIR + "pilot_summary.json"))
+                           "pct2": 100 * p["warmup_fraction"]})(load(PILOT_DIR + "pilot_summary.json"))
      if str(_warmup(a)) in a["megatron_args_example"] else {}),
     (DOC, "(at most {most} iterations ran)", PILOT_DIR + "pilot_summary.json",
-     lambda s: {"most": max(r["last_step"] for r in s["runs"] + _load(STUDY_DIR + "study_summary.json")["runs"])}),
+     lambda s: {"most": max(r["last_step"] for r in s["runs"] + load(STUDY_DIR + "study_summary.json")["runs"])}),
     (DOC, "| steps x batch | {steps} x {mb} sequences of {seq} tokens: {tok:.1f} M tokens, each seen at most once | up to "
      "{most} x {mb2} sequences of {seq2} tokens: at most {tok2:.1f} M tokens, {passes:.2f} passes over the training split "
      "| 1e5 steps x 256 x 512: about {paper:.0f} B tokens of C4, about {times} times more |", SHORT_DIR + "A_summary.json",
@@ -546,13 +540,13 @@ ROWS = [
          "tok2": most * p["config"]["micro_batch"] * p["config"]["seq"] / 1e6,
          "passes": most * p["config"]["micro_batch"] * p["config"]["seq"] / p["data"]["splits"]["pypi_train"]["tokens"],
          "paper": PAPER_TOKENS / 1e9, "times": f"{round(PAPER_TOKENS / _run_tokens(a), -1):.0f}"})(
-         a["config"], _load(PILOT_DIR + "pilot_summary.json"),
-         max(r["last_step"] for r in _load(PILOT_DIR + "pilot_summary.json")["runs"]
-             + _load(STUDY_DIR + "study_summary.json")["runs"]))),
+         a["config"], load(PILOT_DIR + "pilot_summary.json"),
+         max(r["last_step"] for r in load(PILOT_DIR + "pilot_summary.json")["runs"]
+             + load(STUDY_DIR + "study_summary.json")["runs"]))),
     (DOC, "(the same weights and batch in all runs of a seed) | the same ({v:.2f} at iteration 1 for seed 1)",
      PILOT_DIR + "pilot_summary.json",
      lambda s: (lambda v: {"v": v.pop()} if len(v) == 1 else {})(
-         {r["init_loss"] for r in s["runs"] + _load(STUDY_DIR + "study_summary.json")["runs"]
+         {r["init_loss"] for r in s["runs"] + load(STUDY_DIR + "study_summary.json")["runs"]
           if r["seed"] == 1 and r["hidden"] == 256})),
 
     # what ran on 2026-11-27

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from doc_figures import ROWS
+from results_files import ROOT, load
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 RESULTS = os.path.join(ROOT, "bench", "results")
 
 
@@ -20,12 +20,8 @@ def _text(path):
 
 def _source(name):
     """A committed results file (JSON parsed, any other file as text) or a bench/ module by name."""
-    if name.endswith(".json"):
-        with open(os.path.join(ROOT, name)) as fh:
-            return json.load(fh)
     if os.path.isfile(os.path.join(ROOT, name)):
-        with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
-            return fh.read()
+        return load(name)
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", name + ".py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
