@@ -37,17 +37,22 @@ def module_exists(name):
     module (``importlib.util.find_spec`` would import the parent packages)."""
     if name in sys.modules:
         return sys.modules[name] is not None
-    parent, _, _ = name.rpartition(".")
-    path = None
-    if parent:
-        if parent in sys.modules:
-            path = getattr(sys.modules[parent], "__path__", None)
-        else:
-            spec = _find_spec(parent, None)
-            path = None if spec is None else spec.submodule_search_locations
-        if path is None:
-            return False
-    return _find_spec(name, path) is not None
+    parent = name.rpartition(".")[0]
+    path = _package_path(parent) if parent else None
+    return (path is not None or not parent) and _find_spec(name, path) is not None
+
+
+def _package_path(name):
+    """Where package ``name``'s submodules are looked for (its ``__path__``), found level by level from the
+    top without importing any; None where ``name`` is not a package that can be imported."""
+    if name in sys.modules:
+        return getattr(sys.modules[name], "__path__", None)
+    parent = name.rpartition(".")[0]
+    path = _package_path(parent) if parent else None
+    if parent and path is None:
+        return None
+    spec = _find_spec(name, path)
+    return None if spec is None else spec.submodule_search_locations
 
 
 def _find_spec(name, path, skip=None):
