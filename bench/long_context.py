@@ -119,6 +119,14 @@ def search_memory(runs, variant, start, resolution, max_tokens):
     return fit, fail
 
 
+def bracket(rows, variant):
+    """``(largest that fits, smallest that ran out of memory)`` among ``variant``'s rows, cited ones included."""
+    sizes = [(r["tokens_per_micro_batch"], fits(r), r["out_of_memory"]) for r in rows if r["variant"] == variant]
+    fit = max((t for t, ok, _ in sizes if ok), default=None)
+    fail = min((t for t, _, oom in sizes if oom and (fit is None or t > fit)), default=None)
+    return fit, fail
+
+
 def global_batch(config):
     """Sequences per step: the last ``--global-batch-size`` of the config's arguments (Megatron takes the last)."""
     args = COMMON + CONFIGS[config]
@@ -168,6 +176,9 @@ def main(argv=None):
     parser.add_argument("--start", type=int, default=32768, help="memory: the first tokens per micro-batch")
     parser.add_argument("--resolution", type=int, default=16384, help="memory: bisect to this many tokens")
     parser.add_argument("--max-tokens", type=int, default=1 << 20, help="memory: no run above this")
+    parser.add_argument("--at", type=int, nargs="+", default=None,
+                        help="memory: run these tokens per micro-batch only (a bisection step taken by hand across "
+                             "device calls, beside --known rows), and bracket the failure from every row")
     parser.add_argument("--tokens", type=int, default=32768, help="throughput: tokens per sequence")
     parser.add_argument("--config", default=CONFIG, choices=("long", "busy"),
                         help="e2e_megatron's model: long (default) or busy (8 layers, hidden 3072, 8 sequences a step)")
@@ -199,7 +210,15 @@ def main(argv=None):
     if args.mode == "memory":
         data["search"] = {}
         for variant in args.variants:
-            fit, fail = search_memory(runs, variant, args.start, args.resolution, args.max_tokens)
+            if args.at:
+                for tokens in args.at:
+                    runs(variant, tokens)
+                for key in runs.cited:  # the cited rows of this variant count in the bracket
+                    if key[0] == variant:
+                        runs(*key)
+                fit, fail = bracket(runs.rows, variant)
+            else:
+                fit, fail = search_memory(runs, variant, args.start, args.resolution, args.max_tokens)
             data["search"][variant] = {"largest_fit": fit, "smallest_failure": fail, "resolution": args.resolution}
             print(f"{variant}: trains {fit} tokens per micro-batch; {fail or 'no failure up to the last run'}"
                   f"{' fails' if fail else ''}", flush=True)
