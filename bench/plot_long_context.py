@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import statistics
+import textwrap
 
 DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                        "2026-12-06_h100_long_context", "long_context.json")
@@ -58,7 +59,7 @@ def plot(paths, out, gpu_gib=80 * 1e9 / GIB):
     sizes = sorted({t for t in (r["tokens_per_micro_batch"] for r in rows) if t & (t - 1) == 0})
     ax.set_xticks(sizes, [f"{t // 1024}k" for t in sizes])  # powers of two: the bisected sizes lie between
     title = "; ".join(sorted({f"{d['device']}, {d['date']}, commit {d['project_commit']}" for d in docs}))
-    ax.set_title("Peak memory in Megatron's pretrain\n" + title, fontsize=10)
+    ax.set_title("Peak memory in Megatron's pretrain\n" + "\n".join(textwrap.wrap(title, 110)), fontsize=9)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="lower right", fontsize=9)
     fig.tight_layout()

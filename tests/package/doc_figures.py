@@ -57,8 +57,9 @@ ROWS = [
     ("README.md", "On one H100 80GB, Megatron's `pretrain` of a 4-layer MoE with a {vocab} vocabulary, {date}",
      LONG_CONTEXT, lambda d: {"date": d["date"], "vocab": d["megatron_args"].split("--vocab-size ")[1].split()[0]}
      if "H100 80GB" in d["device"] and "--num-layers 4" in d["megatron_args"] else {}),
-    ("README.md", "| longest micro-batch that trains | {native} tokens | {cez} tokens | {cez_fol} tokens (the longest "
-     "tried) |", LONG_CONTEXT, lambda d: {v: d["search"][v]["largest_fit"] for v in ("native", "cez", "cez_fol")}),
+    ("README.md", "| longest micro-batch that trains | {native} tokens | {cez} tokens | {cez_fol} tokens (out of memory "
+     "at {fail}) |", LONG_CONTEXT, lambda d: dict({v: d["search"][v]["largest_fit"] for v in ("native", "cez", "cez_fol")},
+                                                  fail=d["search"]["cez_fol"]["smallest_failure"])),
     ("README.md", "| tokens/s at {tokens} per sequence, each at its fastest setting | {native:.0f} | {cez:.0f} ({rc:.2f}x) "
      "| {cez_fol:.0f} ({rf:.2f}x) |", THROUGHPUT,
      lambda d: (lambda b: {"tokens": d["tokens_per_sequence"], "native": b["native"], "cez": b["cez"],

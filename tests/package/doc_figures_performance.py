@@ -91,7 +91,7 @@ def _long_steps(d):
     two = min(r["tokens_per_micro_batch"] for r in rows if len(r["step_ms"]) == 2)
     ok = all((len(r["step_ms"]) == 4) == (r["tokens_per_micro_batch"] < two) for r in rows) and all(
         (r["micro_batch"], r["recompute"]) == (1, "full") for r in d["rows"])
-    resolution = {s["resolution"] for s in d["search"].values()}
+    resolution = {s["resolution"] for s in d["search"].values() if s["resolution"]}  # None: bracketed by hand
     return {"two": two, "res": resolution.pop()} if ok and len(resolution) == 1 else {}
 
 
@@ -103,7 +103,8 @@ def _longest(d):
     return {"native": s["native"]["largest_fit"], "cez": s["cez"]["largest_fit"], "fol": s["cez_fol"]["largest_fit"],
             "rc": f"{s['cez']['largest_fit'] / s['native']['largest_fit']:g}",
             "rf": f"{s['cez_fol']['largest_fit'] / s['native']['largest_fit']:g}",
-            "over": int(step_s // 10 * 10)} if s["cez_fol"]["smallest_failure"] is None else {}
+            "fail": s["cez_fol"]["smallest_failure"], "over": int(step_s // 10 * 10)} \
+        if s["cez_fol"]["smallest_failure"] and s["cez_fol"]["resolution"] is None else {}
 
 
 def _per_token(d):
@@ -440,7 +441,8 @@ ROWS = [
     (PERF, "step = median of iterations 3-4, iteration 2 from {two} tokens; one run each; sizes bisected to {res} "
      "tokens", LONG_CONTEXT, _long_steps),
     (PERF, "Megatron's CE trains up to {native} tokens per micro-batch, the op {cez} ({rc}x), the fused output layer "
-     "{fol} ({rf}x) on its defaults; no longer size was run (a step there takes over {over} s)", LONG_CONTEXT, _longest),
+     "{fol} ({rf}x) on its defaults and ran out of memory at {fail}; the sizes between were not bisected (a step there "
+     "takes over {over} s, and the device time ran out)", LONG_CONTEXT, _longest),
     (PERF, "the transformer's own activations, about {kib} KiB per token here", LONG_CONTEXT, _per_token),
     (PERF, "Where the op fits too its step is the op's within {within} % ({t1}: {d1} %, {t2}: {d2} %, same call; "
      "{t3}: {d3} % against the earlier run)", "plot_long_context", _fol_vs_op),
