@@ -107,27 +107,31 @@ def _soft_cap_kernel(x_ptr, z_ptr, slope_ptr, n, scale, cap, PRECISE: tl.constex
 
 @pytest.mark.parametrize("precise", [True, False])
 def test_the_kernels_soft_cap_is_the_references(precise):
-    """The Triton kernels' soft cap (on a GPU, or Triton's interpreter) against float64 over |u| 1e-7 .. 20:
-    fp32 logits (``PRECISE``) as the reference's bounds above, the series' range included; 16-bit logits'
-    form (no series) within 2e-7 absolute of tanh, far below a bf16 logit's rounding; the slope within 3e-7 relative, 3e-7 |u| where
-    |u| > 1 (exp2's fp32 argument ``-2|u| log2(e)`` rounds; the slope there is below 0.1 x scale)."""
+    """The Triton kernels' soft cap (on a GPU, or Triton's interpreter) against float64 over |u| 1e-7 .. 20.
+    scale / cap is a power of two, so tanh's argument ``u`` is exact on every backend (CUDA divides fp32
+    scalars within 2 ulp) and the errors are the transform's own. In the series' range (fp32 logits,
+    ``PRECISE``: FMAs only) tanh within the reference's 1.5e-7 relative; elsewhere exp2 and the division
+    are the hardware's (CUDA: ``ex2.approx`` and ``div.full``, within 2 ulp each), so tanh within
+    Liger-Kernel's rtol 1e-6 relative, and 16-bit logits' form (no series) within 4e-7 absolute, far below
+    a bf16 logit's rounding; the slope within 1e-6 relative, 1e-6 |u| where |u| > 1 (exp2's fp32 argument
+    ``-2|u| log2(e)`` rounds; the slope there is below 0.1 x scale)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(64)
     u = torch.logspace(-7, 1.3, 4096, dtype=torch.float64) * (torch.rand(4096, generator=gen, dtype=torch.float64) + 0.5)
-    scale, cap = 0.7, 30.0
+    scale, cap = 0.5, 32.0
     x = (torch.cat([u, -u]) * (cap / scale)).float().to(device)
     z, slope = torch.empty_like(x), torch.empty_like(x)
     _soft_cap_kernel[(triton.cdiv(x.numel(), 1024),)](x, z, slope, x.numel(), scale, cap, PRECISE=precise, BLOCK=1024)
-    v = (x * (scale / cap)).double().cpu()  # tanh's fp32 argument, as the kernel rounds it
+    v = x.double().cpu() * (scale / cap)  # tanh's argument: exact, scale / cap = 2**-6
     exact = torch.tanh(v)
     error = (z.double().cpu() / cap - exact).abs()
     if precise:
         relative, near_zero = error / exact.abs(), v.abs() < TANH_SERIES_BELOW
         worst = (relative.max().item(), relative[near_zero].max().item())
-        assert worst[0] < 3.8e-7 and worst[1] < 1.5e-7, f"tanh's relative error (all, series range): {worst}"
+        assert worst[0] < 1e-6 and worst[1] < 1.5e-7, f"tanh's relative error (all, series range): {worst}"
     else:
-        assert error.max() < 2e-7, f"tanh's absolute error {error.max().item():.3g}"
+        assert error.max() < 4e-7, f"tanh's absolute error {error.max().item():.3g}"
     exact_slope = scale / torch.cosh(v) ** 2
     relative_slope = (slope.double().cpu() - exact_slope).abs() / exact_slope
     excess = (relative_slope / v.abs().clamp(min=1)).max().item()  # exp2's argument rounds: ~|u| ulps far out
-    assert excess <= 3e-7, f"the slope's relative error per max(|u|, 1): {excess:.3g}"
+    assert excess <= 1e-6, f"the slope's relative error per max(|u|, 1): {excess:.3g}"
