@@ -7,7 +7,8 @@
 Both write ``long_context.json`` / ``throughput.json`` under ``--out`` (rows in one schema,
 ``bench/results/2026-12-06_h100_long_context/README.md``) and print what each launch gave.
 ``--known FILE``: rows of an earlier run (same schema) for ``--cite`` variants are taken from it,
-not run again. Method: bench/README.md."""
+not run again; ``memory --at TOKENS ...`` runs only those sizes beside them and brackets the failure
+from every row (a bisection step per device call). Method: bench/README.md."""
 
 import argparse
 import json
