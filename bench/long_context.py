@@ -220,7 +220,8 @@ def main(argv=None):
                 fit, fail = bracket(runs.rows, variant)
             else:
                 fit, fail = search_memory(runs, variant, args.start, args.resolution, args.max_tokens)
-            data["search"][variant] = {"largest_fit": fit, "smallest_failure": fail, "resolution": args.resolution}
+            data["search"][variant] = {"largest_fit": fit, "smallest_failure": fail,
+                                       "resolution": None if args.at else args.resolution}  # None: a bracket
             print(f"{variant}: trains {fit} tokens per micro-batch; {fail or 'no failure up to the last run'}"
                   f"{' fails' if fail else ''}", flush=True)
     else:

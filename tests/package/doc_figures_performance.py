@@ -441,8 +441,8 @@ ROWS = [
     (PERF, "step = median of iterations 3-4, iteration 2 from {two} tokens; one run each; sizes bisected to {res} "
      "tokens", LONG_CONTEXT, _long_steps),
     (PERF, "Megatron's CE trains up to {native} tokens per micro-batch, the op {cez} ({rc}x), the fused output layer "
-     "{fol} ({rf}x) on its defaults and ran out of memory at {fail}; the sizes between were not bisected (a step there "
-     "takes over {over} s, and the device time ran out)", LONG_CONTEXT, _longest),
+     "{fol} ({rf}x) on its defaults and ran out of memory at {fail}; the sizes between were not run (a step there "
+     "takes over {over} s)", LONG_CONTEXT, _longest),
     (PERF, "the transformer's own activations, about {kib} KiB per token here", LONG_CONTEXT, _per_token),
     (PERF, "Where the op fits too its step is the op's within {within} % ({t1}: {d1} %, {t2}: {d2} %, same call; "
      "{t3}: {d3} % against the earlier run)", "plot_long_context", _fol_vs_op),
