@@ -28,8 +28,9 @@ LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 FIELD = re.compile(r"\s*([A-Za-z_][\w \-()]*?):\s*([-+\w.]+)\s*$")
 KEYS = {"lm loss": "loss", "lm_z_loss": "z_loss", "lm_lse": "lse", "lm_lse_max": "lse_max", "grad norm": "grad_norm",
         "learning rate": "lr", "elapsed time per iteration (ms)": "ms", "number of nan iterations": "nan_iters",
-        "number of skipped iterations": "skipped_iters"}
-COLUMNS = ("step", "loss", "z_loss", "lse", "lse_max", "grad_norm", "lr", "ms", "nan_iters", "skipped_iters")
+        "number of skipped iterations": "skipped_iters", "lm_mu_norm": "mu_norm"}
+COLUMNS = ("step", "loss", "z_loss", "lse", "lse_max", "grad_norm", "lr", "ms", "nan_iters", "skipped_iters",
+           "mu_norm")
 
 
 def parse_line(line):
@@ -186,7 +187,8 @@ def run_points(run):
 
 def arm_key(run):
     """The setting a run belongs to, seeds aside."""
-    return (run["hidden"], run["wd_mode"], run.get("clip", 1.0), run.get("steps"), run["lr"], run["coeff"])
+    key = (run["hidden"], run["wd_mode"], run.get("clip", 1.0), run.get("steps"), run["lr"], run["coeff"])
+    return key + (run["mitigation"],) if run.get("mitigation") else key
 
 
 def tail_loss(points, n=10, at=None):

@@ -103,21 +103,29 @@ NO_CLIP = 1e9  # "no clipping": a norm never reached (Megatron logs the gradient
 WARMUP_FRACTION = 0.05  # the paper's linear warmup
 
 
+# The mitigations beside the z-loss (--mitigations), each with the value its paper uses (arXiv 2601.02031:
+# mu-loss 1e-4; its soft-capping runs cap at 30, as Gemma 2's final logits do).
+MITIGATIONS = {"softcap": ["--lm-logit-softcap", "30"], "mu_centering": ["--lm-mu-centering"],
+               "mu_loss": ["--lm-mu-loss-coeff", "1e-4"]}
+
+
 def run_name(run):
     wd = "" if run["wd_mode"] == "none" else f"_{run['wd_mode'][:3]}wd{run['wd']:g}"
     steps = "" if run.get("steps") is None else f"_{run['steps']}st"
     clip = "" if run.get("clip", 1.0) == 1.0 else "_noclip" if not run["clip"] else f"_clip{run['clip']:g}"
     return (f"h{run['hidden']}_lr{run['lr']:g}_c{run['coeff']:g}{wd}{clip}_s{run['seed']}{steps}"
-            + ("_rerun" if run.get("rerun") else ""))
+            + ("_rerun" if run.get("rerun") else "") + (f"_{run['mitigation']}" if run.get("mitigation") else ""))
 
 
-def make_run(group, lr, coeff, seed, hidden, wd_mode="none", rerun=False, steps=None, clip=1.0):
+def make_run(group, lr, coeff, seed, hidden, wd_mode="none", rerun=False, steps=None, clip=1.0, mitigation=None):
     """One run; ``steps`` None: the configuration's. ``cost``: its share of a GPU's memory (about 5 GB
     a unit); ``work``: its GPU time per step, both against the hidden-256 run. ``clip``: the gradient
     clipping norm (0: none: Megatron then clips at NO_CLIP, so the gradient norm is still logged)."""
     run = dict(group=group, lr=lr, coeff=coeff, seed=seed, hidden=hidden, wd_mode=wd_mode,
                wd=WEIGHT_DECAY[wd_mode], rerun=rerun, steps=steps, cost={512: 2, 1024: 4}.get(hidden, 1),
                work=WORK.get(hidden, 1.0), clip=clip)
+    if mitigation:
+        run["mitigation"] = mitigation
     run["name"] = run_name(run)
     return run
 
@@ -209,7 +217,7 @@ STUDY_COEFFS = [0.0, 1e-4, 1e-3, 1e-6]  # 1e-6: a near-zero arm, the run-to-run 
 
 
 def plan_study(cfg, edge_lrs, below_lrs=(), wd_mode="none", clip=1.0, seeds_edge=5, seeds_below=3,
-               coeffs=STUDY_COEFFS, quick=False):
+               coeffs=STUDY_COEFFS, quick=False, mitigations=()):
     """The coefficients at the learning rates around the edge the pilot found: ``seeds_edge`` seeds at each
     of ``edge_lrs``, ``seeds_below`` at ``below_lrs``. In order of priority (what the budget cuts is the
     end): seed by seed, c = 0 and 1e-4 (the pair the question is about) before 1e-3 and the near-zero arm."""
@@ -219,6 +227,8 @@ def plan_study(cfg, edge_lrs, below_lrs=(), wd_mode="none", clip=1.0, seeds_edge
     for seed in range(1, max(seeds_edge, seeds_below) + 1):
         lrs = [lr for lr in edge_lrs if seed <= seeds_edge] + [lr for lr in below_lrs if seed <= seeds_below]
         runs += [make_run("study", lr, c, seed, h, wd_mode, clip=clip) for c in order for lr in lrs]
+        runs += [make_run("study", lr, 0.0, seed, h, wd_mode, clip=clip, mitigation=m) for m in mitigations
+                 for lr in lrs]
     return runs
 
 
@@ -268,11 +278,14 @@ def megatron_args(cfg, run, data, run_dir, on_gpu, eval_iters, prefixes):
         "--no-check-for-nan-in-loss-and-grad",
         # this package: the fused kernel in every arm, only the coefficient differs
         "--lm-fused-ce", "--lm-z-loss-log-lse", "--lm-z-loss-coeff", f"{run['coeff']:g}",
+        *MITIGATIONS.get(run.get("mitigation"), []),
         "--distributed-backend", "nccl" if on_gpu else "gloo",
     ]
     if cfg.get("tb_interval"):
         args += ["--tensorboard-dir", os.path.join(run_dir, "tb", run["name"]),
                  "--tensorboard-log-interval", cfg["tb_interval"], "--tensorboard-queue-size", "100"]
+    if cfg.get("stop_at_horizon") and cfg.get("horizon"):
+        args += ["--exit-interval", cfg["horizon"]]  # the judged iterations and no more
     args += ["--bf16"] if on_gpu else ["--use-cpu-initialization"]
     return [str(a) for a in args]
 
@@ -510,6 +523,10 @@ def main(argv=None):
     parser.add_argument("--seeds-edge", type=int, default=5, help="study: seeds at each edge learning rate")
     parser.add_argument("--seeds-below", type=int, default=3, help="study: seeds at each learning rate below it")
     parser.add_argument("--coeffs", type=float, nargs="+", default=STUDY_COEFFS, help="study: the coefficients")
+    parser.add_argument("--mitigations", nargs="+", default=[], choices=sorted(MITIGATIONS),
+                        help="study: arms beside the coefficients, each at c = 0 (MITIGATIONS: their flags)")
+    parser.add_argument("--stop-at-horizon", action="store_true",
+                        help="pilot / study: end each run at --horizon (Megatron's --exit-interval)")
     parser.add_argument("--wd-mode", choices=sorted(WEIGHT_DECAY), default="none", help="study: the weight decay")
     parser.add_argument("--clip", type=float, default=1.0, help="study: gradient clipping norm (0: none)")
     parser.add_argument("--hidden", type=int, default=None, help="pilot / study: the model width (default 256)")
@@ -546,6 +563,7 @@ def main(argv=None):
         cfg["hidden"] = args.hidden
     if args.horizon:
         cfg["horizon"] = args.horizon
+    cfg["stop_at_horizon"] = args.stop_at_horizon
     if args.gpu_capacity:
         cfg["gpu_capacity"] = args.gpu_capacity
     gpus = [] if args.quick else detect_gpus()
@@ -584,7 +602,8 @@ def main(argv=None):
             if not args.edge_lrs:
                 parser.error("--phase study needs --edge-lrs (the learning rates where the pilot's c = 0 diverged)")
             study = dict(edge_lrs=args.edge_lrs, below_lrs=args.below_lrs, wd_mode=args.wd_mode, clip=args.clip,
-                         seeds_edge=args.seeds_edge, seeds_below=args.seeds_below, coeffs=args.coeffs)
+                         seeds_edge=args.seeds_edge, seeds_below=args.seeds_below, coeffs=args.coeffs,
+                         mitigations=args.mitigations)
         plan = plan_phase(args.phase, cfg, args.best_lr, args.quick, study)
     except ValueError as e:
         parser.error(str(e))

@@ -101,7 +101,7 @@ RECORD = AdaptorRecord()
 
 def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=False, fused_output_layer=False,
           grads="forward", logit_transform=None, backend=None, linear_backend=None, block_fraction=None,
-          block_bytes=None):
+          block_bytes=None, logit_softcap=0.0, mu_centering=False, mu_loss_coeff=0.0):
     """Use the fused op for Megatron's LM loss: per token, the gradient of ``CE + z_loss_coeff * lse**2``
     and the value of the CE (Megatron's convention for auxiliary losses: ``lm loss`` stays CE).
 
@@ -127,6 +127,9 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
             ``MINDSPEED_CEZ_LINEAR_BACKEND`` where set, else automatic per device. The variables are read and
             checked as on every route (:func:`mindspeed_cez.environment.read_backends`); an argument that
             disagrees with a set variable is a ``ValueError`` naming both.
+        logit_softcap: ``C > 0``: the main head's loss is of ``C * tanh(logits / C)`` (``--lm-logit-softcap``).
+        mu_centering: center the output embeddings after every optimizer step (``--lm-mu-centering``).
+        mu_loss_coeff: ``L > 0``: train on ``L * ||mu||**2`` of the mean output embedding (``--lm-mu-loss-coeff``).
 
     Runs the startup checks of the flag path (MindSpeed-LLM's modes that bypass the fused kernel,
     :func:`.arguments.check_mindspeed_llm_args`) on Megatron's parsed arguments when there are some; with
@@ -146,7 +149,8 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
     settings = Settings(z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing,
                         log_z_loss=log_z_loss, log_lse=log_lse, fused_output_layer=bool(fused_output_layer),
                         grads=grads, logit_transform=logit_transform, backend=backend, linear_backend=linear_backend,
-                        block_fraction=block_fraction, block_bytes=block_bytes)
+                        block_fraction=block_fraction, block_bytes=block_bytes, logit_softcap=logit_softcap,
+                        mu_centering=mu_centering, mu_loss_coeff=mu_loss_coeff)
     return activate(settings)
 
 
@@ -255,13 +259,14 @@ def _activate_flags(args, settings):
         raise arguments.argument_error(err) from None
 
 
-_COMPARED = ("z_loss_coeff", "log_lse", "fused_output_layer", "grads", "block_fraction", "block_bytes")
+_COMPARED = ("z_loss_coeff", "log_lse", "logit_softcap", "mu_centering", "mu_loss_coeff", "fused_output_layer")
+_COMPARED_OUTPUT_LAYER = ("grads", "block_fraction", "block_bytes")
 
 
 def _differ(a, b):
     if a is None or b is None:
         return (a is None) != (b is None)
-    fields = _COMPARED if a.fused_output_layer or b.fused_output_layer else _COMPARED[:3]
+    fields = _COMPARED + (_COMPARED_OUTPUT_LAYER if a.fused_output_layer or b.fused_output_layer else ())
     return any(getattr(a, f) != getattr(b, f) for f in fields)
 
 
@@ -272,6 +277,9 @@ def _apply_call(settings, field="z_loss_coeff"):
 def _conflict(applied, flagged):
     flags = arguments.FLAG_NO_FUSED if flagged is None else (
         f"{arguments.FLAG_COEFF} {flagged.z_loss_coeff}" + (f" {arguments.FLAG_LOG_LSE}" if flagged.log_lse else "")
+        + (f" {arguments.FLAG_SOFTCAP} {flagged.logit_softcap:g}" if flagged.logit_softcap else "")
+        + (f" {arguments.FLAG_MU_CENTERING}" if flagged.mu_centering else "")
+        + (f" {arguments.FLAG_MU_LOSS} {flagged.mu_loss_coeff:g}" if flagged.mu_loss_coeff else "")
         + (f" {arguments.FLAG_OUTPUT_LAYER} {flagged.grads}" if flagged.fused_output_layer else ""))
     return (f"{_apply_call(applied)} and the flags ({flags}) configure the fused loss differently: "
             "keep one of them (drop the apply() call or the --lm-* flags)")

@@ -23,6 +23,18 @@ Flags (one argument group, shown in ``--help``):
 ``--lm-fused-output-layer-block-fraction F``
     The same dial as a share of the tokens: each block takes F of them, so the loss works in F x
     the logits' memory (0.125: lean). One of the two.
+``--lm-logit-softcap C``  (default 0: off)
+    The main head's loss is of ``C * tanh(logits / C)``, computed in the kernels (Gemma's soft cap);
+    the model's logits themselves stay uncapped (apply the cap at inference too). MindSpeed-LLM's
+    ``--output-logit-softcapping`` must then be unset or the same ``C``. Logs ``lm_lse`` / ``lm_lse_max``.
+``--lm-mu-centering``
+    Output embedding centering (:mod:`.mean_embedding`): after every optimizer step the output weight's
+    master copy loses its mean row over the vocabulary. Logs ``lm_mu_norm``.
+``--lm-mu-loss-coeff L``  (default 0: off)
+    Train on ``L * ||mu||**2`` of the mean output embedding ``mu`` too, once per step (mu-loss; 1e-4 in
+    the paper). Logs ``lm_mu_norm``.
+
+Each of the three turns the fused kernel on, as ``--lm-fused-ce`` does, and combines with ``--lm-z-loss-coeff``.
 
 Use :func:`add_lm_z_loss_args` as (or inside) Megatron's ``extra_args_provider``. :func:`validate` is
 the one validation: it checks every flag once and builds the run's :class:`.settings.Settings` from
@@ -55,6 +67,9 @@ FLAG_OUTPUT_LAYER = "--lm-fused-output-layer"
 OUTPUT_LAYER_GRADS = GRADS
 FLAG_BLOCK_FRACTION = "--lm-fused-output-layer-block-fraction"
 FLAG_BLOCK_GIB = "--lm-fused-output-layer-block-gib"
+FLAG_SOFTCAP = "--lm-logit-softcap"
+FLAG_MU_CENTERING = "--lm-mu-centering"
+FLAG_MU_LOSS = "--lm-mu-loss-coeff"
 GROUP_TITLE = "mindspeed_cez: fused LM cross entropy + z-loss"
 
 __all__ = ["add_lm_z_loss_args", "extra_args_provider", "validate", "validate_command_line", "has_lm_z_loss_args",
@@ -90,6 +105,10 @@ SUMMARY = {
     FLAG_OUTPUT_LAYER: "Compute the output layer and the loss as one fused op, without the logits tensor.",
     FLAG_BLOCK_GIB: "With --lm-fused-output-layer forward: the most logits one block holds, in GiB.",
     FLAG_BLOCK_FRACTION: "With --lm-fused-output-layer forward: each block's share of the tokens, 0 < F <= 1.",
+    FLAG_SOFTCAP: "Soft-cap the main head's logits in the loss, C*tanh(x/C) (0: off); logs lm_lse, lm_lse_max.",
+    FLAG_MU_CENTERING: "Center the output embeddings (subtract their mean row) after every optimizer step; "
+                       "logs lm_mu_norm.",
+    FLAG_MU_LOSS: "Train on L*||mu||^2 of the mean output embedding mu too (mu-loss; 0: off); logs lm_mu_norm.",
 }
 
 
@@ -167,6 +186,23 @@ def add_lm_z_loss_args(parser):
              "rewrites the fp32 main_grad once (fewer blocks, less time); 0.125: lean. Off by default "
              f"({FLAG_BLOCK_GIB} sizes the blocks); one of the two (docs/weight_gradient.md).",
     )
+    group.add_argument(
+        FLAG_SOFTCAP, type=_number_or_text, default=0.0, dest="lm_logit_softcap", metavar="C",
+        help=_help(FLAG_SOFTCAP) + " The loss (training and validation) is of C*tanh(logits/C) on the main head, "
+             "computed in the fused kernels; the model's logits are not changed, so apply the same cap when "
+             "sampling from the model. MindSpeed-LLM's --output-logit-softcapping, where set, must be the same C.",
+    )
+    group.add_argument(
+        FLAG_MU_CENTERING, action="store_true", default=False, dest="lm_mu_centering",
+        help=_help(FLAG_MU_CENTERING) + " Output embedding centering (mu-centering, arXiv 2601.02031): after each "
+             "optimizer step the output weight's fp32 master copy becomes W - mean_v(W) (with tied embeddings "
+             "the input embedding too).",
+    )
+    group.add_argument(
+        FLAG_MU_LOSS, type=_number_or_text, default=0.0, dest="lm_mu_loss_coeff", metavar="L",
+        help=_help(FLAG_MU_LOSS) + " mu-loss (arXiv 2601.02031; the paper's 1e-4): L*||mean_v(W)||^2 of the output "
+             "weight W enters the gradient once per step, not the logged lm loss.",
+    )
     return parser
 
 
@@ -181,7 +217,8 @@ def has_lm_z_loss_args(args):
 # The Settings fields the flags set, by the flag's name (what a bad value's error names).
 FLAG_NAMES = {"z_loss_coeff": FLAG_COEFF, "label_smoothing": "--label-smoothing", "grads": FLAG_OUTPUT_LAYER,
               "block_fraction": FLAG_BLOCK_FRACTION, "block_bytes": FLAG_BLOCK_GIB,
-              "logit_transform": "--output-multiplier-scale / --output-logit-softcapping"}
+              "logit_transform": "--output-multiplier-scale / --output-logit-softcapping",
+              "logit_softcap": FLAG_SOFTCAP, "mu_centering": FLAG_MU_CENTERING, "mu_loss_coeff": FLAG_MU_LOSS}
 
 
 class Validated(NamedTuple):
@@ -208,6 +245,9 @@ def _settings_inputs(args):
         block_fraction=getattr(args, "lm_fused_output_layer_block_fraction", None),
         block_bytes=_gib_to_bytes(getattr(args, "lm_fused_output_layer_block_gib", None)),
         logit_transform=mindspeed_llm_logit_transform(args) if on else None,
+        logit_softcap=getattr(args, "lm_logit_softcap", 0.0),
+        mu_centering=bool(getattr(args, "lm_mu_centering", False)),
+        mu_loss_coeff=getattr(args, "lm_mu_loss_coeff", 0.0),
         **(backends_from_environment() if on else {}),
     )
 
@@ -238,6 +278,10 @@ def _check_flag_pairs(args, settings):
                              f"none with {FLAG_OUTPUT_LAYER} {mode or '(off)'}: drop it or use forward")
     if mode and fused is False:
         raise ValueError(f"{FLAG_OUTPUT_LAYER} is a fused kernel, but {FLAG_NO_FUSED} turns it off")
+    for on, flag in ((settings.logit_softcap, FLAG_SOFTCAP), (settings.mu_centering, FLAG_MU_CENTERING),
+                     (settings.mu_loss_coeff, FLAG_MU_LOSS)):
+        if on and fused is False:
+            raise ValueError(f"{flag} works through the fused kernel, but {FLAG_NO_FUSED} turns it off; drop one of them")
 
 
 def _check_with_other_flags(args):
@@ -350,6 +394,9 @@ def _flag_turning_fused_on(args):
         return f"{FLAG_COEFF}={args.lm_z_loss_coeff}"
     if getattr(args, "lm_fused_ce", None):
         return FLAG_FUSED
+    for dest, flag in _TURNING_ON:
+        if _positive(getattr(args, dest, 0)):
+            return flag
     return FLAG_OUTPUT_LAYER if getattr(args, "lm_fused_output_layer", False) else FLAG_LOG_LSE
 
 
@@ -362,7 +409,18 @@ def fused_ce_enabled(args, checked=True):
     c = args.lm_z_loss_coeff
     positive = c > 0 if checked or isinstance(c, (int, float)) else True
     return (bool(fused) or positive or bool(getattr(args, "lm_z_loss_log_lse", False))
-            or bool(getattr(args, "lm_fused_output_layer", False)))
+            or bool(getattr(args, "lm_fused_output_layer", False))
+            or any(_positive(getattr(args, dest, 0)) for dest, _ in _TURNING_ON))
+
+
+# The mitigations' flags, each of which turns the fused kernel on (their dests, their names).
+_TURNING_ON = (("lm_logit_softcap", FLAG_SOFTCAP), ("lm_mu_centering", FLAG_MU_CENTERING),
+               ("lm_mu_loss_coeff", FLAG_MU_LOSS))
+
+
+def _positive(value):
+    """A flag's value that turns it on: True, a number other than 0, or text (which its check then refuses)."""
+    return value is True or isinstance(value, str) or (isinstance(value, (int, float)) and value != 0)
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -448,7 +506,8 @@ def check_mindspeed_llm_args(args, fused_flag, output_layer_flag=None):
         )
 
 
-FLAGS = (FLAG_COEFF, FLAG_FUSED, FLAG_NO_FUSED, FLAG_LOG_LSE, FLAG_OUTPUT_LAYER, FLAG_BLOCK_GIB, FLAG_BLOCK_FRACTION)
+FLAGS = (FLAG_COEFF, FLAG_FUSED, FLAG_NO_FUSED, FLAG_LOG_LSE, FLAG_OUTPUT_LAYER, FLAG_BLOCK_GIB, FLAG_BLOCK_FRACTION,
+         FLAG_SOFTCAP, FLAG_MU_CENTERING, FLAG_MU_LOSS)
 
 
 def check_launch(argv, environ=None):

@@ -40,9 +40,9 @@ from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.kernels.logit_transform import IDENTITY
 from mindspeed_cez.linear_cross_entropy import (RECOMPUTE, ForwardGradientError, check_forward_gradients,
                                                linear_cross_entropy_zloss)
-from mindspeed_cez.patches import model_context, reporting
+from mindspeed_cez.patches import mean_embedding, model_context, reporting
 from mindspeed_cez.patches.model_context import FLAG, DeferredLogits
-from mindspeed_cez.patches.settings import LM_LSE, LM_Z_LOSS, while_active
+from mindspeed_cez.patches.settings import LM_LSE, LM_MU_NORM, LM_Z_LOSS, while_active
 from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
 
 
@@ -62,11 +62,7 @@ def megatron_to_torch_smoothing(label_smoothing, global_vocab):
     return float(label_smoothing) * global_vocab / (global_vocab - 1)
 
 
-def _module_tp_group(module):
-    group = getattr(module, "tp_group", None)
-    if group is None:
-        group = getattr(getattr(module, "pg_collection", None), "tp", None)
-    return resolve_tp_group(group)
+_module_tp_group = model_context.module_tp_group
 
 
 def call_loss(spec, global_vocab, label_smoothing_megatron, main_head=True, transform=IDENTITY):
@@ -100,7 +96,19 @@ def megatron_cross_entropy(settings, logits, target, tp_group, label_smoothing_m
 _NO_MASK_WARNED = "_mindspeed_cez_no_mask_warned"  # the model's flag: its warning given
 
 
-def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context):
+def with_mu_loss(loss, weight, tp_group, coeff, training):
+    """``(loss, ||mu||)``: the per-token ``loss`` with the mu-loss ``coeff * ||mu||**2`` of the output
+    ``weight``'s mean row in its gradient (each token's share: Megatron's weighting sums them to one per
+    step), not in its value (as Megatron's auxiliary losses); ``coeff`` 0 or no training: ``loss`` as is."""
+    train = training and coeff > 0 and torch.is_grad_enabled()
+    mu = mean_embedding.mean_row(weight, tp_group, differentiable=train)
+    if train:
+        aux = mean_embedding.mu_loss(mu, coeff)
+        loss = loss + (aux - aux.detach())
+    return loss, mu.detach().norm()
+
+
+def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context, mu_norm=None):
     names = settings.metric_names()
     if not names or not module.training or not torch.is_grad_enabled():
         return
@@ -112,6 +120,7 @@ def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context):
         z_loss_bs if LM_Z_LOSS in names else None,
         loss_mask,
         lse_per_token=lse_bs if LM_LSE in names else None,
+        mu_norm=mu_norm if LM_MU_NORM in names else None,
     )
 
 
@@ -132,6 +141,8 @@ def compute_language_model_loss_wrapper(fn):
             smoothing = getattr(self.config, "label_smoothing", 0.0) or 0.0
         model_context.check_loss_input(self, logits, is_main, context)
         logits, transform = model_context.unwrap(logits, is_main, settings.logit_transform)
+        if is_main:
+            transform = settings.main_head_transform(transform)  # --lm-logit-softcap
         target = labels.transpose(0, 1).contiguous()  # [b s] => [s b], as Megatron does
         tp_group = _module_tp_group(self)
         if isinstance(logits, DeferredLogits):
@@ -142,8 +153,13 @@ def compute_language_model_loss_wrapper(fn):
             loss = in_megatron_convention(loss, z_loss, spec)
         else:
             loss, z_loss, lse = megatron_cross_entropy(settings, logits, target, tp_group, smoothing, is_main, transform)
+        mu_norm = None
+        if is_main and settings.mean_embedding_metrics:
+            weight = logits.weight if isinstance(logits, DeferredLogits) else mean_embedding.output_weight(self)
+            loss, mu_norm = with_mu_loss(loss, weight, tp_group, settings.mu_loss_coeff, self.training)
         if is_main:
-            _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, context is not None)
+            _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, context is not None,
+                    mu_norm)
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged
         return loss.transpose(0, 1).contiguous()
 

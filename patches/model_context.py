@@ -32,7 +32,9 @@ import numbers
 import torch
 
 from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
+from mindspeed_cez.patches import mean_embedding
 from mindspeed_cez.patches.settings import while_active
+from mindspeed_cez.tensor_parallel import resolve_tp_group
 
 FLAG = "--lm-fused-output-layer"
 TRANSFORM_FLAGS = "--output-multiplier-scale / --output-logit-softcapping"
@@ -62,6 +64,14 @@ class LossContext:
 
     def __init__(self, labels, loss_mask, main_head_call):
         self.labels, self.loss_mask, self.main_head_call = labels, loss_mask, main_head_call
+
+
+def module_tp_group(module):
+    """The tensor-parallel group of a Megatron module (its ``tp_group`` / ``pg_collection.tp``, else Megatron's)."""
+    group = getattr(module, "tp_group", None)
+    if group is None:
+        group = getattr(getattr(module, "pg_collection", None), "tp", None)
+    return resolve_tp_group(group)
 
 
 @contextlib.contextmanager
@@ -105,6 +115,8 @@ def loss_context_wrapper(fn):
 
     def with_loss_context(settings, self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
+        if settings.mu_centering and self.training:
+            mean_embedding.mark_output_weights(self, module_tp_group(self))
         main_head = main_head_call(self, bound, settings, mtp_switch)
         context = LossContext(bound.get("labels"), bound.get("loss_mask"), main_head)
         with opened_on(self, context), handed(main_head):

@@ -11,6 +11,9 @@ Metrics
     every token). MTP losses are not part of it (Megatron logs those as ``mtp_*``).
 ``lm_lse`` (opt-in: ``--lm-z-loss-log-lse`` / ``apply(log_lse=True)``)
     The same mean of the per-token log-sum-exp, taken from the fused op (no extra pass).
+``lm_mu_norm`` (with ``--lm-mu-centering`` or ``--lm-mu-loss-coeff``)
+    The norm of the mean output embedding ``mu`` (:mod:`.mean_embedding`) each micro-batch's forward saw,
+    weighted like ``lm loss``: what mu-centering holds at 0 and the mu-loss pulls towards 0.
 ``lm_lse_max`` (with ``lm_lse``)
     The largest log-sum-exp of the iteration's counted tokens (``loss_mask`` > 0), over every
     micro-batch, data-parallel x context-parallel rank and pipeline stage: the token whose logits
@@ -56,18 +59,20 @@ import torch.distributed as dist
 from mindspeed_cez.linear_forward_grads import forget_forward_gradients
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.import_hook import module_exists
-from mindspeed_cez.patches.settings import LM_LSE, LM_LSE_MAX, LM_Z_LOSS, while_active
+from mindspeed_cez.patches.settings import LM_LSE, LM_LSE_MAX, LM_MU_NORM, LM_Z_LOSS, while_active
 
 MOE_LOGGING = "megatron.core.transformer.moe.moe_logging"
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 
-__all__ = ["LM_Z_LOSS", "LM_LSE", "LM_LSE_MAX", "record_lm_z_loss", "reduce_iteration", "report"]
+__all__ = ["LM_Z_LOSS", "LM_LSE", "LM_LSE_MAX", "LM_MU_NORM", "record_lm_z_loss", "reduce_iteration", "report"]
+# The token-weighted means, in the order of the sums buffer (the token count last).
+SUMMED = (LM_Z_LOSS, LM_LSE, LM_MU_NORM)
 
 
 class IterationMetrics:
     """This iteration's buffers, the names reported by default, and the one report of the iteration.
 
-    The buffers are this iteration's ``[sum(z * mask), sum(lse * mask), sum(mask)]`` and
+    The buffers are this iteration's ``[sum(z * mask), sum(lse * mask), sum(mu_norm * mask), sum(mask)]`` and
     ``[max(lse where mask > 0)]``, on the device, updated and cleared in place, so a CUDA graph that
     captured the loss keeps writing into them on replay. Megatron reaches the report by two paths,
     one inside the other (its ``training_log`` calls its MoE report; MindSpeed-LLM wraps Megatron's
@@ -80,24 +85,27 @@ class IterationMetrics:
         self.names = []  # what reduce() reports by default (the adaptor's settings)
         self.reporting = False  # inside report_iteration(): the values are taken
 
-    def record(self, z_loss_per_token=None, loss_mask=None, lse_per_token=None):
+    def record(self, z_loss_per_token=None, loss_mask=None, lse_per_token=None, mu_norm=None):
         given = [t for t in (z_loss_per_token, lse_per_token) if t is not None]
-        if not given:
+        if not given and mu_norm is None:
             return
-        n = given[0].numel()
+        n = given[0].numel() if given else (loss_mask.numel() if loss_mask is not None else 1)
+        device = given[0].device if given else mu_norm.device
         if loss_mask is None:
-            mask = torch.ones(n, device=given[0].device)
+            mask = torch.ones(n, device=device)
         else:
-            mask = loss_mask.detach().to(device=given[0].device, dtype=torch.float32).reshape(-1)
+            mask = loss_mask.detach().to(device=device, dtype=torch.float32).reshape(-1)
             if mask.numel() != n:
                 raise ValueError(f"loss_mask has {mask.numel()} elements for {n} tokens")
 
         def masked_sum(t):
             return mask.new_zeros(()) if t is None else (t.detach().float().reshape(-1) * mask).sum()
 
-        sums = torch.stack([masked_sum(z_loss_per_token), masked_sum(lse_per_token), mask.sum()])
+        counted = mask.sum()
+        mu_sum = counted.new_zeros(()) if mu_norm is None else mu_norm.detach().float().to(device) * counted
+        sums = torch.stack([masked_sum(z_loss_per_token), masked_sum(lse_per_token), mu_sum, counted])
         if self.sums is None:
-            self.sums = torch.zeros(3, device=sums.device)
+            self.sums = torch.zeros(len(SUMMED) + 1, device=sums.device)
         self.sums.add_(sums)
         if lse_per_token is not None and n > 0:
             lse = lse_per_token.detach().float().reshape(-1)
@@ -108,7 +116,7 @@ class IterationMetrics:
 
     def recorded_tokens(self):
         """The tokens counted since the last reduction (a host sync: for tests)."""
-        return 0.0 if self.sums is None else float(self.sums[2])
+        return 0.0 if self.sums is None else float(self.sums[-1])
 
     def take(self):
         """``(sums, maxima)`` copies of the buffers (None where never written), which are cleared."""
@@ -133,7 +141,7 @@ class IterationMetrics:
             dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
             groups = (dp_cp, ps.get_pipeline_model_parallel_group())
             if sums is None:
-                sums = torch.zeros(3, device=_collective_device(dp_cp))
+                sums = torch.zeros(len(SUMMED) + 1, device=_collective_device(dp_cp))
             for group in groups:
                 dist.all_reduce(sums, group=group)
             if LM_LSE_MAX in names:  # the same names on every rank: the same collectives
@@ -143,8 +151,8 @@ class IterationMetrics:
                     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         if sums is None:
             return {}
-        means = sums[:2] / sums[2].clamp(min=1.0)
-        values = {LM_Z_LOSS: means[0], LM_LSE: means[1]}
+        means = sums[:-1] / sums[-1].clamp(min=1.0)
+        values = dict(zip(SUMMED, means))
         if maxima is not None:
             values[LM_LSE_MAX] = maxima[0]
         return {name: values[name] for name in names if name in values}
@@ -173,7 +181,7 @@ def report_names(names):
     _ITERATION.names = list(names)
 
 
-def record_lm_z_loss(z_loss_per_token=None, loss_mask=None, *, lse_per_token=None):
+def record_lm_z_loss(z_loss_per_token=None, loss_mask=None, *, lse_per_token=None, mu_norm=None):
     """Add one micro-batch of the main LM loss to this iteration's sums.
 
     Args:
@@ -182,8 +190,9 @@ def record_lm_z_loss(z_loss_per_token=None, loss_mask=None, *, lse_per_token=Non
             None counts every token.
         lse_per_token: per-token log-sum-exp (the op's third output), or None; gives the sum
             and the maximum over the counted tokens.
+        mu_norm: the norm of the mean output embedding in this micro-batch's forward (a 0-dim tensor), or None.
     """
-    _ITERATION.record(z_loss_per_token, loss_mask, lse_per_token)
+    _ITERATION.record(z_loss_per_token, loss_mask, lse_per_token, mu_norm)
 
 
 def recorded_tokens():

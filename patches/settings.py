@@ -12,6 +12,8 @@ handed to the wrapper as its first argument.
 """
 
 import functools
+import math
+import numbers
 from typing import Optional
 
 from mindspeed_cez import environment, kernels
@@ -25,6 +27,7 @@ from mindspeed_cez.linear_cross_entropy import GradientPath
 LM_Z_LOSS = "lm_z_loss"
 LM_LSE = "lm_lse"
 LM_LSE_MAX = "lm_lse_max"
+LM_MU_NORM = "lm_mu_norm"
 
 BACKENDS = kernels.BACKENDS  # "cann": torch_npu's op, where the vocab is not sharded
 # the one reader of the MINDSPEED_CEZ_* variables, for the flags' settings (and apply(), the self-check)
@@ -60,6 +63,14 @@ class Settings:
     backend: the ops' cross-entropy backend, ``"triton"`` / ``"torch"``, None: automatic per device;
         ``"cann"``: torch_npu's fused op (TP = 1, no fused output layer, no logit transform).
     linear_backend: the fused output layer's, ``"gemm"`` / ``"triton"``, None: automatic.
+    logit_softcap: ``C > 0``: the main head's loss is of ``C * tanh(x / C)`` (after the model's own
+        scale), computed in the kernels (``--lm-logit-softcap``); 0: off. A model that caps its logits
+        itself (MindSpeed-LLM's ``--output-logit-softcapping``) must cap at the same ``C``.
+    mu_centering: subtract the mean output embedding (the mean row of the output weight over the
+        whole vocabulary) from the output weight after every optimizer step (``--lm-mu-centering``,
+        :mod:`.mu_centering`).
+    mu_loss_coeff: ``lambda >= 0``: train on ``lambda * ||mu||**2`` of the mean output embedding ``mu``
+        besides the LM loss, once per step (``--lm-mu-loss-coeff``); 0: off.
     names: the caller's name per field for errors (the flags' names, :func:`.arguments.validate`);
         by default the fields' own.
 
@@ -74,14 +85,29 @@ class Settings:
     """
 
     __slots__ = ("loss", "gradient_path", "label_smoothing_from_config", "log_z_loss", "log_lse",
-                 "fused_output_layer", "backend", "linear_backend")
+                 "fused_output_layer", "backend", "linear_backend", "logit_softcap", "mu_centering", "mu_loss_coeff")
 
     def __init__(self, z_loss_coeff=0.0, label_smoothing=None, log_z_loss=True, log_lse=False,
                  fused_output_layer=False, grads="forward", block_fraction=None, logit_transform=None,
-                 backend=None, linear_backend=None, names=None, block_bytes=None):
+                 backend=None, linear_backend=None, names=None, block_bytes=None, logit_softcap=0.0,
+                 mu_centering=False, mu_loss_coeff=0.0):
         name = (lambda field: names.get(field, field)) if names else (lambda field: field)
         if logit_transform is not None and not isinstance(logit_transform, LogitTransform):
             raise TypeError(f"{name('logit_transform')} must be None or a LogitTransform, got {logit_transform!r}")
+        if not (_finite(logit_softcap) and logit_softcap >= 0):
+            raise ValueError(f"{name('logit_softcap')} must be a finite number >= 0 (0: no cap), got {logit_softcap!r}")
+        if not (_finite(mu_loss_coeff) and mu_loss_coeff >= 0):
+            raise ValueError(f"{name('mu_loss_coeff')} must be a finite number >= 0 (0: off), got {mu_loss_coeff!r}")
+        if not isinstance(mu_centering, bool):
+            raise TypeError(f"{name('mu_centering')} must be True or False, got {mu_centering!r}")
+        model_cap = logit_transform.cap if logit_transform is not None else 0.0
+        if logit_softcap and model_cap and model_cap != logit_softcap:
+            raise ValueError(f"{name('logit_softcap')}={logit_softcap:g} and the model's own soft cap "
+                             f"{model_cap:g} ({name('logit_transform')}) differ: the logits would be capped twice; "
+                             "set one of them, or both to the same value")
+        if backend == cann.NAME and logit_softcap:
+            raise ValueError(f"backend='cann' (MINDSPEED_CEZ_BACKEND=cann) computes the loss of the logits as given; "
+                             f"{name('logit_softcap')} needs MINDSPEED_CEZ_BACKEND=triton or unset")
         loss = LossSpec(z_loss_coeff=z_loss_coeff, label_smoothing=0.0 if label_smoothing is None else label_smoothing,
                         logit_transform=logit_transform or IDENTITY, names=names)
         if backend not in (None, *BACKENDS):
@@ -99,7 +125,8 @@ class Settings:
         values = {"loss": loss, "gradient_path": GradientPath(grads, block_fraction, block_bytes, names=names),
                   "label_smoothing_from_config": label_smoothing is None, "log_z_loss": bool(log_z_loss),
                   "log_lse": bool(log_lse), "fused_output_layer": bool(fused_output_layer), "backend": backend,
-                  "linear_backend": linear_backend}
+                  "linear_backend": linear_backend, "logit_softcap": float(logit_softcap),
+                  "mu_centering": mu_centering, "mu_loss_coeff": float(mu_loss_coeff)}
         for slot, value in values.items():
             object.__setattr__(self, slot, value)
 
@@ -121,6 +148,18 @@ class Settings:
         transform = self.loss.logit_transform
         return None if transform.is_identity else transform
 
+    def main_head_transform(self, model_transform):
+        """The transform the main head's loss is of: the model's own (``model_transform``, recorded from its
+        forward) with this run's soft cap where the model applies none."""
+        if not self.logit_softcap or model_transform.cap:
+            return model_transform
+        return LogitTransform(model_transform.scale, self.logit_softcap)
+
+    @property
+    def mean_embedding_metrics(self):
+        """Whether ``lm_mu_norm`` is reported (mu-centering or mu-loss on)."""
+        return self.mu_centering or self.mu_loss_coeff > 0
+
     @property
     def grads(self):
         return self.gradient_path.grads
@@ -138,7 +177,8 @@ class Settings:
                 "log_z_loss": self.log_z_loss, "log_lse": self.log_lse, "fused_output_layer": self.fused_output_layer,
                 "grads": self.grads, "block_fraction": self.block_fraction, "block_bytes": self.block_bytes,
                 "logit_transform": self.logit_transform,
-                "backend": self.backend, "linear_backend": self.linear_backend}
+                "backend": self.backend, "linear_backend": self.linear_backend, "logit_softcap": self.logit_softcap,
+                "mu_centering": self.mu_centering, "mu_loss_coeff": self.mu_loss_coeff}
 
     def replace(self, **changes):
         """New settings: these with the arguments in ``changes``."""
@@ -161,9 +201,15 @@ class Settings:
         names = []
         if self.log_z_loss and self.z_loss_coeff > 0:
             names.append(LM_Z_LOSS)
-        if self.log_lse:
+        if self.log_lse or self.logit_softcap:  # the soft cap bounds the lse: shown by lm_lse / lm_lse_max
             names += [LM_LSE, LM_LSE_MAX]
+        if self.mean_embedding_metrics:
+            names.append(LM_MU_NORM)
         return names
+
+
+def _finite(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # Global: Megatron calls the patched functions without a handle to the adaptor, so they read it here.

@@ -125,9 +125,10 @@ def launch(out, args, nproc=2, iters=ITERS, env=None):
     return {"rows": rows, "log": log, "dump": out / "dump", "validation": first_validation(proc.stdout)}
 
 
-def recompute_from_dump(dump_dir, name=f"iter{DUMP_ITERATION}"):
+def recompute_from_dump(dump_dir, name=f"iter{DUMP_ITERATION}", transform=None):
     """Per (data-parallel rank, context-parallel rank, micro-batch): lse and CE over the full vocab
-    (every TP shard, float64) and the loss mask, from the logits the harness dumped."""
+    (every TP shard, float64) and the loss mask, from the logits the harness dumped (``transform``:
+    of ``transform(logits)``, e.g. a soft cap)."""
     pattern = re.compile(rf"logits_{name}_dp(\d+)_cp(\d+)_mb(\d+)_tp(\d+)\.pt")
     files = {}
     for path in Path(dump_dir).glob(f"logits_{name}_*.pt"):
@@ -141,6 +142,8 @@ def recompute_from_dump(dump_dir, name=f"iter{DUMP_ITERATION}"):
         labels, mask = shards[0]["labels"], shards[0]["loss_mask"].double()
         assert all(torch.equal(labels, s["labels"]) for s in shards) and logits.shape[:2] == labels.shape
         assert logits.shape[-1] >= VOCAB
+        if transform is not None:
+            logits = transform(logits)
         lse = torch.logsumexp(logits, dim=-1)
         ce = lse - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         micro_batches.append((lse, ce, mask))
