@@ -115,6 +115,8 @@ ROWS = [
      lambda d: (lambda r: {"mbs": r["micro_batch"], "step": 2 * d["tokens_per_sequence"] / r["tokens_per_s"] * 1e3,
                            "tps": r["tokens_per_s"], "ratio": r["tokens_per_s"] / d["best"]["native"]["tokens_per_s"]})(
          d["best"]["cez"])),
+    ("README.md", "dashed: the card's {gib:.1f} GiB", "bench/results/2026-12-06_h100_long_context/env.txt",
+     lambda t: {"gib": int(re.search(r"H100 80GB HBM3, (\d+) MiB", t).group(1)) / 1024}),
     # README: the main job's time and its printed lines (the last ones: its z-loss run's)
     ("README.md", "the main job ran in {lo}-{hi} s after the install (60 iterations without, then with, z-loss; "
      "{runs} runs", MAIN_JOB + "wall.txt", lambda t: (lambda w: {"lo": f"{min(w):.1f}", "hi": f"{max(w):.1f}", "runs": len(w)})(
