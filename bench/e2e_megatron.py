@@ -50,17 +50,24 @@ CONFIGS = {
     "long": ("--num-layers 4 --hidden-size 2048 --ffn-hidden-size 6144 --moe-ffn-hidden-size 768 --num-attention-heads 16 "
              "--global-batch-size 2 --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --manual-gc "
              "--no-create-attention-mask-in-dataloader").split(),
+    # long's width 4x as deep: the transformer's activations, not the logits, set the memory of the fused layer
+    # and the op (bench/long_context.py runs it at sequences of 8192, micro-batches of several)
+    "deep": ("--num-layers 16 --hidden-size 2048 --ffn-hidden-size 6144 --moe-ffn-hidden-size 768 --num-attention-heads 16 "
+             "--global-batch-size 2 --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --manual-gc "
+             "--no-create-attention-mask-in-dataloader").split(),
     "busy_tp4": ("--num-layers 8 --hidden-size 4096 --ffn-hidden-size 16384 --num-attention-heads 32 --num-experts 4 "
                  "--moe-ffn-hidden-size 8192 --seq-length 32768 --max-position-embeddings 32768 --global-batch-size 4 "
                  "--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --manual-gc").split(),
 }
 BUSY_ENV = {"CEZ_BENCH_ATTENTION": "sdpa", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-CONFIG_ENV = {"busy": BUSY_ENV, "busy_tp4": BUSY_ENV, "long": BUSY_ENV}
+CONFIG_ENV = {"busy": BUSY_ENV, "busy_tp4": BUSY_ENV, "long": BUSY_ENV, "deep": BUSY_ENV}
 MIN_TP = {"busy_tp4": 4}  # below it the parameters and activations outgrow an 80 GB GPU
 VARIANTS = {
     "native": ([], {}),
     "fused": (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"], {}),
     "z_by_hand": ([], {"CEZ_BENCH_HAND_Z": str(Z_COEFF)}),
+    # liger-kernel's own Megatron patch of both CE entry points (rms_norm off: only the loss changes)
+    "liger": ([], {"CEZ_BENCH_LIGER": "1"}),
     "cez": (["--lm-z-loss-coeff", str(Z_COEFF)], {}),
     # --lm-fused-output-layer: output layer + loss as one op (default: grads in forward; logits recomputed)
     "cez_fol": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-fused-output-layer"], {}),
@@ -346,7 +353,8 @@ def table(summary, reference="native"):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="busy")
-    parser.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS), help="default: all")
+    parser.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
+                        help="default: all but liger (it needs liger-kernel)")
     parser.add_argument("--pairs", type=int, default=3, help="runs per variant, alternated")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="iterations left out of each run's median")
@@ -364,7 +372,7 @@ def main(argv=None):
                              "each stopped there with the steps it logged")
     parser.add_argument("--out", default="out/e2e")
     args = parser.parse_args(argv)
-    variants = args.variants or [v for v in VARIANTS if v != "z_by_hand" or args.tp == 1]
+    variants = args.variants or [v for v in VARIANTS if v != "liger" and (v != "z_by_hand" or args.tp == 1)]
     if args.tp > 1 and "z_by_hand" in variants:
         parser.error("z_by_hand computes the z-loss on one rank's logits: it needs --tp 1")
     if args.tp < MIN_TP.get(args.config, 1):
@@ -496,14 +504,29 @@ def _sdpa_forward(self, query, key, value, attention_mask, attn_mask_type=None, 
     return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], self.hidden_size_per_partition)
 
 
+def _apply_liger():
+    """liger-kernel's Megatron patch: Megatron's CE (fused and unfused) on Liger's Triton CE."""
+    try:
+        from liger_kernel.megatron import apply_liger_kernel_to_megatron
+    except ImportError as exc:
+        sys.exit(f"CEZ_BENCH_LIGER (variant liger) needs liger-kernel with its Megatron patch "
+                 f"(pip install liger-kernel==0.8.5): {exc}")
+    apply_liger_kernel_to_megatron(rms_norm=False, cross_entropy=True)
+    print("CEZ_BENCH liger: apply_liger_kernel_to_megatron(rms_norm=False, cross_entropy=True)", flush=True)
+
+
 def worker():
     """``examples/pretrain_gpt.py`` with the adaptor, and what the variant's environment asks for:
     ``CEZ_BENCH_HAND_Z=C``: the LM loss plus ``C * logsumexp(logits.float())**2`` in torch (TP=1);
-    ``CEZ_BENCH_ATTENTION=sdpa``: ``_sdpa_forward``; at exit, ``CEZ_BENCH peak_allocated_bytes=N``."""
+    ``CEZ_BENCH_LIGER=1``: liger-kernel's ``apply_liger_kernel_to_megatron(rms_norm=False, cross_entropy=True)``
+    before the model is built; ``CEZ_BENCH_ATTENTION=sdpa``: ``_sdpa_forward``; at exit,
+    ``CEZ_BENCH peak_allocated_bytes=N``."""
     import atexit
 
     import torch
 
+    if os.environ.get("CEZ_BENCH_LIGER"):
+        _apply_liger()
     if os.environ.get("CEZ_BENCH_HAND_Z"):
         from megatron.core.models.common.language_module.language_module import LanguageModule
 

@@ -6,6 +6,10 @@
 (micro-batch 1 / 2, recompute none / selective / full), every variant searched the same way.
 Both write ``long_context.json`` / ``throughput.json`` under ``--out`` (rows in one schema,
 ``bench/results/2026-12-06_h100_long_context/README.md``) and print what each launch gave.
+``--config deep`` (16 layers): memory runs micro-batches of sequences of ``SEQUENCE`` tokens, one micro-batch a
+step (memory per token is the same as one long sequence with SDPA attention; the step's time is not
+quadratic); ``--start estimate`` starts each variant at ``estimate_memory.py``'s longest micro-batch and
+steps by ``--resolution`` up or down to the first fit / failure (``--max-launches`` each).
 ``--known FILE``: rows of an earlier run (same schema) for ``--cite`` variants are taken from it,
 not run again; ``memory --at TOKENS ...`` runs only those sizes beside them and brackets the failure
 from every row (a bisection step per device call). Method: bench/README.md."""
@@ -20,6 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from e2e_megatron import COMMON, CONFIGS, CONFIG_ENV, launch  # noqa: E402
+from estimate_memory import Model, longest_tokens  # noqa: E402
 from harness import run_info  # noqa: E402
 
 CONFIG = "long"  # e2e_megatron's; --config busy: the GPU-bound model at 8192 tokens (throughput)
@@ -28,23 +33,30 @@ RECOMPUTE = {  # Megatron's recompute settings, least work first
     "selective": ["--recompute-granularity", "selective"],
     "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
 }
-VARIANT_NAMES = {"native": "Megatron's CE, no z-loss", "cez": "--lm-z-loss-coeff 1e-4",
+VARIANT_NAMES = {"native": "Megatron's CE, no z-loss",
+                 "fused": "Megatron's --cross-entropy-loss-fusion --cross-entropy-fusion-impl native, no z-loss",
+                 "liger": "liger-kernel's apply_liger_kernel_to_megatron(rms_norm=False, cross_entropy=True), no z-loss",
+                 "z_by_hand": "Megatron's CE + 1e-4 * logsumexp(logits.float())**2 in torch",
+                 "cez": "--lm-z-loss-coeff 1e-4",
                  "cez_fol": "+ --lm-fused-output-layer (default blocks)"}
+SEQUENCE = {"deep": 8192}  # memory: tokens per micro-batch as micro-batches of this sequence, one a step
 
 
-def megatron_args(tokens, micro_batch=1, recompute="full"):
-    """The config's arguments for ``tokens`` per micro-batch: ``micro_batch`` sequences of ``tokens / micro_batch``."""
+def megatron_args(tokens, micro_batch=1, recompute="full", one_micro_batch=False):
+    """The config's arguments for ``tokens`` per micro-batch: ``micro_batch`` sequences of ``tokens / micro_batch``;
+    ``one_micro_batch``: the step's global batch is that one micro-batch."""
     seq = tokens // micro_batch
     return ["--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(micro_batch),
-            *RECOMPUTE[recompute]]
+            *RECOMPUTE[recompute], *(["--global-batch-size", str(micro_batch)] if one_micro_batch else [])]
 
 
 class Runs:
     """The launches of one benchmark: each (variant, tokens, micro-batch, recompute) run once, rows kept
     in the results' schema; rows of ``known`` for the ``cite`` variants answer without a launch."""
 
-    def __init__(self, out, iters, budget_s, timeout_s, known=None, cite=(), config=CONFIG):
+    def __init__(self, out, iters, budget_s, timeout_s, known=None, cite=(), config=CONFIG, one_micro_batch=False):
         self.out, self.iters, self.timeout_s, self.config = out, iters, timeout_s, config
+        self.one_micro_batch = one_micro_batch
         self.deadline = time.time() + budget_s
         self.rows, self.cited = [], {}
         for row in (known or {}).get("rows", []):
@@ -75,7 +87,7 @@ class Runs:
         iters = iters or self.iters(tokens)
         name = f"{variant}_{tokens}_mbs{micro_batch}_{recompute}"
         run = launch(variant, self.config, iters, os.path.join(self.out, name + ".log"),
-                     timeout_s=min(self.timeout_s, self.left_s()), extra_args=megatron_args(tokens, micro_batch, recompute))
+                     timeout_s=min(self.timeout_s, self.left_s()), extra_args=megatron_args(tokens, micro_batch, recompute, self.one_micro_batch))
         row = {"tokens_per_micro_batch": tokens, "variant": variant, "micro_batch": micro_batch, "recompute": recompute,
                "rc": run["rc"], "out_of_memory": run["out_of_memory"],
                "peak_allocated_bytes": None if run["out_of_memory"] else run["peak_bytes"],
@@ -99,12 +111,13 @@ def steady_ms(row, skip=2):
     return statistics.median(steps[skip:]) if len(steps) > skip else (steps[-1] if steps else None)
 
 
-def search_memory(runs, variant, start, resolution, max_tokens):
+def search_memory(runs, variant, start, resolution, max_tokens, micro_batch=lambda tokens: 1):
     """``(largest that fits, smallest that failed)`` for ``variant``: doubling from ``start``, then
-    bisection to ``resolution`` tokens; a run stopped for time, not memory, ends the search there."""
+    bisection to ``resolution`` tokens; a run stopped for time, not memory, ends the search there.
+    ``micro_batch(tokens)``: the sequences the tokens are split into."""
     fit, fail, tokens = None, None, start
     while tokens <= max_tokens:
-        row = runs(variant, tokens)
+        row = runs(variant, tokens, micro_batch(tokens))
         if row is None or (not fits(row) and not row["out_of_memory"]):
             return fit, fail  # budget or deadline: no verdict on this size
         if not fits(row):
@@ -113,11 +126,37 @@ def search_memory(runs, variant, start, resolution, max_tokens):
         fit, tokens = tokens, tokens * 2
     while fit is not None and fail is not None and fail - fit > resolution:
         mid = (fit + fail) // 2 // resolution * resolution
-        row = runs(variant, mid)
+        row = runs(variant, mid, micro_batch(mid))
         if row is None or (not fits(row) and not row["out_of_memory"]):
             break
         fit, fail = (mid, fail) if fits(row) else (fit, mid)
     return fit, fail
+
+
+def search_near(runs, variant, start, resolution, max_tokens, max_launches, micro_batch=lambda tokens: 1):
+    """``(largest that fits, smallest that failed)`` for ``variant`` from ``start`` (an estimate): up by
+    ``resolution`` while it fits, down while it fails, until one of each or ``max_launches`` runs."""
+    fit, fail, tokens = None, None, start
+    for _ in range(max_launches):
+        if not resolution <= tokens <= max_tokens:
+            break
+        row = runs(variant, tokens, micro_batch(tokens))
+        if row is None or (not fits(row) and not row["out_of_memory"]):
+            break  # budget or deadline: no verdict on this size
+        if fits(row):
+            fit, tokens = tokens, tokens + resolution
+        else:
+            fail, tokens = tokens, tokens - resolution
+        if fit is not None and fail is not None:
+            break
+    return fit, fail
+
+
+def estimated_start(config, variant, resolution, capacity_bytes):
+    """``estimate_memory.py``'s longest micro-batch for ``variant`` on this card, down to ``resolution``
+    (at least one ``resolution``)."""
+    model = Model.from_megatron_args(COMMON + CONFIGS[config])
+    return max(resolution, longest_tokens(model, variant, capacity_bytes) // resolution * resolution)
 
 
 def bracket(rows, variant):
@@ -164,7 +203,7 @@ def header(kind, config):
             "project_commit": info["commit"],
             "stack": f"megatron-core {info['megatron-core']}, torch {info['torch']}, triton {info['triton']}, "
                      f"Python {info['python']}",
-            "config": config,
+            "config": config, "sequence": SEQUENCE.get(config),
             "megatron_args": " ".join(COMMON + CONFIGS[config]) + " + bench/long_context.py megatron_args(); env "
                              + " ".join(f"{k}={v}" for k, v in CONFIG_ENV[config].items()),
             "variants": {v: VARIANT_NAMES[v] for v in VARIANT_NAMES}}
@@ -174,15 +213,22 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=("memory", "throughput"))
     parser.add_argument("--variants", nargs="+", default=list(VARIANT_NAMES), choices=list(VARIANT_NAMES))
-    parser.add_argument("--start", type=int, default=32768, help="memory: the first tokens per micro-batch")
+    parser.add_argument("--start", default="32768",
+                        help="memory: the first tokens per micro-batch, or 'estimate' (estimate_memory.py's longest, "
+                             "then steps of --resolution)")
+    parser.add_argument("--max-launches", type=int, default=3, help="memory --start estimate: launches per variant")
+    parser.add_argument("--gpu-gib", type=float, default=None,
+                        help="--start estimate: the card's memory (default: the first GPU's, which --plan needs)")
+    parser.add_argument("--plan", action="store_true", help="print each variant's first size and launch nothing")
     parser.add_argument("--resolution", type=int, default=16384, help="memory: bisect to this many tokens")
     parser.add_argument("--max-tokens", type=int, default=1 << 20, help="memory: no run above this")
     parser.add_argument("--at", type=int, nargs="+", default=None,
                         help="memory: run these tokens per micro-batch only (a bisection step taken by hand across "
                              "device calls, beside --known rows), and bracket the failure from every row")
     parser.add_argument("--tokens", type=int, default=32768, help="throughput: tokens per sequence")
-    parser.add_argument("--config", default=CONFIG, choices=("long", "busy"),
-                        help="e2e_megatron's model: long (default) or busy (8 layers, hidden 3072, 8 sequences a step)")
+    parser.add_argument("--config", default=CONFIG, choices=("long", "busy", "deep"),
+                        help="e2e_megatron's model: long (default), deep (16 layers of long's width; memory in "
+                             "micro-batches of 8192-token sequences) or busy (8 layers, hidden 3072, 8 sequences a step)")
     parser.add_argument("--iters", type=int, default=None,
                         help="iterations per launch (default: memory 4, 2 from 262144 tokens, where a step takes over "
                              "20 s and the peak comes in the first; throughput 6)")
@@ -193,6 +239,26 @@ def main(argv=None):
                         help="variants whose rows in --known are taken, not run again")
     parser.add_argument("--out", default="out/long_context")
     args = parser.parse_args(argv)
+    sequence = SEQUENCE.get(args.config)
+    micro_batch = (lambda tokens: tokens // sequence) if sequence else (lambda tokens: 1)
+    if sequence and args.mode == "memory" and args.resolution % sequence:
+        parser.error(f"--config {args.config}: --resolution a multiple of its sequence, {sequence}")
+    starts = {}
+    if args.mode == "memory" and not args.at:
+        if args.start == "estimate":
+            if args.gpu_gib is None:
+                import torch
+
+                capacity = torch.cuda.get_device_properties(0).total_memory
+            else:
+                capacity = args.gpu_gib * 2 ** 30
+            starts = {v: estimated_start(args.config, v, args.resolution, capacity) for v in args.variants}
+        else:
+            starts = dict.fromkeys(args.variants, int(args.start))
+    if args.plan:
+        for v, tokens in starts.items():
+            print(f"{v}: first {tokens} tokens per micro-batch ({micro_batch(tokens)} x {tokens // micro_batch(tokens)})")
+        return
     os.makedirs(args.out, exist_ok=True)
     known = None
     if args.known:
@@ -204,7 +270,8 @@ def main(argv=None):
         iters = lambda tokens: 2 if tokens >= 262144 else 4  # noqa: E731
     else:
         iters = lambda tokens: 6  # noqa: E731
-    runs = Runs(args.out, iters, args.budget_s, args.timeout_s, known, args.cite, args.config)
+    runs = Runs(args.out, iters, args.budget_s, args.timeout_s, known, args.cite, args.config,
+                one_micro_batch=bool(sequence) and args.mode == "memory")
     data = header(args.mode, args.config)
     name = "long_context" if args.mode == "memory" else "throughput"
     path = os.path.join(args.out, f"{name}.json" if args.config == CONFIG else f"{name}_{args.config}.json")
@@ -213,15 +280,20 @@ def main(argv=None):
         for variant in args.variants:
             if args.at:
                 for tokens in args.at:
-                    runs(variant, tokens)
+                    runs(variant, tokens, micro_batch(tokens))
                 for key in runs.cited:  # the cited rows of this variant count in the bracket
                     if key[0] == variant:
                         runs(*key)
                 fit, fail = bracket(runs.rows, variant)
+            elif args.start == "estimate":
+                fit, fail = search_near(runs, variant, starts[variant], args.resolution, args.max_tokens,
+                                        args.max_launches, micro_batch)
             else:
-                fit, fail = search_memory(runs, variant, args.start, args.resolution, args.max_tokens)
+                fit, fail = search_memory(runs, variant, starts[variant], args.resolution, args.max_tokens, micro_batch)
             data["search"][variant] = {"largest_fit": fit, "smallest_failure": fail,
                                        "resolution": None if args.at else args.resolution}  # None: a bracket
+            if starts:
+                data["search"][variant]["start"] = starts[variant]
             print(f"{variant}: trains {fit} tokens per micro-batch; {fail or 'no failure up to the last run'}"
                   f"{' fails' if fail else ''}", flush=True)
     else:

@@ -95,11 +95,11 @@ def synthetic_batches(seed, device):
 
 
 def log_line(it, iters, ms, losses):
-    """Megatron's ``training_log`` line (its fields and formats; one micro-batch, no loss scaling)."""
+    """Megatron's ``training_log`` line format, with only the fields this loop computes (no loss scale,
+    skipped or nan counts: this is not Megatron's ``pretrain``)."""
     return (f" iteration {it:8d}/{iters:8d} | consumed samples: {it * MICRO_BATCH:12d} |"
             f" elapsed time per iteration (ms): {ms:.1f} | learning rate: {LR:.6E} | global batch size: {MICRO_BATCH:5d} |"
-            + "".join(f" {name}: {value:.6E} |" for name, value in losses.items())
-            + " loss scale: 1.0 | number of skipped iterations:   0 | number of nan iterations:   0 |")
+            + "".join(f" {name}: {value:.6E} |" for name, value in losses.items()))
 
 
 def train_one(rank, world_size, settings, iters, out_json):

@@ -10,11 +10,42 @@ joined below.
 import re
 import statistics
 
+from results_files import load
+
 LONG_CONTEXT = "bench/results/2026-12-06_h100_long_context/long_context.json"
 THROUGHPUT = "bench/results/2026-12-06_h100_long_context/throughput.json"
 CLAIMS = "bench/results/2026-11-28_zloss_study_4xh200/claims.json"
-MAIN_JOB = "bench/results/2026-12-06_cpu_main_job/"  # README command 1's job on a 2-core CPU machine  # python examples/zloss_claims.py
+MAIN_JOB = "bench/results/2026-12-06_cpu_main_job/"  # README command 1's job on a 2-core CPU machine to itself
+MAIN_JOB_LINES = "bench/results/2026-12-07_cpu_main_job/printed.txt"  # its printed lines, after the log-line change
+FRESH = "bench/results/2026-12-07_cpu_tests/reported.txt"  # both commands on a fresh 2-core machine, as reported
+PEERS = "bench/results/2026-12-07_h100_peers/"  # Megatron's fused CE, Liger's patch, the z-loss by hand
+PEER_CALLS = ("peers_call1.json", "peers_call3.json", "peers_call4.json")
 LONG_STATS = "bench/results/2026-11-28_zloss_study_4xh200/report_with_pilot/long_stats.json"
+
+
+def _peer_runs(variant):
+    """The peers' runs of ``variant``: (tokens, recompute, trained, out of memory, tokens/s)."""
+    runs = [r for f in PEER_CALLS for r in load(PEERS + f)]
+    return [(int(t), rc, r["rc"] == 0 and not r["oom"], r["oom"], r["tokens_per_s"])
+            for r in runs for v, t, _, rc, _ in [r["run"].split(":")] if v == variant]
+
+
+def _peer_row(variant):
+    """Longest that trained (any recompute), the smallest out-of-memory above it with full recompute, and
+    tokens/s at micro-batch 1 without recompute (the only setting the peers ran at 32768 tokens)."""
+    runs = _peer_runs(variant)
+    fit = max(t for t, _, ok, _, _ in runs if ok)
+    fail = min(t for t, rc, _, oom, _ in runs if oom and rc == "full" and t > fit)
+    tps = next(s for t, rc, ok, _, s in runs if ok and t == 32768 and rc == "none")
+    return {"fit": fit, "fail": fail, "tps": tps}
+
+
+def _no_fit(variant):
+    runs = _peer_runs(variant)
+    if any(ok for _, _, ok, _, _ in runs) or {rc for t, rc, _, oom, _ in runs if oom and t == 32768} != {
+            "none", "selective", "full"}:
+        return {"missing": True}
+    return {"tokens": 32768}
 
 
 def _paired(stats, lr, coeff):
@@ -57,24 +88,47 @@ ROWS = [
     ("README.md", "On one H100 80GB, Megatron's `pretrain` of a 4-layer MoE with a {vocab} vocabulary, {date}",
      LONG_CONTEXT, lambda d: {"date": d["date"], "vocab": d["megatron_args"].split("--vocab-size ")[1].split()[0]}
      if "H100 80GB" in d["device"] and "--num-layers 4" in d["megatron_args"] else {}),
-    ("README.md", "| longest micro-batch that trains | {native} tokens | {cez} tokens | {cez_fol} tokens (out of memory "
-     "at {fail}) |", LONG_CONTEXT, lambda d: dict({v: d["search"][v]["largest_fit"] for v in ("native", "cez", "cez_fol")},
-                                                  fail=d["search"]["cez_fol"]["smallest_failure"])),
-    ("README.md", "| tokens/s at {tokens} per sequence, each at its fastest setting | {native:.0f} | {cez:.0f} ({rc:.2f}x) "
-     "| {cez_fol:.0f} ({rf:.2f}x) |", THROUGHPUT,
-     lambda d: (lambda b: {"tokens": d["tokens_per_sequence"], "native": b["native"], "cez": b["cez"],
-                           "cez_fol": b["cez_fol"], "rc": b["cez"] / b["native"], "rf": b["cez_fol"] / b["native"]})(
-         {v: d["best"][v]["tokens_per_s"] for v in d["best"]})),
+    ("README.md", "| Megatron's CE | {fit} tokens ({fail} fails) | {tps:.0f} |", LONG_CONTEXT,
+     lambda d: {"fit": d["search"]["native"]["largest_fit"], "fail": d["search"]["native"]["smallest_failure"],
+                "tps": load(THROUGHPUT)["best"]["native"]["tokens_per_s"]}),
+    ("README.md", "| Megatron's fused CE (`--cross-entropy-loss-fusion`)² | {fit} tokens ({fail} fails) | {tps} (micro-batch "
+     "1, no recompute: the only setting run) |", PEERS + "peers_call1.json", lambda d: _peer_row("fused")),
+    ("README.md", "| Liger 0.8.5's `apply_liger_kernel_to_megatron(cross_entropy=True)`² | {fit} tokens ({fail} fails) | "
+     "{tps} (micro-batch 1, no recompute: the only setting run) |", PEERS + "peers_call1.json", lambda d: _peer_row("liger")),
+    ("README.md", "in torch² | none: out of memory at {tokens} with no, selective and full recompute | out of memory |",
+     PEERS + "peers_call3.json", lambda d: _no_fit("z_by_hand")),
+    ("README.md", "| `--lm-z-loss-coeff 1e-4` | {fit} tokens ({fail} fails) | {tps:.0f} ({r:.2f}x) |", THROUGHPUT,
+     lambda d: {"fit": load(LONG_CONTEXT)["search"]["cez"]["largest_fit"],
+                "fail": load(LONG_CONTEXT)["search"]["cez"]["smallest_failure"], "tps": d["best"]["cez"]["tokens_per_s"],
+                "r": d["best"]["cez"]["tokens_per_s"] / d["best"]["native"]["tokens_per_s"]}),
+    ("README.md", "| `+ --lm-fused-output-layer` | {fit} tokens ({fail} fails) | {tps:.0f} ({r:.2f}x) |", THROUGHPUT,
+     lambda d: {"fit": load(LONG_CONTEXT)["search"]["cez_fol"]["largest_fit"],
+                "fail": load(LONG_CONTEXT)["search"]["cez_fol"]["smallest_failure"],
+                "tps": d["best"]["cez_fol"]["tokens_per_s"],
+                "r": d["best"]["cez_fol"]["tokens_per_s"] / d["best"]["native"]["tokens_per_s"]}),
+    ("README.md", "tokens/s at {tokens} per sequence, fastest setting that fits", THROUGHPUT,
+     lambda d: {"tokens": d["tokens_per_sequence"]}),
+    ("README.md", "(rows marked ²: {date}, commit {commit}, measured outside these sessions", PEERS + "README.md",
+     lambda t: dict(zip(("date", "commit"), re.search(r"H100 80GB, (\S+), commit (\w+)\)", t).groups()))),
     ("docs/performance.md", "| `--lm-z-loss-coeff 1e-4` | micro-batch {mbs}, no recompute (micro-batch 2: 574 ms) | "
      "{step:.0f} ms | {tps:,.0f} | {ratio:.2f}x |", THROUGHPUT,
      lambda d: (lambda r: {"mbs": r["micro_batch"], "step": 2 * d["tokens_per_sequence"] / r["tokens_per_s"] * 1e3,
                            "tps": r["tokens_per_s"], "ratio": r["tokens_per_s"] / d["best"]["native"]["tokens_per_s"]})(
          d["best"]["cez"])),
+    ("README.md", "dashed: the card's {gib:.1f} GiB", "bench/results/2026-12-06_h100_long_context/env.txt",
+     lambda t: {"gib": int(re.search(r"H100 80GB HBM3, (\d+) MiB", t).group(1)) / 1024}),
     # README: the main job's time and its printed lines (the last ones: its z-loss run's)
     ("README.md", "the main job ran in {lo}-{hi} s after the install (60 iterations without, then with, z-loss; "
      "{runs} runs", MAIN_JOB + "wall.txt", lambda t: (lambda w: {"lo": f"{min(w):.1f}", "hi": f"{max(w):.1f}", "runs": len(w)})(
          [float(v) for v in re.findall(r"^run \d+: ([\d.]+) s$", t, re.M)])),
-    *[("README.md", "{line}", MAIN_JOB + "printed.txt", lambda t, p=pattern: {"line": re.findall(p, t, re.M)[-1]})
+    ("README.md", "on a 2-core {cpu} to itself the main job ran", MAIN_JOB + "env.txt",
+     lambda t: {"cpu": "Intel Xeon"} if "Intel(R) Xeon(R)" in t else {}),
+    ("README.md", "On a fresh 2-core {cpu} without a GPU (Python {py}) the tests took {time}: {passed} passed, {skipped} "
+     "skipped", FRESH, lambda t: dict(zip(("cpu", "py"), re.search(r"fresh 2-core (.+), no GPU, Python ([\d.]+)", t).groups()),
+                                      **dict(zip(("passed", "skipped", "time"), re.search(
+                                          r"(\d+) passed, (\d+) skipped in (.+)$", t, re.M).groups())))),
+    ("README.md", "and the main job {s} s", FRESH, lambda t: {"s": re.search(r"main job: (\d+) s", t).group(1)}),
+    *[("README.md", "{line}", MAIN_JOB_LINES, lambda t, p=pattern: {"line": re.findall(p, t, re.M)[-1]})
       for pattern in (r"^ iteration +60/ +60 \|.*$", r"^c=0: final .*$", r"^c=0\.01: final .*$")],
     # README: choosing the coefficient
     ("README.md", "(at learning rate 0.3 every seed, every coefficient from 0 to {top})", LONG_STATS,

@@ -107,6 +107,45 @@ def _longest(d):
         if s["cez_fol"]["smallest_failure"] and s["cez_fol"]["resolution"] is None else {}
 
 
+PEERS = R + "2026-12-07_h100_peers/peers_call1.json"
+PEER_NAMES = {"native": "Megatron's CE",
+              "fused": "Megatron's fused CE (`--cross-entropy-loss-fusion --cross-entropy-fusion-impl native`)",
+              "liger": "Liger 0.8.5, `apply_liger_kernel_to_megatron(rms_norm=False, cross_entropy=True)`",
+              "cez": "`--lm-z-loss-coeff 1e-4`", "cez_fol": "`+ --lm-fused-output-layer`"}
+
+
+def _peer(runs, variant):
+    """The peers' call at 32768 tokens, micro-batch 1, no recompute: upper median of steps 3-6, peak, tokens/s."""
+    r = next(r for r in runs if r["run"] == f"{variant}:32768:1:none:6")
+    step = statistics.median_high(r["steps_ms"][str(i)] for i in range(3, 7))  # as the call computed it
+    assert r["tokens_per_s"] == round(2 * 32768 / step * 1e3)
+    return {"name": PEER_NAMES[variant], "step": f"{step:.1f}", "peak": half_up(r["peak_bytes"] / 2 ** 30, 1),
+            "tps": r["tokens_per_s"]}
+
+
+def _peer_ratios(runs):
+    tps = {v: _peer(runs, v)["tps"] for v in ("fused", "liger", "cez")}
+    return {"liger": half_up(tps["cez"] / tps["liger"], 2), "fused": half_up(tps["cez"] / tps["fused"], 2)}
+
+
+def _estimates(m):
+    """estimate_memory.py's longest micro-batch on an H100 80GB for the long and deep configs."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(m.__file__)))
+    from e2e_megatron import COMMON, CONFIGS
+
+    card = 81559 * 2 ** 20
+    out = {"p": m.WORKSPACE // 2 ** 30, "usable": round(m.USABLE * 100), **{k: v for k, v in m.LOGIT_BYTES.items()}}
+    for config in ("long", "deep"):
+        model = m.Model.from_megatron_args(COMMON + CONFIGS[config])
+        out.update({f"{config}_{v}": m.longest_tokens(model, v, card) for v in ("native", "cez", "cez_fol")})
+        out[config + "_params"] = f"{model.parameters_per_rank() / 1e9:.2f}"
+    out.update(r_cez=f"{out['deep_cez'] / out['deep_native']:.1f}", r_fol=f"{out['deep_cez_fol'] / out['deep_native']:.1f}")
+    return out
+
+
 def _per_token(d):
     """The fused layer's peak grows by the transformer's activations: its slope between the two longest sizes."""
     (t1, m1), (t2, m2) = sorted((r["tokens_per_micro_batch"], r["peak_allocated_bytes"]) for r in d["rows"]
@@ -460,6 +499,22 @@ ROWS = [
     (PERF, "With the z-loss on, {more} % more tokens per second than Megatron's CE without it; at the same setting "
      "(micro-batch 1, no recompute) the op's step is {shorter} % shorter ({op} against {ce} ms), and Megatron's CE fits "
      "two sequences per micro-batch only with full recompute.", THROUGHPUT, _throughput_gain),
+    # docs/performance.md, "Long context": beside the other options (the peers' call)
+    *[(PERF, "| {name} | {step} ms | {peak} GiB | {tps} |", PEERS, lambda runs, v=v: _peer(runs, v))
+      for v in PEER_NAMES],
+    (PERF, "the flag gives {liger}x the tokens per second with the z-loss on; against Megatron's fused CE {fused}x",
+     PEERS, _peer_ratios),
+    # docs/performance.md, "What it buys for your model": estimate_memory.py's terms and predictions
+    (PERF, "Adam's two moments) + {p} GiB; * per token, the logits (V per rank): Megatron's CE {native} V bytes", "estimate_memory",
+     _estimates),
+    (PERF, "its fused CE {fused} V, Liger's patch {liger} V (its fp32 exponentials), the z-loss by hand {z_by_hand} V",
+     "estimate_memory", _estimates),
+    (PERF, "op {cez} V + 12 (the bf16 logits, the gradient in place)", "estimate_memory", _estimates),
+    (PERF, "out of memory above {usable} % of the card", "estimate_memory", _estimates),
+    (PERF, "it predicts {long_native} / {long_cez} / {long_cez_fol} tokens for Megatron's CE / the op / the fused layer",
+     "estimate_memory", _estimates),
+    (PERF, "of `bench/long_context.py`, {deep_params}B parameters) it predicts {deep_native} / {deep_cez} / {deep_cez_fol}: "
+     "the op {r_cez}x Megatron's CE instead of 3.25x, the fused layer {r_fol}x instead of 8x", "estimate_memory", _estimates),
     # docs/performance.md, "The op"
     (PERF, "four shapes ({shapes} tokens x vocab) | {lo}-{hi}x the 3-pass floor (CUDA-graph replay, L2 flushed) | "
      "H100, {date}: `2026-11-24_h100/device_time_h100_2026-11-24.md`", R + "2026-11-24_h100/device_time_h100_2026-11-24.md",
