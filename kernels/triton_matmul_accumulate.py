@@ -1,7 +1,7 @@
 """``c += a @ b`` with 16-bit ``a``, ``b`` and an fp32 ``c``: the product accumulated into fp32 in
 the kernel's epilogue (no fp32 copies of the operands, no 16-bit rounding of the product).
 
-What Megatron's gradient-accumulation fusion does for a weight's ``main_grad`` (apex's
+What Megatron's gradient-accumulation fusion does for a weight's fp32 gradient buffer (apex's
 ``wgrad_gemm_accum_fp32``, MindSpeed's ``npu_matmul_add_fp32``), for CUDA where torch's
 ``addmm(out_dtype=)`` is missing (torch < 2.8: MindSpeed-LLM 26.x's torch 2.7.1).
 
@@ -66,7 +66,7 @@ def _accumulate_kernel(
         b_tile = b_ptr + ks[:, None] * b_stride_k + cols[None, :] * b_stride_n
         c_tile = c_ptr + rows[:, None] * c_stride_m + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
-        if PRELOAD_C:  # main_grad's tile read before the dots: its latency hidden behind them
+        if PRELOAD_C:  # c's tile read before the dots: its latency hidden behind them
             c_old = tl.load(c_tile, mask=mask, other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kk in range(0, k, BLOCK_K):

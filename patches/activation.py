@@ -54,7 +54,7 @@ import logging
 import sys
 import warnings
 
-from mindspeed_cez.patches import arguments, reporting
+from mindspeed_cez.patches import arguments, megatron_state, reporting
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.import_hook import ADAPTOR, HOOK, module_exists, require_megatron_core
 from mindspeed_cez.patches.settings import Settings
@@ -182,8 +182,7 @@ def _check_megatron_args(settings):
 def megatron_args():
     """Megatron's parsed arguments (``get_args()``; MindSpeed-LLM trains with the same), or None
     before they are parsed or without ``megatron.training``. Imports nothing."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    return getattr(global_vars, "_GLOBAL_ARGS", None)
+    return megatron_state.parsed_args()
 
 
 def activate(settings, *, args=None):
