@@ -26,8 +26,8 @@ from .triton_launcher import Launcher
 # Tiles per device type: BLOCK_M x BLOCK_N of c, BLOCK_K of the reduction per dot, GROUP_M row
 # blocks per column sweep, warps, pipeline stages (CUDA), programs per core, and whether a task reads
 # its c tile before the dots (its latency then hidden behind them; 64 more fp32 registers a thread
-# at 128 x 128 over 8 warps). CUDA: the best of an H200 sweep, 1.10-1.27x torch's addmm(out_dtype)
-# (bench/results/2026-11-26_h200/tune_accumulate.md). Ascend: the linear kernels' fp32 [64, 128] tile
+# at 128 x 128 over 8 warps). CUDA: the best of an H200 sweep (docs/performance.md).
+# Ascend: the linear kernels' fp32 [64, 128] tile
 # (32 KiB) plus 16-bit operands, well inside the on-chip buffers. CPU: the interpreter.
 LAUNCH_CONFIG = {
     "cuda": {"block_m": 128, "block_n": 128, "block_k": 64, "group_m": 8, "warps": 8, "stages": 4, "per_core": 1,

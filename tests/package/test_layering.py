@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import pkgutil
+import re
 
 import mindspeed_cez
 
@@ -299,6 +300,36 @@ def test_megatron_state_is_read_in_one_module():
     source = open(modules[home]).read()
     for version in ("0.12.1", "0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.19.2", "d98e8a64"):
         assert version in source, f"{home} does not say it was checked against {version}"
+
+
+# The Megatron-LM main commit the CI runs: a version name (patches/megatron_state.py lists what it checked).
+VERSION_NAMES = {"d98e8a64"}
+
+
+def _history(path):
+    """Commit hashes, dates and measurement folders (``bench/results/...``) in a source file: ``[(line, what)]``."""
+    found = []
+    for number, line in enumerate(open(path).read().splitlines(), 1):
+        for word in re.findall(r"\b[0-9a-f]{7,40}\b", line):
+            if re.search(r"[0-9]", word) and re.search(r"[a-f]", word) and word not in VERSION_NAMES:
+                found.append((number, word))
+        found += [(number, date) for date in re.findall(r"\b20[0-9]{2}-[01][0-9](?:-[0-3][0-9])?\b", line)]
+        found += [(number, "bench/results/") for _ in re.findall(r"bench/results/", line)]
+    return found
+
+
+def test_shipped_code_carries_no_history():
+    """mindspeed_cez/, kernels/ and patches/ say what is: no commit hash, date or measurement folder in code,
+    comments or docstrings (they go to CHANGELOG.md and docs/)."""
+    modules, _ = _graph()
+    found = {name: _history(path) for name, path in modules.items()}
+    assert not {name: where for name, where in found.items() if where}
+
+
+def test_history_is_found(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text('"""Read at 64b9136a (2026-07-21), main d98e8a64."""\n# see bench/results/x.md; deadbeef, 0.12.1\n')
+    assert _history(str(a)) == [(1, "64b9136a"), (1, "2026-07-21"), (2, "bench/results/")]
 
 
 def test_kernel_launches_take_the_loss_whole():
