@@ -45,7 +45,9 @@ def into_main_grad(h, w, t, **options):
     with_main_grad(w)
     if options.get("token_weights") is None:
         options["token_weights"] = (t != -100).float()
-    return fused_loss(h, w, t, grad_scale=1.0, gradient_accumulation_fusion=True, grads="forward", **options)
+    from mindspeed_cez.patches.loss_wrappers import main_grad_target
+
+    return fused_loss(h, w, t, grad_scale=1.0, weight_grad=main_grad_target(w), grads="forward", **options)
 
 
 def unfused(h, w, t, tp_group=None):

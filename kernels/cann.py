@@ -1,8 +1,8 @@
 """``backend="cann"``: the vendor's fused op, ``torch_npu.npu_cross_entropy_loss`` (CANN's
 CrossEntropyLoss, Atlas A2 / A3), behind the package's conventions, at TP = 1.
 
-Read from torch_npu's documentation (Ascend/op-plugin ``docs/context/torch_npu-npu_cross_entropy_loss.md``
-at 64b9136a) and CANN's ``aclnnCrossEntropyLoss`` page: ``npu_cross_entropy_loss(input [N, C],
+Read from torch_npu's documentation (Ascend/op-plugin ``docs/context/torch_npu-npu_cross_entropy_loss.md``)
+and CANN's ``aclnnCrossEntropyLoss`` page: ``npu_cross_entropy_loss(input [N, C],
 target [N] int64, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
 lse_square_scale_for_zloss=0.0, return_zloss=False) -> (loss, log_prob, zloss, lse_for_zloss)``;
 every output in ``input``'s dtype; ``log_prob`` ``[N, C]`` (kept for its backward: a second

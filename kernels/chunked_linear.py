@@ -20,8 +20,8 @@ CHUNK_ALIGN = 128  # vocab rows per chunk: a multiple of the GEMMs' tile
 
 
 def default_chunk_cols(n_rows, n_cols, itemsize=2):
-    """Vocab rows of ``weight`` per chunk: 4096 (the H100 sweep's best trade of time for memory,
-    bench/results/2026-11-24_h100/linear_ce_chunks.md), fewer where that would exceed
+    """Vocab rows of ``weight`` per chunk: 4096 (the best trade of time for memory: docs/performance.md),
+    fewer where that would exceed
     ``CHUNK_LOGITS`` logits, not under 1024 (GEMMs that stay efficient) unless 1024 would pass
     ``LOGITS_BUDGET_BYTES`` (past 2M tokens in bf16), never under ``CHUNK_ALIGN``."""
     n_rows = max(n_rows, 1)

@@ -13,16 +13,13 @@ from .device_cores import num_programs
 # columns per slot of the forward (None: one slot per tile), warps, and programs per core of the
 # persistent grid. Ascend wants about one program per vector core, and a program's working set
 # (current and prefetched tile plus a few fp32 temporaries) well inside the ~192 KiB unified
-# buffer: 4096 columns use about 64 KiB. On CUDA many short programs share each SM; the values
-# are the best of a sweep on an H200 (bench/results/2026-11-23_h200/tune_kernels_h200_2026-11-23.log). CUDA-only tuning
-# lives here, not in the kernel bodies.
+# buffer: 4096 columns use about 64 KiB. On CUDA many short programs share each SM (how the values
+# were chosen: docs/performance.md). CUDA-only settings live here, not in the kernel bodies.
 LAUNCH_CONFIG = {
     "cuda": [
         (65536, {"fwd_block_v": 8192, "slot_width": 16, "fwd_warps": 4, "fwd_per_core": 64,
                  "bwd_block_v": 16384, "bwd_warps": 32, "bwd_per_core": 64}),
-        # Narrow slices: as many programs as rows up to 128 per SM (one row each at the shapes
-        # measured) and 4096-column forward tiles (56 registers): fwd+bwd 1.10-1.13x of the
-        # floor instead of 1.20x at 32 programs per SM and 8192 columns (bench/results/kernel_tuning.md, steps 10-12).
+        # Narrow slices: up to 128 programs per SM, and 4096-column forward tiles (56 registers).
         (0, {"fwd_block_v": 4096, "slot_width": 8, "fwd_warps": 4, "fwd_per_core": 128,
              "bwd_block_v": 16384, "bwd_warps": 4, "bwd_per_core": 128}),
     ],

@@ -43,8 +43,8 @@ from .triton_loss_steps import (PARTIAL_ROWS, grad_coefficients, grad_tile, load
 # Tiles per device type: BLOCK_M token rows x BLOCK_N vocab columns, BLOCK_K of h per dot (16-bit
 # inputs; fp32 takes a quarter so the pipeline's buffers fit in shared memory), a forward task of
 # GROUP_N vocab tiles, SWIZZLE_M row blocks sweeping the same columns, warps, pipeline stages
-# (CUDA), programs per core. CUDA: the best of two H100 sweeps (bench/results/2026-11-24_h100/
-# tune_linear.md). Ascend: one program per cube core, an fp32 [64, 128] tile (32 KiB) plus
+# (CUDA), programs per core. CUDA: the best of two H100 sweeps (docs/performance.md).
+# Ascend: one program per cube core, an fp32 [64, 128] tile (32 KiB) plus
 # operands well inside the on-chip buffers.
 LAUNCH_CONFIG = {
     "cuda": {"block_m": 128, "block_n": 128, "block_k": 128, "group_n": 16, "swizzle_m": 16, "warps": 8,

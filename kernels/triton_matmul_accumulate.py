@@ -1,7 +1,7 @@
 """``c += a @ b`` with 16-bit ``a``, ``b`` and an fp32 ``c``: the product accumulated into fp32 in
 the kernel's epilogue (no fp32 copies of the operands, no 16-bit rounding of the product).
 
-What Megatron's gradient-accumulation fusion does for a weight's ``main_grad`` (apex's
+What Megatron's gradient-accumulation fusion does for a weight's fp32 gradient buffer (apex's
 ``wgrad_gemm_accum_fp32``, MindSpeed's ``npu_matmul_add_fp32``), for CUDA where torch's
 ``addmm(out_dtype=)`` is missing (torch < 2.8: MindSpeed-LLM 26.x's torch 2.7.1).
 
@@ -26,8 +26,8 @@ from .triton_launcher import Launcher
 # Tiles per device type: BLOCK_M x BLOCK_N of c, BLOCK_K of the reduction per dot, GROUP_M row
 # blocks per column sweep, warps, pipeline stages (CUDA), programs per core, and whether a task reads
 # its c tile before the dots (its latency then hidden behind them; 64 more fp32 registers a thread
-# at 128 x 128 over 8 warps). CUDA: the best of an H200 sweep, 1.10-1.27x torch's addmm(out_dtype)
-# (bench/results/2026-11-26_h200/tune_accumulate.md). Ascend: the linear kernels' fp32 [64, 128] tile
+# at 128 x 128 over 8 warps). CUDA: the best of an H200 sweep (docs/performance.md).
+# Ascend: the linear kernels' fp32 [64, 128] tile
 # (32 KiB) plus 16-bit operands, well inside the on-chip buffers. CPU: the interpreter.
 LAUNCH_CONFIG = {
     "cuda": {"block_m": 128, "block_n": 128, "block_k": 64, "group_m": 8, "warps": 8, "stages": 4, "per_core": 1,
@@ -66,7 +66,7 @@ def _accumulate_kernel(
         b_tile = b_ptr + ks[:, None] * b_stride_k + cols[None, :] * b_stride_n
         c_tile = c_ptr + rows[:, None] * c_stride_m + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
-        if PRELOAD_C:  # main_grad's tile read before the dots: its latency hidden behind them
+        if PRELOAD_C:  # c's tile read before the dots: its latency hidden behind them
             c_old = tl.load(c_tile, mask=mask, other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kk in range(0, k, BLOCK_K):

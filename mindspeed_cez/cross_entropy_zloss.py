@@ -26,7 +26,7 @@ from mindspeed_cez import kernels
 from mindspeed_cez.first_order import first_order_input, first_order_only
 from mindspeed_cez.kernels.backends import CrossEntropyBackend
 from mindspeed_cez.kernels.loss_spec import LossSpec, loss_spec
-from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
+from mindspeed_cez.tensor_parallel import group_rank_and_size
 from mindspeed_cez.vocab_parallel import VocabParallel
 
 def check_target(target):
@@ -52,7 +52,7 @@ def _check_tensors(logits, target):
 LOOSE_DEFAULTS = (-100, 0.0, 0.0, 1.0, 0.0)  # ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap
 
 
-def loss_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap):
+def loss_spec_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap):
     """The ops' :class:`LossSpec`: ``loss`` as given (made and checked where its values entered), or
     the thin shim of the loose arguments: the spec they describe (checked here, once; one object per
     set of values). Passing both is an error."""
@@ -68,7 +68,7 @@ def loss_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logi
 
 
 @dataclass(frozen=True, eq=False)
-class CrossEntropyOptions:
+class CallOptions:
     """Everything :class:`VocabParallelCrossEntropyZLoss` takes besides its tensors, checked by
     :func:`vocab_parallel_cross_entropy_zloss` before it is made."""
 
@@ -157,8 +157,8 @@ def vocab_parallel_cross_entropy_zloss(
             ``output_multiplier_scale``), made per tile inside the kernels.
         logit_softcap: ``C >= 0``, finite; ``C > 0``: the loss is of ``C * tanh(s * logits / C)``
             (soft-capped logits), 0 (default): no cap. Gradients go through the transform exactly.
-        tp_group: the tensor-parallel process group; ``None`` takes Megatron's TP group when
-            ``megatron.core.parallel_state`` is initialized, else a single rank.
+        tp_group: the tensor-parallel process group; ``None``: a single rank (no collective). Under
+            the adaptor, the patch layer passes Megatron's.
         backend: ``"triton"`` or ``"torch"`` (the pure-torch reference); ``None`` (default): Triton on
             accelerators where it imports, else torch (``mindspeed_cez.kernels.backend_for``);
             ``"cann"``: torch_npu's ``npu_cross_entropy_loss`` on Ascend, tensor-parallel size 1, no
@@ -181,8 +181,7 @@ def vocab_parallel_cross_entropy_zloss(
     logits' buffer, so the logits must not be read after backward.
     """
     _check_tensors(logits, target)
-    loss = loss_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
-    tp_group = resolve_tp_group(tp_group)
+    loss = loss_spec_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
     whole = kernels.whole_loss_backend(backend)
     if whole is not None:  # a vendor's op (torch_npu), TP = 1: its own autograd
         whole.check_applies(group_rank_and_size(tp_group)[1], loss.logit_transform)
@@ -190,6 +189,6 @@ def vocab_parallel_cross_entropy_zloss(
         total, z_loss, lse = whole.cross_entropy_zloss(
             first_order_input(logits, "vocab_parallel_cross_entropy_zloss"), target, loss)
     else:
-        options = CrossEntropyOptions(loss, tp_group, kernels.backend_for(logits.device, backend))
+        options = CallOptions(loss, tp_group, kernels.backend_for(logits.device, backend))
         total, z_loss, lse = VocabParallelCrossEntropyZLoss.apply(logits, target, options)
     return (total, z_loss, lse) if return_lse else (total, z_loss)

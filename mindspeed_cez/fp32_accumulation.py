@@ -1,6 +1,6 @@
 """``out += a @ b`` into an fp32 ``out`` from 16-bit ``a``, ``b``, without fp32 copies of the operands.
 
-The fused output layer's weight gradient (added into Megatron's fp32 ``main_grad``) and its fp32
+The fused output layer's weight gradient (added into an fp32 weight-gradient target) and its fp32
 ``dhidden`` sums. One way per device type and torch, chosen once (:func:`kind_for`):
 
 ``"addmm_out_dtype"``
@@ -8,8 +8,8 @@ The fused output layer's weight gradient (added into Megatron's fp32 ``main_grad
     cuBLAS GEMM with an fp32 output.
 ``"npu_matmul_add"``
     Ascend with MindSpeed importable: ``mindspeed.ops.npu_matmul_add.npu_matmul_add_fp32``, the op
-    Megatron's own gradient-accumulation fusion calls there. Its contract (MindSpeed
-    84855f04, ``mindspeed/ops/npu_matmul_add.py``, and its callers in ``mindspeed/core/``):
+    Megatron's own gradient-accumulation fusion calls there. Its contract
+    (``mindspeed/ops/npu_matmul_add.py`` and its callers in ``mindspeed/core/``):
     ``npu_matmul_add_fp32(total_input [t, k], grad_output [t, m], grad)`` adds
     ``grad_output.T @ total_input`` into the fp32 ``grad [m, k]``, 2-D 16-bit inputs; here
     ``grad_output = a.T`` and ``total_input = b``, taken when both are contiguous (else as below).
@@ -21,8 +21,9 @@ The fused output layer's weight gradient (added into Megatron's fp32 ``main_grad
     buffer reused across the calls of one op, then an fp32 add (the product rounded once to 16
     bits, as the unfused layer's 16-bit weight gradient is).
 
-fp32 operands take ``out.addmm_(a, b)``; a 16-bit ``out`` (Megatron's ``main_grad`` without fp32
-gradient accumulation) one GEMM in its dtype, as Megatron's own accumulation does there.
+fp32 operands take ``out.addmm_(a, b)``; a 16-bit ``out`` (a 16-bit weight-gradient target, as
+Megatron keeps without fp32 gradient accumulation) one GEMM in its dtype, as Megatron's own
+accumulation does there.
 docs/weight_gradient.md says which runs where and what each costs.
 """
 

@@ -13,9 +13,8 @@ backends, per tile or chunk). Two paths:
   ``dweight``: four GEMMs in all.
 - gradients in forward (``LinearCrossEntropyZLossForwardGrads``, ``grads="forward"``,
   :mod:`mindspeed_cez.linear_forward_grads`): blocks of token rows with the whole vocab slice,
-  three GEMMs; with ``grad_scale`` (the upstream gradient known in forward, Megatron's)
-  ``dweight`` goes into ``main_grad`` during the forward, else an fp32 ``dweight`` is kept until
-  backward.
+  three GEMMs; with ``grad_scale`` (the upstream gradient known in forward) ``dweight`` goes into
+  the ``weight_grad`` target during the forward, else an fp32 ``dweight`` is kept until backward.
 
 docs/fused_linear_cross_entropy.md compares them with measurements.
 
@@ -34,15 +33,16 @@ from typing import Mapping, Optional
 import torch
 
 from mindspeed_cez import kernels
-from mindspeed_cez.cross_entropy_zloss import check_target, loss_of
+from mindspeed_cez.cross_entropy_zloss import check_target, loss_spec_of
 from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
 from mindspeed_cez.linear_forward_grads import (LEAN_BLOCK_FRACTION, ForwardGradsOptions,
                                                 LinearCrossEntropyZLossForwardGrads)
-# Re-exported: the adaptor and the tests import them from here.
+# Re-exported: the adaptor and the tests import them from here (WeightGradTarget too).
 from mindspeed_cez.linear_forward_grads import (ForwardGradientError, check_forward_gradients,  # noqa: F401
                                                 default_row_block)
+from mindspeed_cez.linear_layer import WeightGradTarget
 from mindspeed_cez.linear_recompute import LinearCrossEntropyZLoss, RecomputeOptions
-from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
+from mindspeed_cez.tensor_parallel import group_rank_and_size
 
 
 def _check(hidden, weight, target, tp_size, sequence_parallel):
@@ -69,6 +69,16 @@ def _check(hidden, weight, target, tp_size, sequence_parallel):
 
 
 GRADS = ("recompute", "forward")
+
+REMOVED = {"gradient_accumulation_fusion": "weight_grad=WeightGradTarget(into=..., added=...)"}
+
+
+def _refuse_removed(removed):
+    """A ``TypeError`` for keywords the op no longer takes, naming what replaced them."""
+    name = next(iter(removed))
+    if name in REMOVED:
+        raise TypeError(f"linear_cross_entropy_zloss() no longer takes {name}=: pass {REMOVED[name]}")
+    raise TypeError(f"linear_cross_entropy_zloss() got an unexpected keyword argument {name!r}")
 
 
 def _check_grad_scale(grad_scale, target):
@@ -190,11 +200,11 @@ def _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_bl
 
 
 def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
-                               tp_group=None, sequence_parallel=False, gradient_accumulation_fusion=False,
+                               tp_group=None, sequence_parallel=False, weight_grad=None,
                                token_weights=None, *, grad_scale=None, logit_scale=1.0, logit_softcap=0.0,
                                grads="recompute", backend=None, linear_backend=None, chunk_cols=None, row_block=None,
                                block_fraction=None, block_bytes=None, return_lse=False, loss=None, remedy=None,
-                               path=None):
+                               path=None, **removed):
     """Fused output projection + cross entropy + z-loss on this rank's vocab rows, no logits tensor.
 
     Args:
@@ -206,12 +216,12 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         logit_scale, logit_softcap: as :func:`vocab_parallel_cross_entropy_zloss`: the loss is of
             ``cap * tanh(scale * logits / cap)`` (``scale * logits`` for cap 0), made inside the
             projection's tiles / chunks, gradients through it.
-        tp_group: the tensor-parallel group; ``None`` takes Megatron's when initialized.
+        tp_group: the tensor-parallel group; ``None``: a single rank (no collective).
         sequence_parallel: hidden is sequence-sharded over ``tp_group`` (all-gathered here).
-        gradient_accumulation_fusion: add ``dweight`` (fp32) into ``weight.main_grad`` as Megatron's
-            linear layers do; the gradient returned for ``weight`` is then Megatron's placeholder
-            (a dummy where ``weight.grad_added_to_main_grad`` exists, else None). A 16-bit
-            ``main_grad`` takes the GEMMs in its dtype, as Megatron's own accumulation does.
+        weight_grad: a :class:`WeightGradTarget`: add ``dweight`` into ``weight_grad.into`` (fp32, or
+            16-bit, which takes the GEMMs in its dtype) instead of returning it; autograd gets what
+            ``weight_grad.added()`` returns for ``weight``. None (default): ``dweight`` through autograd.
+            The adaptor passes Megatron's gradient buffer and its DDP placeholder this way.
         token_weights: with ``grads="forward"`` only (required there): a tensor of ``target``'s shape
             (Megatron: the loss mask) weighting the tokens' ``dweight``; the upstream gradient must be
             ``k * token_weights`` with one scalar ``k`` (checked on the device in backward, without a
@@ -219,9 +229,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         grad_scale: with ``grads="forward"``: the upstream gradient is ``grad_scale * token_weights``
             exactly (a float or a one-element tensor; Megatron: its loss scale over the micro-batch's
             token count and the number of micro-batches). Each block's gradient is then made for it:
-            ``dhidden`` as the unfused path makes it, ``dweight`` added into ``weight.main_grad`` during
-            the forward with ``gradient_accumulation_fusion`` (no buffer; the forward must be followed by
-            its backward: :func:`check_forward_gradients` raises otherwise; under ``torch.no_grad()``
+            ``dhidden`` as the unfused path makes it, ``dweight`` added into ``weight_grad``'s target during
+            the forward (no buffer; the forward must be followed by its backward: :func:`check_forward_gradients` raises otherwise; under ``torch.no_grad()``
             nothing is added). Backward checks the gradient on the device, as for ``token_weights``.
         grads: ``"recompute"`` (default): backward recomputes the logits one vocab chunk at a time
             (four GEMMs; any upstream gradient). ``"forward"``: the gradients are made during the
@@ -264,14 +273,19 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         comes back as ``ColumnParallelLinear`` gives it: this rank's chunk with ``sequence_parallel``,
         else the full gradient on every rank.
     """
-    tp_group = resolve_tp_group(tp_group)
+    if removed:
+        _refuse_removed(removed)
     _check(hidden, weight, target, group_rank_and_size(tp_group)[1], sequence_parallel)
-    loss = loss_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
+    if weight_grad is not None:
+        if not isinstance(weight_grad, WeightGradTarget):
+            raise TypeError(f"weight_grad must be a mindspeed_cez.linear_cross_entropy.WeightGradTarget or None, "
+                            f"got {type(weight_grad).__name__}")
+        weight_grad.check(weight)
+    loss = loss_spec_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
     path = _path_of(path, grads, block_fraction, block_bytes)
     grads, block_fraction, block_bytes = path.grads, path.block_fraction, path.block_bytes
     _check_settings(target, token_weights, grad_scale, grads, chunk_cols, row_block, block_fraction, block_bytes)
-    common = dict(loss=loss, tp_group=tp_group, sequence_parallel=bool(sequence_parallel),
-                  gradient_accumulation_fusion=bool(gradient_accumulation_fusion),
+    common = dict(loss=loss, tp_group=tp_group, sequence_parallel=bool(sequence_parallel), weight_grad=weight_grad,
                   backend=kernels.backend_for(hidden.device, backend))
     if grads == "forward" and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         grads = "recompute"  # no backward will come (torch.no_grad(), no input needing it): the loss alone

@@ -1,9 +1,9 @@
 """The fused output layer's gradients-in-forward path (``grads="forward"``) and its bookkeeping.
 
 Blocks of token rows with the whole vocab slice, three GEMMs; with ``grad_scale`` (the upstream
-gradient known in forward, Megatron's) ``dweight`` goes into ``main_grad`` during the forward, else
-an fp32 ``dweight`` is kept until backward. A forward that added into ``main_grad`` owes its
-backward: :func:`check_forward_gradients` raises :class:`ForwardGradientError` where one never came.
+gradient known in forward) and a weight-gradient target, ``dweight`` goes into the target during the
+forward, else an fp32 ``dweight`` is kept until backward. A forward that added into its target owes
+its backward: :func:`check_forward_gradients` raises :class:`ForwardGradientError` where one never came.
 """
 
 import weakref
@@ -15,7 +15,7 @@ import torch
 from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
-from mindspeed_cez.linear_layer import LinearLossOptions, main_grad_placeholder
+from mindspeed_cez.linear_layer import LinearLossOptions
 from mindspeed_cez.tensor_parallel import reduce_dhidden, start_reduce_dhidden
 from mindspeed_cez.vocab_parallel import VocabParallel
 
@@ -34,11 +34,11 @@ RECOMPUTE_FIX = ForwardGradsOptions.remedy
 
 
 class ForwardGradientError(RuntimeError):
-    """A weight gradient added into ``main_grad`` during a forward whose backward never came."""
+    """A weight gradient added into its target during a forward whose backward never came."""
 
 
 class _OwedBackward:
-    """Made by a forward that added ``weight``'s gradient into ``main_grad``; its backward marks it
+    """Made by a forward that added ``weight``'s gradient into its target; its backward marks it
     paid. Held by the autograd graph only: freed unpaid means the graph went without a backward."""
 
     __slots__ = ("what", "paid", "__weakref__")
@@ -74,18 +74,18 @@ _LEDGER = _Ledger()
 
 def check_forward_gradients(backward_pending_ok=False):
     """Raise :class:`ForwardGradientError` where a forward of ``grads="forward"`` added a weight
-    gradient into ``main_grad`` whose backward never came: its graph freed without one (an extra
+    gradient into its target whose backward never came: its graph freed without one (an extra
     forward with autograd on, output discarded), or, unless ``backward_pending_ok``, not run yet.
     Called by the op's forwards (pending backwards are fine there: pipelined micro-batches) and by
-    the adaptor before Megatron's gradient sync (``finish_grad_sync``), so such a gradient never
+    the adaptor before the training loop's gradient sync, so such a gradient never
     reaches the optimizer. No device work."""
     dropped = list(_LEDGER.dropped)
     pending = [] if backward_pending_ok else [t.what for t in _LEDGER.owed if not t.paid]
     _LEDGER.dropped.clear()
     if dropped:
         raise ForwardGradientError(
-            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {dropped[0]} into main_grad "
-            f"during a forward ({len(dropped)} such forward(s)) whose output was freed without a backward: main_grad "
+            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {dropped[0]} into its target "
+            f"during a forward ({len(dropped)} such forward(s)) whose output was freed without a backward: the target "
             "now holds a gradient no loss asked for. An extra forward with autograd on (e.g. a metric computed in "
             "training mode) must run under torch.no_grad(); or run with " + RECOMPUTE_FIX + ", which adds nothing "
             "in forward.")
@@ -93,15 +93,15 @@ def check_forward_gradients(backward_pending_ok=False):
         for token in list(_LEDGER.owed):
             token.paid = True  # reported once
         raise ForwardGradientError(
-            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {pending[0]} into main_grad "
+            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {pending[0]} into its target "
             f"during a forward whose backward has not run ({len(pending)} such forward(s)) before the gradients are "
-            "used (Megatron's gradient sync): every training forward of the loss needs its backward. Run other "
+            "used (the gradient sync): every training forward of the loss needs its backward. Run other "
             "forwards under torch.no_grad(), or run with " + RECOMPUTE_FIX + ".")
 
 
 def forget_forward_gradients():
-    """Forget every forward that added into ``main_grad`` (their graphs alive or freed): for a training loop
-    that throws the step away and zeroes ``main_grad`` itself (an in-process restart after a fault), so
+    """Forget every forward that added into its weight-gradient target (their graphs alive or freed): for a
+    training loop that throws the step away and zeroes the target itself (an in-process restart after a fault), so
     :func:`check_forward_gradients` does not report the abandoned step's forwards. No device work."""
     _LEDGER.forget()
 
@@ -114,7 +114,7 @@ LEAN_BLOCK_FRACTION = 0.125  # the fraction dial's lean setting: an eighth of th
 def default_row_block(n_rows, v_local, block_fraction=None, itemsize=2, block_bytes=None):
     """Token rows per block of the gradients-in-forward path. A block's logits (then their gradient)
     are the path's working memory, and each block beyond the first costs one more read-modify-write
-    of the fp32 weight gradient (``main_grad``): ``8 V h`` bytes, 0.84 ms at V = 151936, h = 4096 on
+    of the fp32 weight gradient: ``8 V h`` bytes, 0.84 ms at V = 151936, h = 4096 on
     an H200 (docs/weight_gradient.md).
 
     By default (``block_fraction`` and ``block_bytes`` None) a block's logits (``rows x v_local x
@@ -144,8 +144,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
     With ``grad_scale`` the upstream gradient is known in forward: ``grad_scale * token_weights``
     (Megatron's loss scale over its token count); each block's gradient is made for it in forward,
     ``dhidden`` in the input's dtype exactly as the unfused path makes it and ``dweight`` added
-    straight into ``weight.main_grad`` (``gradient_accumulation_fusion``; else an fp32 buffer until
-    backward), except the last block's two GEMMs: they run in backward, as the unfused layer's do
+    straight into the weight-gradient target (else an fp32 buffer until backward), except the last block's two GEMMs: they run in backward, as the unfused layer's do
     (one block: all of them), with ``dhidden``'s reduction over the TP ranks beside the
     weight-gradient GEMM as ``ColumnParallelLinear`` overlaps it. Backward checks on the device that
     the gradient that came is the one the blocks were made for.
@@ -156,9 +155,9 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
     ``k = sum(g*w) / sum(w*w)`` in backward.
 
     Either way anything else trips a device-side assert in backward (no host sync), never a silent
-    number; and a forward that adds into ``main_grad`` must be followed by its backward (checked:
+    number; and a forward that adds into the target must be followed by its backward (checked:
     :func:`check_forward_gradients`). Under ``torch.no_grad()`` the op takes the recompute path's
-    forward instead: the loss alone, nothing into ``main_grad``."""
+    forward instead: the loss alone, nothing into the target."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, token_weights, grad_scale, options):
@@ -174,11 +173,11 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         n, v_local = rows.shape[0], weight.shape[0]
         upstream_known = grad_scale is not None  # the upstream gradient is grad_scale * weights
         upstream = weights * grad_scale if upstream_known else torch.ones(n, dtype=torch.float32, device=rows.device)
-        into_main_grad = upstream_known and options.gradient_accumulation_fusion and hasattr(weight, "main_grad")
+        into_target = upstream_known and options.weight_grad is not None
         check_forward_gradients(backward_pending_ok=True)
         out = torch.empty((3, n), dtype=torch.float32, device=rows.device)
         drows = torch.empty(rows.shape, dtype=rows.dtype if upstream_known else torch.float32, device=rows.device)
-        dweight = weight.main_grad if into_main_grad else torch.zeros(weight.shape, dtype=torch.float32,
+        dweight = options.weight_grad.into if into_target else torch.zeros(weight.shape, dtype=torch.float32,
                                                                       device=rows.device)
         step = options.row_block or default_row_block(n, v_local, options.block_fraction, rows.element_size(),
                                                       options.block_bytes)
@@ -207,13 +206,13 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
                 accumulate(drows[r:r + step], logits, weight)
                 accumulate(dweight, logits.t(), x * weights[r:r + step, None].to(x.dtype))
         loss, z_loss, lse = out.view(3, *target.shape).unbind(0)
-        ctx.save_for_backward(drows, None if into_main_grad else dweight, weights, upstream, weight,
+        ctx.save_for_backward(drows, None if into_target else dweight, weights, upstream, weight,
                               flat_target != ignore_index)
         ctx.deferred = deferred
-        ctx.options, ctx.tp_size, ctx.upstream_known, ctx.into_main_grad = options, tp_size, upstream_known, into_main_grad
+        ctx.options, ctx.tp_size, ctx.upstream_known, ctx.into_target = options, tp_size, upstream_known, into_target
         ctx.full_shape, ctx.input_dtype = full.shape, hidden.dtype
-        # owed: a block before the last added its weight gradient into main_grad during this forward
-        ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_main_grad and step < n else None
+        # owed: a block before the last added its weight gradient into the target during this forward
+        ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_target and step < n else None
         ctx.backward_done = False
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
@@ -233,7 +232,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             if grad_loss is None:
                 raise ForwardGradientError(
                     "linear_cross_entropy_zloss(grads='forward'): the loss got no gradient, but its forward added the "
-                    "weight gradient into main_grad for grad_scale * token_weights: backpropagate the loss, or run "
+                    "weight gradient into its target for grad_scale * token_weights: backpropagate the loss, or run "
                     "with " + ctx.options.remedy + ".")
         no_grads = (None,) * 4  # target, token_weights, grad_scale, options
         if grad_loss is None:
@@ -261,7 +260,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             torch.matmul(dlogits, weight, out=drows[r:])
             reduction = start_reduce_dhidden(drows.view(ctx.full_shape), options.tp_group, ctx.tp_size,
                                              options.sequence_parallel)
-            Accumulator(dlogits.device)(weight.main_grad if ctx.into_main_grad else dweight_sum, dlogits.t(), x)
+            Accumulator(dlogits.device)(options.weight_grad.into if ctx.into_target else dweight_sum, dlogits.t(), x)
             del dlogits, x, drows
             # held only by what is returned, dhidden becomes the input's gradient without a copy by autograd
             dhidden = reduction.wait()
@@ -271,13 +270,13 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
                 drows = drows * g[:, None]
             drows = drows.to(ctx.input_dtype).view(ctx.full_shape)
             dhidden = reduce_dhidden(drows, options.tp_group, ctx.tp_size, options.sequence_parallel)
-        if ctx.into_main_grad:
-            return dhidden, main_grad_placeholder(weight), *no_grads
+        if ctx.into_target:
+            return dhidden, options.weight_grad.finish(), *no_grads
         if not ctx.upstream_known:
             dweight_sum.mul_(k)
-        if options.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-            weight.main_grad.add_(dweight_sum)
-            dweight = main_grad_placeholder(weight)
+        if options.weight_grad is not None:
+            options.weight_grad.into.add_(dweight_sum)
+            dweight = options.weight_grad.finish()
         else:
             dweight = dweight_sum.to(weight.dtype)
         return dhidden, dweight, *no_grads

@@ -16,7 +16,7 @@ from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.kernels.backends import LinearBackend
-from mindspeed_cez.linear_layer import LinearLossOptions, main_grad_placeholder
+from mindspeed_cez.linear_layer import LinearLossOptions
 from mindspeed_cez.tensor_parallel import start_reduce_dhidden
 from mindspeed_cez.vocab_parallel import VocabParallel
 
@@ -59,8 +59,8 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         rows = vp.rows(full)
         lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
-        into_main_grad = options.gradient_accumulation_fusion and hasattr(weight, "main_grad")
-        dweight = None if into_main_grad else torch.empty_like(weight)
+        wgrad = options.weight_grad  # None: dweight goes back through autograd
+        dweight = None if wgrad is not None else torch.empty_like(weight)
         drows = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
         n, v_local = rows.shape[0], weight.shape[0]
         step = chunked_linear.chunk_width(options.chunk_cols, n, v_local, rows.element_size())
@@ -74,11 +74,11 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
             if c + step >= v_local:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
                 reduction = start_reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, vp.tp_size,
                                                  options.sequence_parallel)
-            if into_main_grad:
-                accumulate(weight.main_grad[c:c + step], dlogits.t(), rows)
+            if wgrad is not None:
+                accumulate(wgrad.into[c:c + step], dlogits.t(), rows)
             else:
                 torch.matmul(dlogits.t(), rows, out=dweight[c:c + step])
         dhidden = reduction.wait()
-        if into_main_grad:
-            dweight = main_grad_placeholder(weight)
+        if wgrad is not None:
+            dweight = wgrad.finish()
         return dhidden, dweight, None, None

@@ -13,8 +13,6 @@ Every rank holds a slice of the vocab (and, with sequence parallelism, a chunk o
   (reduce-scatter with sequence parallelism, else all-reduce).
 """
 
-import sys
-
 import torch.distributed as dist
 
 from mindspeed_cez.kernels import partials as layout
@@ -22,18 +20,6 @@ from mindspeed_cez.kernels.loss_spec import VocabShard
 
 # Ranks' tensors concatenated along dim 0 (torch 2.13 renames all_gather_into_tensor, now deprecated).
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def resolve_tp_group(tp_group=None):
-    """The given group, else Megatron's TP group when its parallel state is initialized, else None."""
-    if tp_group is not None:
-        return tp_group
-    # Megatron's parallel state is in sys.modules whenever Megatron initialized it; importing
-    # megatron.core here just to find out would cost seconds for users without Megatron.
-    parallel_state = sys.modules.get("megatron.core.parallel_state")
-    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_group()
-    return None
 
 
 def group_rank_and_size(tp_group):

@@ -23,6 +23,7 @@ This folder holds everything about Megatron / MindSpeed / MindSpeed-LLM, one job
 * :mod:`.reporting`: the metrics, Megatron's ``training_log`` and MoE report;
 * :mod:`.activation`: ``apply()``, the flags' route and the adaptor's registration (MindSpeed's feature);
 * :mod:`.arguments`: the flags and their one validation; :mod:`.settings`: the settings they build;
+* :mod:`.megatron_state`: every read of Megatron's process-wide state (groups, micro-batches, arguments);
 * :mod:`.cpu_mode`, :mod:`.local_gpt`: Megatron on a CPU and megatron-core's local GPT, for the demo and
   the tests: used only when called (no patch point; ``apply()`` and the flags never turn them on).
 

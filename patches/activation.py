@@ -25,10 +25,9 @@ Megatron or MindSpeed:
 
 * **In a MindSpeed process** (once MindSpeed loads ``mindspeed.features_manager``): our feature joins
   MindSpeed's feature list; MindSpeed adds our flags to Megatron's parser, calls our validation, and
-  its patch manager applies the wrappers. Written against the MindSpeed API at Ascend/MindSpeed
-  028de58ca629d035185b00ff7d1eb7eff4f7fd48 (master, 2026-07-21) and checked against the branch of
-  the Megatron 0.12.1 line, 26.0.0_core_r0.12.1 (3c44c134f396fc14a22a38934c7d5d8bedb37ff5; same
-  ``patch_utils.py``) by ``tests/mindspeed_stack/test_mindspeed_source.py`` with their real files:
+  its patch manager applies the wrappers. The MindSpeed API it uses (MindSpeed master and
+  26.0.0_core_r0.12.1; ``tests/mindspeed_stack/test_mindspeed_source.py`` checks it on their real
+  files):
   ``MindSpeedFeature(feature_name, optimization_level)`` with ``register_args(parser)``,
   ``validate_args(args)`` (also called with a ``TransformerConfig``, so objects without our flags
   are ignored), ``register_patches(patch_manager, args)`` (``optimization_level == 0``: a default
@@ -54,7 +53,7 @@ import logging
 import sys
 import warnings
 
-from mindspeed_cez.patches import arguments, reporting
+from mindspeed_cez.patches import arguments, megatron_state, reporting
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.import_hook import ADAPTOR, HOOK, module_exists, require_megatron_core
 from mindspeed_cez.patches.settings import Settings
@@ -186,8 +185,7 @@ def _check_megatron_args(settings):
 def megatron_args():
     """Megatron's parsed arguments (``get_args()``; MindSpeed-LLM trains with the same), or None
     before they are parsed or without ``megatron.training``. Imports nothing."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    return getattr(global_vars, "_GLOBAL_ARGS", None)
+    return megatron_state.parsed_args()
 
 
 def activate(settings, *, args=None):

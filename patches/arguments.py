@@ -457,7 +457,7 @@ def parse_command_line(argv):
 
 
 # ---------------------------------------------------------------------------------------------
-# MindSpeed-LLM's flags (read at Ascend/MindSpeed-LLM 4a035628, v26.0.0, and c77308a1, master)
+# MindSpeed-LLM's flags (read at Ascend/MindSpeed-LLM v26.0.0 and master)
 # ---------------------------------------------------------------------------------------------
 # * ``--output-multiplier-scale`` / ``--output-logit-softcapping``: its GPTModel forward scales and
 #   soft-caps the logits; with the fused loss those ops are recorded and computed in the loss kernels

@@ -374,9 +374,8 @@ def megatron_version():
 
 # Where the cross entropy's own code lives once it leaves tensor_parallel/ and fusions/ (Megatron's nightly
 # documentation: megatron/core/ops/loss/cross_entropy.py and fused_cross_entropy.py, bound to the model
-# once by ops.loss.backends.select_cross_entropy). Not served: that source was not readable when this was
-# written (the newest readable, Megatron-LM PR 6689 at d9240090, adds ops/loss/backends.py over the old
-# homes, which the table's targets serve as they are).
+# once by ops.loss.backends.select_cross_entropy). Not served: no released source of these modules to check
+# against. Megatron-LM's ops/loss/backends.py sits over the old homes, which the table's targets serve as they are.
 MOVED_CROSS_ENTROPY = ("megatron.core.ops.loss.cross_entropy", "megatron.core.ops.loss.fused_cross_entropy")
 
 

@@ -11,6 +11,8 @@ nothing of Megatron.
 import torch
 import torch.distributed as dist
 
+from mindspeed_cez.patches import megatron_state
+
 
 class TorchLayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` with Megatron's norm signature; marks its weights for the SP grad reduction."""
@@ -58,9 +60,10 @@ def causal_attention_mask(seq_length, device="cpu"):
 def allreduce_sequence_parallel_grads(model, tp_group=None):
     """Sum the grads of ``sequence_parallel`` parameters over the TP group (like ``finalize_model_grads``)."""
     if tp_group is None:
-        from megatron.core import parallel_state
-
-        tp_group = parallel_state.get_tensor_model_parallel_group()
+        tp_group = megatron_state.tensor_parallel_group()
+        if tp_group is None:
+            raise RuntimeError("allreduce_sequence_parallel_grads: Megatron's model-parallel groups are not set up: "
+                               "pass tp_group")
     if dist.get_world_size(tp_group) == 1:
         return
     grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]

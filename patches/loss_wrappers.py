@@ -32,18 +32,19 @@ chooses the path (the flag's where the loss mask is known, else recompute) and c
 backward will come).
 """
 
+import functools
 import warnings
 
 import torch
 
 from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.kernels.logit_transform import IDENTITY
-from mindspeed_cez.linear_cross_entropy import (RECOMPUTE, ForwardGradientError, check_forward_gradients,
-                                               linear_cross_entropy_zloss)
-from mindspeed_cez.patches import mean_embedding, model_context, reporting
+from mindspeed_cez.linear_cross_entropy import (RECOMPUTE, ForwardGradientError, WeightGradTarget,
+                                               check_forward_gradients, linear_cross_entropy_zloss)
+from mindspeed_cez.patches import mean_embedding, megatron_state, model_context, reporting
 from mindspeed_cez.patches.model_context import FLAG, DeferredLogits
 from mindspeed_cez.patches.settings import LM_LSE, LM_MU_NORM, LM_Z_LOSS, while_active
-from mindspeed_cez.tensor_parallel import group_rank_and_size, resolve_tp_group
+from mindspeed_cez.tensor_parallel import group_rank_and_size
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ def megatron_to_torch_smoothing(label_smoothing, global_vocab):
 _module_tp_group = model_context.module_tp_group
 
 
-def call_loss(spec, global_vocab, label_smoothing_megatron, main_head=True, transform=IDENTITY):
+def call_loss_spec(spec, global_vocab, label_smoothing_megatron, main_head=True, transform=IDENTITY):
     """The ``LossSpec`` of one call, from the settings' ``spec`` (:meth:`LossSpec.replace`: no object per
     call): Megatron's label smoothing over ``global_vocab``, the z-loss for the main head only (MTP heads:
     plain CE), the transform the model applied to these logits."""
@@ -84,9 +85,10 @@ def in_megatron_convention(loss, z_loss, spec):
 def megatron_cross_entropy(settings, logits, target, tp_group, label_smoothing_megatron, main_head=True,
                            transform=IDENTITY):
     """``(loss, z_loss, lse)`` of the op on ``[s, b, v_local]`` logits in Megatron's conventions
-    (:func:`call_loss`, :func:`in_megatron_convention`), shaped like ``target``."""
-    tp_group = resolve_tp_group(tp_group)
-    spec = call_loss(settings.loss, logits.shape[-1] * _tp_world_size(tp_group), label_smoothing_megatron,
+    (:func:`call_loss_spec`, :func:`in_megatron_convention`), shaped like ``target``."""
+    if tp_group is None:
+        tp_group = megatron_state.tensor_parallel_group()
+    spec = call_loss_spec(settings.loss, logits.shape[-1] * _tp_world_size(tp_group), label_smoothing_megatron,
                      main_head, transform)
     loss, z_loss, lse = vocab_parallel_cross_entropy_zloss(logits, target, tp_group=tp_group, backend=settings.backend,
                                                            return_lse=True, loss=spec)
@@ -146,7 +148,7 @@ def compute_language_model_loss_wrapper(fn):
         target = labels.transpose(0, 1).contiguous()  # [b s] => [s b], as Megatron does
         tp_group = _module_tp_group(self)
         if isinstance(logits, DeferredLogits):
-            spec = call_loss(settings.loss, logits.weight.shape[0] * _tp_world_size(tp_group), smoothing, is_main,
+            spec = call_loss_spec(settings.loss, logits.weight.shape[0] * _tp_world_size(tp_group), smoothing, is_main,
                              transform)
             loss, z_loss, lse = linear_loss(logits, target, spec, tp_group, settings, loss_mask,
                                                          self.config)
@@ -226,29 +228,37 @@ def megatron_fsdp_param(weight):
 
 
 def _num_microbatches():
-    """Megatron's micro-batch count, None where no micro-batch calculator is set up (a model run
-    outside Megatron's schedule). A megatron-core that keeps its calculator elsewhere fails loudly."""
-    from megatron.core import num_microbatches_calculator as calculators
-
-    if not hasattr(calculators, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR"):
+    """Megatron's micro-batch count (:func:`.megatron_state.num_microbatches`); a megatron-core that keeps its
+    calculator elsewhere fails loudly, naming the flag's other path."""
+    try:
+        return megatron_state.num_microbatches()
+    except megatron_state.MegatronStateMissing as error:
         raise model_context.FusedOutputLayerError(
             f"{FLAG} (forward, the default) reads Megatron's micro-batch count from "
             "megatron.core.num_microbatches_calculator, which this megatron-core does not keep there; "
-            f"run with {FLAG} recompute")
-    if calculators._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
+            f"run with {FLAG} recompute") from error
+
+
+def main_grad_placeholder(weight):
+    """What Megatron's linear layers return for a weight whose gradient went into ``main_grad``: a
+    dummy gradient where the weight carries ``grad_added_to_main_grad`` (so its DDP hook runs and
+    skips the add), else None."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
         return None
-    return calculators.get_num_microbatches()
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
-def _context_parallel_size():
-    """Megatron's context-parallel size: 0 without torch.distributed, None where it runs but
-    Megatron's groups are not set up (the token count's span is then unknown)."""
-    from megatron.core import parallel_state
-
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return 0
-    group = parallel_state.get_context_parallel_group(check_initialized=False)
-    return None if group is None else group.size()
+def main_grad_target(weight):
+    """The op's :class:`WeightGradTarget` for a weight with Megatron's ``main_grad``: the gradient added
+    into it, and autograd given :func:`main_grad_placeholder`, as Megatron's linear layers do with
+    gradient-accumulation fusion. None for a weight without ``main_grad``: the gradient through autograd."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return None
+    return WeightGradTarget(main_grad, functools.partial(main_grad_placeholder, weight))
 
 
 def megatron_grad_scale(config, loss_mask):
@@ -260,7 +270,7 @@ def megatron_grad_scale(config, loss_mask):
     schedule), context parallelism (the count spans the CP group) or Megatron's groups not set up.
     The op checks it in backward."""
     num_microbatches = _num_microbatches()
-    if num_microbatches is None or _context_parallel_size() not in (0, 1):
+    if num_microbatches is None or megatron_state.context_parallel_size() not in (0, 1):
         return None
     one = torch.ones((), dtype=torch.float32, device=loss_mask.device)
     scale_func = getattr(config, "grad_scale_func", None)
@@ -293,7 +303,7 @@ def linear_loss(deferred, target, loss, tp_group, settings, loss_mask, config):
         return linear_cross_entropy_zloss(
             deferred.hidden, weight, target, loss=loss, tp_group=tp_group,
             sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
-            gradient_accumulation_fusion=into_main_grad,
+            weight_grad=main_grad_target(weight) if into_main_grad else None,
             token_weights=loss_mask.transpose(0, 1).to(torch.float32) if forward else None,  # [b s] => [s b]
             grad_scale=grad_scale, path=path, backend=settings.backend, linear_backend=settings.linear_backend,
             remedy=f"{FLAG} recompute", return_lse=True)

@@ -8,19 +8,20 @@ the main head's output layer call.
   tell the main head from an MTP head, the loss mask weights ``lm_z_loss``). The context lives on the
   model for the forward's duration (a nested forward of the same model restores the outer one after),
   so no module-level state carries it.
-* The main head's call (``--lm-fused-output-layer``, MindSpeed-LLM's logit transform): the forward gets
-  its :class:`MainHeadCall` from :func:`main_head_call` and hands it to its output layer
+* The main head's call (``--lm-fused-output-layer``, MindSpeed-LLM's logit transform). The forward
+  gets its :class:`MainHeadCall` from :func:`main_head_call`. It hands it to its output layer
   (:func:`handed`: an attribute of the layer while the forward runs). The patched
-  ``ColumnParallelLinear.forward`` of that layer then returns, for the main head's call (the last: MTP
-  heads, ``config.mtp_num_layers``, call it first and get real logits, unless the forward runs none:
-  ``HybridModel.forward(compute_mtp_loss=False)``, or no ``mtp_process`` there), :class:`DeferredLogits` (its
-  input and weight) instead of logits, or :class:`TransformedLogits` around its result, which records
-  MindSpeed-LLM's scaling and soft cap (``--output-multiplier-scale``, ``--output-logit-softcapping``:
-  ``x * s``, then ``x / C``, ``tanh``, ``x * C``) for the loss kernels instead of computing them. The
-  patched loss checks what it got (:func:`check_loss_input`, :func:`unwrap`). Anything unexpected fails
-  loudly, naming the flag: deferred logits reaching anything but the main loss, a main loss that got
-  real logits, an output layer the op cannot stand in for (bias, gathered output, deferred embedding
-  wgrad), any other op on the transformed logits.
+  ``ColumnParallelLinear.forward`` then serves the main head's call, the last one. (MTP heads,
+  ``config.mtp_num_layers``, call it first and get real logits. A forward may run none:
+  ``HybridModel.forward(compute_mtp_loss=False)``, or no ``mtp_process``.) For that call it returns
+  :class:`DeferredLogits` (its input and weight) instead of logits, or :class:`TransformedLogits`
+  around its result. The latter records MindSpeed-LLM's scaling and soft cap
+  (``--output-multiplier-scale``, ``--output-logit-softcapping``: ``x * s``, then ``x / C``, ``tanh``,
+  ``x * C``) for the loss kernels instead of computing them.
+* The patched loss checks what it got (:func:`check_loss_input`, :func:`unwrap`). Anything unexpected
+  fails loudly, naming the flag: deferred logits reaching anything but the main loss, a main loss that
+  got real logits, an output layer the op cannot stand in for (bias, gathered output, deferred
+  embedding wgrad), any other op on the transformed logits.
 """
 
 import contextlib
@@ -32,9 +33,8 @@ import numbers
 import torch
 
 from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
-from mindspeed_cez.patches import mean_embedding
+from mindspeed_cez.patches import mean_embedding, megatron_state
 from mindspeed_cez.patches.settings import while_active
-from mindspeed_cez.tensor_parallel import resolve_tp_group
 
 FLAG = "--lm-fused-output-layer"
 TRANSFORM_FLAGS = "--output-multiplier-scale / --output-logit-softcapping"
@@ -71,7 +71,7 @@ def module_tp_group(module):
     group = getattr(module, "tp_group", None)
     if group is None:
         group = getattr(getattr(module, "pg_collection", None), "tp", None)
-    return resolve_tp_group(group)
+    return megatron_state.tensor_parallel_group() if group is None else group
 
 
 @contextlib.contextmanager

@@ -58,7 +58,7 @@ TARGETS = [
     # megatron.training's argument hooks: the flags join its parser and its validation
     Target(_ARGUMENTS, "", ("parse_args",), activation.parse_args_wrapper, route=ADAPTOR),
     Target(_ARGUMENTS, "", ("validate_args",), activation.validate_args_wrapper, route=ADAPTOR),
-    # MindSpeed-LLM (read at 4a035628, v26.0.0, and c77308a1, master): its GPTModel (registered over
+    # MindSpeed-LLM (read at v26.0.0 and master): its GPTModel (registered over
     # Megatron's) and master's DeepSeek4Model have a forward of their own that never calls Megatron's;
     # pretrain_gpt.py trains with its own train(), whose training_log logs the iteration
     Target("mindspeed_llm.core.models.gpt.gpt_model", "GPTModel", ("forward",), _LOSS_CONTEXT, required=False,

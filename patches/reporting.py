@@ -51,12 +51,12 @@ import functools
 import importlib
 import inspect
 import math
-import sys
 
 import torch
 import torch.distributed as dist
 
 from mindspeed_cez.linear_forward_grads import forget_forward_gradients
+from mindspeed_cez.patches import megatron_state
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.import_hook import module_exists
 from mindspeed_cez.patches.settings import LM_LSE, LM_LSE_MAX, LM_MU_NORM, LM_Z_LOSS, while_active
@@ -136,10 +136,9 @@ class IterationMetrics:
         sums, maxima = self.take()
         if not names:
             return {}
-        ps = _parallel_state()
-        if ps is not None:
-            dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
-            groups = (dp_cp, ps.get_pipeline_model_parallel_group())
+        groups = megatron_state.reduction_groups()
+        if groups is not None:
+            dp_cp = groups[0]
             if sums is None:
                 sums = torch.zeros(len(SUMMED) + 1, device=_collective_device(dp_cp))
             for group in groups:
@@ -204,13 +203,6 @@ def report_iteration():
     """``with report_iteration() as values``: this iteration's values for the outermost report (Megatron's
     ``training_log``, its MoE report, :func:`report`), None inside it: each iteration is reported once."""
     return _ITERATION.report_iteration()
-
-
-def _parallel_state():
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is not None and ps.model_parallel_is_initialized() and dist.is_initialized():
-        return ps
-    return None
 
 
 def _collective_device(group):

@@ -10,6 +10,7 @@ import torch
 
 from support import capture_cuda_graph, linear_loss_and_grads_float64, relative_error
 from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez.patches.loss_wrappers import main_grad_target  # the adaptor's weight-gradient target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -56,7 +57,7 @@ def _compare_at_a_real_size(path, dtype, label_smoothing, **transform):
         w.main_grad = torch.zeros(w.shape, dtype=dtype if path == "main_grad16" else torch.float32, device="cuda")
     loss, _ = linear_cross_entropy_zloss(h, w, target, Z, label_smoothing, token_weights=mask if forward_grads else None,
                                          grad_scale=1 / mask.sum() if into_main_grad else None,
-                                         gradient_accumulation_fusion=into_main_grad,
+                                         weight_grad=main_grad_target(w) if into_main_grad else None,
                                          grads="forward" if forward_grads else "recompute",
                                          linear_backend=None if forward_grads else path, **transform)
     (loss * upstream).sum().backward()
@@ -142,7 +143,7 @@ def test_the_op_on_each_cuda_accumulation(kind, path):
     with acc.forced(kind):
         loss, _ = linear_cross_entropy_zloss(h, w, target, Z, token_weights=mask if forward else None,
                                              grad_scale=1 / mask.sum() if forward else None,
-                                             gradient_accumulation_fusion=True,
+                                             weight_grad=main_grad_target(w),
                                              grads="forward" if forward else "recompute")
         (loss * upstream).sum().backward()
     hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -191,10 +192,11 @@ def test_a_non_finite_grad_scale_tensor_is_a_device_assert():
     """A CUDA ``grad_scale`` tensor holding NaN: a device-side assert naming grad_scale (no host sync in the op)."""
     output = _output_of_a_failing_script(
         _FORWARD_PATH
-        + "w.main_grad = torch.zeros(100, 32, device='cuda')\n"
+        + "from mindspeed_cez.linear_cross_entropy import WeightGradTarget\n"
+          "w.main_grad = torch.zeros(100, 32, device='cuda')\n"
           "s = torch.tensor(float('nan'), device='cuda')\n"
           "loss, _ = linear_cross_entropy_zloss(h, w, t, token_weights=m, grad_scale=s, grads='forward',\n"
-          "                                     gradient_accumulation_fusion=True)\n"
+          "                                     weight_grad=WeightGradTarget(w.main_grad))\n"
           "torch.cuda.synchronize()\n")
     assert "grad_scale must be finite" in output, output[-3000:]
 
@@ -219,7 +221,7 @@ def _sequence_parallel_over_nccl(rank, world_size, grads):
     loss, _ = linear_cross_entropy_zloss(hs, ws, target, Z, tp_group=dist.group.WORLD, sequence_parallel=True,
                                          token_weights=None if grads == "recompute" else mask,
                                          grad_scale=1 / mask.sum() if grads == "main_grad" else None,
-                                         gradient_accumulation_fusion=grads == "main_grad",
+                                         weight_grad=main_grad_target(ws) if grads == "main_grad" else None,
                                          grads="recompute" if grads == "recompute" else "forward")
     (loss * upstream).sum().backward()
     dweight = ws.main_grad if grads == "main_grad" else ws.grad
@@ -262,7 +264,7 @@ def test_the_output_layer_holds_at_most_its_block_of_logits(budget_mib):
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     loss, _ = linear_cross_entropy_zloss(hidden, weight, target, Z, token_weights=mask, grad_scale=1 / n,
-                                         gradient_accumulation_fusion=True, grads="forward",
+                                         weight_grad=main_grad_target(weight), grads="forward",
                                          block_bytes=None if budget_mib is None else budget)
     (loss * mask / n).sum().backward()
     torch.cuda.synchronize()

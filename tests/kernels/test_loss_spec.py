@@ -168,10 +168,10 @@ def test_settings_hold_the_loss_they_made_and_the_adaptor_hands_it_on():
     assert settings.loss == LossSpec(-100, 2e-3, 0.1, transform)
     assert settings.loss is settings.loss and Settings(z_loss_coeff=2e-3).loss.label_smoothing == 0.0
     # each call's spec: Megatron's smoothing over the global vocab, plain CE for MTP heads, the model's transform
-    main = loss_wrappers.call_loss(settings.loss, 1000, 0.1, main_head=True, transform=transform)
+    main = loss_wrappers.call_loss_spec(settings.loss, 1000, 0.1, main_head=True, transform=transform)
     assert main == LossSpec(-100, 2e-3, 0.1 * 1000 / 999, transform)
-    assert loss_wrappers.call_loss(settings.loss, 1000, 0.1, main_head=True, transform=transform) is main
-    mtp = loss_wrappers.call_loss(settings.loss, 1000, 0.1, main_head=False)
+    assert loss_wrappers.call_loss_spec(settings.loss, 1000, 0.1, main_head=True, transform=transform) is main
+    mtp = loss_wrappers.call_loss_spec(settings.loss, 1000, 0.1, main_head=False)
     assert mtp.z_loss_coeff == 0.0 and mtp.logit_transform == LogitTransform()
     plain = Settings(z_loss_coeff=1e-3)
-    assert loss_wrappers.call_loss(plain.loss, 1000, 0.0) is plain.loss  # the common case: the settings' own
+    assert loss_wrappers.call_loss_spec(plain.loss, 1000, 0.0) is plain.loss  # the common case: the settings' own

@@ -15,6 +15,7 @@ from support import cross_entropy_zloss_float64, relative_error
 from mindspeed_cez import kernels, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
+from mindspeed_cez.patches.loss_wrappers import main_grad_target  # the adaptor's weight-gradient target
 
 SEQ, BATCH, HIDDEN, V_PER_RANK = 13, 3, 24, 53  # 39 tokens; chunks of 16 rows do not divide them
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -68,7 +69,7 @@ def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_g
     # chunks of 16 vocab rows / blocks of 16 tokens: several, the last one short
     loss, z_loss = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=z, label_smoothing=a, tp_group=group,
                                               sequence_parallel=sequence_parallel, token_weights=token_weights,
-                                              gradient_accumulation_fusion=main_grad,
+                                              weight_grad=main_grad_target(w) if main_grad else None,
                                               grad_scale=torch.tensor(K) if forward_grads == "main_grad" else
                                               K if forward_grads == "scaled" else None,
                                               grads="forward" if forward_grads else "recompute", backend=backend,
@@ -174,7 +175,7 @@ def test_grad_scale_needs_that_upstream_gradient():
     h, w = hidden.requires_grad_(), weight.requires_grad_()
     w.main_grad = torch.zeros(w.shape)
     loss, _ = linear_cross_entropy_zloss(h, w, target, token_weights=mask, grad_scale=K,
-                                         gradient_accumulation_fusion=True, grads="forward", row_block=16)
+                                         weight_grad=main_grad_target(w), grads="forward", row_block=16)
     assert w.main_grad.abs().sum() > 0  # the blocks before the last added during the forward
     with pytest.raises(RuntimeError, match="upstream gradient must be s \\* token_weights"):
         (loss * upstream * 1.01).sum().backward()
@@ -194,7 +195,7 @@ def test_forward_grads_dhidden_taken_without_a_copy():
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     w.main_grad = torch.zeros(w.shape)
     loss = linear_cross_entropy_zloss(h, w, target, 1e-3, token_weights=mask, grad_scale=K, grads="forward",
-                                      gradient_accumulation_fusion=True)[0]
+                                      weight_grad=main_grad_target(w))[0]
     made = {}
     loss.grad_fn.register_hook(lambda grad_inputs, _: made.update(ptr=grad_inputs[0].data_ptr()))
     (loss * mask).sum().mul(K).backward()
@@ -219,7 +220,7 @@ def test_one_block_makes_its_gradient_gemms_in_backward():
 
     def forward():
         return linear_cross_entropy_zloss(h, w, target, 1e-3, token_weights=mask, grad_scale=K, grads="forward",
-                                          gradient_accumulation_fusion=True)[0]
+                                          weight_grad=main_grad_target(w))[0]
 
     dropped = forward()
     assert torch.equal(w.main_grad, torch.full(w.shape, 0.25))
@@ -308,7 +309,7 @@ def test_block_bytes_splits_the_tokens_and_keeps_the_float64_gradients():
     torch.matmul = spy
     try:
         loss, _ = linear_cross_entropy_zloss(x, w, target, 1e-3, token_weights=mask, grad_scale=K, grads="forward",
-                                             gradient_accumulation_fusion=True, block_bytes=budget)
+                                             weight_grad=main_grad_target(w), block_bytes=budget)
     finally:
         torch.matmul = matmul
     assert blocks == [1024, 1024, 952] and all(r * v * 4 <= budget for r in blocks)
@@ -389,7 +390,7 @@ def test_gradient_accumulation_fusion_adds_into_main_grad(flag):
         weight.grad_added_to_main_grad = False
     if flag == "zero_out":
         weight.zero_out_wgrad = True
-    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3, gradient_accumulation_fusion=True)
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3, weight_grad=main_grad_target(weight))
     (loss * upstream).sum().backward()
     _, _, _, exp_dw = _float64(hidden, weight.detach(), target, upstream, 1e-3, 0.0)
     assert relative_error(weight.main_grad - 0.5, exp_dw) < 2e-2
@@ -399,6 +400,45 @@ def test_gradient_accumulation_fusion_adds_into_main_grad(flag):
         assert weight.grad is not None and weight.grad.shape == weight.shape and weight.grad_added_to_main_grad
     if flag == "zero_out":
         assert not weight.grad.any()
+
+
+@pytest.mark.parametrize("grads", ["recompute", "forward, grad_scale"])
+def test_weight_grad_target_without_megatron(grads):
+    """The op's own weight-gradient target, no Megatron attribute on the weight: ``dweight`` added into
+    ``into``, autograd given what ``added`` returns (called once, in backward); the weight itself
+    carries nothing new."""
+    from mindspeed_cez.linear_cross_entropy import WeightGradTarget
+
+    gen = torch.Generator().manual_seed(8)
+    hidden, weight, target, _ = _problem(torch.float32, 1, gen)
+    mask, upstream = _token_weights(target, gen)
+    weight = weight.requires_grad_()
+    into, calls = torch.full(weight.shape, 0.5), []
+    given = torch.zeros(weight.shape)
+    kwargs = {} if grads == "recompute" else {"grads": "forward", "token_weights": mask, "grad_scale": K,
+                                              "row_block": 16}
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3,
+                                         weight_grad=WeightGradTarget(into, lambda: calls.append(1) or given),
+                                         **kwargs)
+    (loss * upstream).sum().backward()
+    _, _, _, exp_dw = _float64(hidden, weight.detach(), target, upstream, 1e-3, 0.0)
+    assert relative_error(into - 0.5, exp_dw) < 1e-5
+    assert calls == [1] and torch.equal(weight.grad, given) and set(vars(weight)) <= {"grad"}
+    with pytest.raises(ValueError, match="WeightGradTarget.into .* must have the weight's shape"):
+        linear_cross_entropy_zloss(hidden, weight, target, weight_grad=WeightGradTarget(torch.zeros(3, 3)))
+
+
+def test_a_removed_keyword_names_its_replacement():
+    """``gradient_accumulation_fusion=`` is gone from the op (Megatron's ``main_grad`` is the patch layer's):
+    a TypeError naming ``weight_grad=WeightGradTarget``; an unknown keyword stays Python's TypeError."""
+    gen = torch.Generator().manual_seed(8)
+    hidden, weight, target, _ = _problem(torch.float32, 1, gen)
+    with pytest.raises(TypeError, match="no longer takes gradient_accumulation_fusion=: pass weight_grad=WeightGradTarget"):
+        linear_cross_entropy_zloss(hidden, weight, target, gradient_accumulation_fusion=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'grad_accumulation'"):
+        linear_cross_entropy_zloss(hidden, weight, target, grad_accumulation=True)
+    with pytest.raises(TypeError, match="weight_grad must be a"):
+        linear_cross_entropy_zloss(hidden, weight, target, weight_grad=True)
 
 
 @pytest.mark.parametrize("grads", ["recompute", "forward", "forward, grad_scale"])
@@ -415,7 +455,7 @@ def test_a_16_bit_main_grad(dtype, grads):
     kwargs = {} if grads == "recompute" else {"grads": "forward", "token_weights": mask}
     if grads == "forward, grad_scale":
         kwargs["grad_scale"] = K
-    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3, gradient_accumulation_fusion=True,
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3, weight_grad=main_grad_target(weight),
                                          **kwargs)
     (loss * upstream).sum().backward()
     _, _, _, exp_dw = _float64(hidden, weight.detach(), target, upstream, 1e-3, 0.0)
@@ -580,7 +620,7 @@ def _main_grad_problem(seed):
 
 def _forward_into_main_grad(h, w, target, mask):
     return linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask, grad_scale=K,
-                                      gradient_accumulation_fusion=True, grads="forward", row_block=16)
+                                      weight_grad=main_grad_target(w), grads="forward", row_block=16)
 
 
 def test_no_grad_never_writes_main_grad():

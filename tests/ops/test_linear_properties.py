@@ -27,6 +27,7 @@ from support.properties import (DTYPES, K, check_refusal, check_rows, examples, 
                         targets, transformed_float64)
 from support import linear_loss_and_grads_float64  # noqa: E402
 from mindspeed_cez import linear_cross_entropy_zloss  # noqa: E402
+from mindspeed_cez.patches.loss_wrappers import main_grad_target  # noqa: E402 (the adaptor's weight-gradient target)
 
 PATHS = ["recompute", "recompute-triton", "forward", "scaled", "main_grad"]
 # examples per (backend, TP size) and path of the ci profile (the Triton interpreter is ~100x slower)
@@ -99,7 +100,7 @@ def _linear_on_rank(rank, tp, group, case):
     try:
         loss, z_loss, lse = linear_cross_entropy_zloss(
             h, w, case["target"], tp_group=group, sequence_parallel=case["sequence_parallel"],
-            gradient_accumulation_fusion=main_grad is not None, token_weights=case["token_weights"],
+            weight_grad=main_grad_target(w) if main_grad is not None else None, token_weights=case["token_weights"],
             grad_scale=case["grad_scale"], grads=grads, backend=case["backend"],
             linear_backend="triton" if path == "recompute-triton" else "gemm" if grads == "recompute" else None,
             return_lse=True, **case["kwargs"], **case["options"])

@@ -8,6 +8,7 @@ import torch
 
 from support.backends import backend_devices, backend_ids
 from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez.patches.loss_wrappers import main_grad_target  # the adaptor's weight-gradient target
 
 PAIRS = backend_devices()
 # the fused layer's paths: recompute (GEMM chunks or the Triton tl.dot kernels), gradients in forward with
@@ -43,7 +44,7 @@ def _linear_loss(hidden, weight, target, mask, backend, path):
         upstream = SCALE * mask
         if path == "main_grad":
             weight.main_grad = torch.zeros(weight.shape, device=weight.device)
-            kwargs.update(grad_scale=torch.tensor(SCALE, device=target.device), gradient_accumulation_fusion=True)
+            kwargs.update(grad_scale=torch.tensor(SCALE, device=target.device), weight_grad=main_grad_target(weight))
         elif path == "scaled":
             kwargs.update(grad_scale=SCALE)
     loss, _ = linear_cross_entropy_zloss(hidden, weight, target, 1e-3, 0.1, **kwargs)
@@ -143,5 +144,5 @@ def test_non_finite_grad_scale_tensor_is_refused(bad):
     for grad_scale in (torch.tensor(bad), torch.tensor([bad], dtype=torch.float64), bad):
         with pytest.raises(ValueError, match="grad_scale must be (a )?finite"):
             linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward",
-                                       grad_scale=grad_scale, gradient_accumulation_fusion=True)
+                                       grad_scale=grad_scale, weight_grad=main_grad_target(weight))
     assert not weight.main_grad.any()

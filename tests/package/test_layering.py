@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import pkgutil
+import re
 
 import mindspeed_cez
 
@@ -127,6 +128,7 @@ def test_entry_points_exist():
 # patches/ by job: every module of it, none more (a new job is a decision, made here).
 PATCHES_BY_JOB = ("import_hook", "patch_points", "loss_wrappers", "model_context", "reporting", "activation",
                   "arguments", "launch_checks", "settings",  # launch_checks: the command line before any parser
+                  "megatron_state",  # every read of Megatron's process-wide state
                   "cpu_mode", "local_gpt")  # Megatron on a CPU and its local GPT: the demo's and tests', only when called
 MAX_PATCHES_DEPTH = 5  # modules in the longest chain of imports inside patches/
 
@@ -237,6 +239,97 @@ def test_architecture_page_names_every_module_in_its_layer():
     assert all(_inside(m, PATCHES) for m in patches)
     assert all(_inside(m, KERNELS) for m in kernels)
     assert not any(_inside(m, PATCHES) or _inside(m, KERNELS) or m in ENTRY_POINTS for m in ops)
+
+
+# What only patches/ may know of Megatron: its modules, the weight's main_grad and its flag, its globals.
+MEGATRON_WORDS = ("main_grad", "grad_added_to_main_grad", "_GLOBAL_", "sys.modules")
+
+
+def _megatron_mentions(path):
+    """Where a source file imports Megatron or names one of :data:`MEGATRON_WORDS` (code, strings,
+    comments and docstrings alike): ``[(line, what)]``."""
+    source = open(path).read()
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        found += [(node.lineno, f"import {n}") for n in names if n.partition(".")[0] == "megatron"]
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("importlib.import_module", "__import__") \
+                and node.args and isinstance(node.args[0], ast.Constant) \
+                and str(node.args[0].value).partition(".")[0] == "megatron":
+            found.append((node.lineno, f"import {node.args[0].value}"))
+    for number, line in enumerate(source.splitlines(), 1):
+        found += [(number, word) for word in MEGATRON_WORDS if word in line and word != "grad_added_to_main_grad"]
+    return sorted(set(found))
+
+
+def test_the_ops_and_kernels_know_nothing_of_megatron():
+    """mindspeed_cez/ (the ops; the entry points aside) and kernels/ import no Megatron module and never name
+    ``main_grad``, ``grad_added_to_main_grad``, a ``_GLOBAL_*`` or ``sys.modules``: the patch layer hands the
+    op its TP group, gradient scale and weight-gradient target, and reads Megatron's state in
+    ``patches/megatron_state.py`` alone."""
+    modules, _ = _graph()
+    mentions = {name: _megatron_mentions(path) for name, path in modules.items()
+                if not _inside(name, PATCHES) and name not in ENTRY_POINTS}
+    assert any(_inside(name, KERNELS) for name in mentions) and f"{PACKAGE}.linear_cross_entropy" in mentions
+    assert not {name: found for name, found in mentions.items() if found}
+
+
+def test_a_megatron_mention_is_found(tmp_path):
+    """The checker itself: a Megatron import (also inside a function), each word, a docstring's mention."""
+    a = tmp_path / "a.py"
+    a.write_text('"""Adds into main_grad."""\nimport sys\n\n\ndef f(w):\n    from megatron.core import parallel_state\n'
+                 '    w.grad_added_to_main_grad = True\n    return sys.modules.get("x"), g._GLOBAL_ARGS\n'
+                 'import megatron\nimport importlib\nimportlib.import_module("megatron.training")\n')
+    assert _megatron_mentions(str(a)) == [(1, "main_grad"), (6, "import megatron.core"), (7, "main_grad"),
+                                          (8, "_GLOBAL_"), (8, "sys.modules"), (9, "import megatron"),
+                                          (11, "import megatron.training")]
+
+
+def test_megatron_state_is_read_in_one_module():
+    """Megatron's private globals and ``parallel_state`` are read in ``patches/megatron_state.py`` alone, which
+    names the Megatron versions each read was checked against."""
+    modules, _ = _graph()
+    home = f"{PATCHES}.megatron_state"
+    for name, path in modules.items():
+        if name == home:
+            continue
+        source = open(path).read()
+        for word in ("_GLOBAL_", "parallel_state.", "global_vars"):
+            assert word not in source, f"{name} reads Megatron's {word}: ask {home}"
+    source = open(modules[home]).read()
+    for version in ("0.12.1", "0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.19.2", "d98e8a64"):
+        assert version in source, f"{home} does not say it was checked against {version}"
+
+
+# The Megatron-LM main commit the CI runs: a version name (patches/megatron_state.py lists what it checked).
+VERSION_NAMES = {"d98e8a64"}
+
+
+def _history(path):
+    """Commit hashes, dates and measurement folders (``bench/results/...``) in a source file: ``[(line, what)]``."""
+    found = []
+    for number, line in enumerate(open(path).read().splitlines(), 1):
+        for word in re.findall(r"\b[0-9a-f]{7,40}\b", line):
+            if re.search(r"[0-9]", word) and re.search(r"[a-f]", word) and word not in VERSION_NAMES:
+                found.append((number, word))
+        found += [(number, date) for date in re.findall(r"\b20[0-9]{2}-[01][0-9](?:-[0-3][0-9])?\b", line)]
+        found += [(number, "bench/results/") for _ in re.findall(r"bench/results/", line)]
+    return found
+
+
+def test_shipped_code_carries_no_history():
+    """mindspeed_cez/, kernels/ and patches/ say what is: no commit hash, date or measurement folder in code,
+    comments or docstrings (they go to CHANGELOG.md and docs/)."""
+    modules, _ = _graph()
+    found = {name: _history(path) for name, path in modules.items()}
+    assert not {name: where for name, where in found.items() if where}
+
+
+def test_history_is_found(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text('"""Read at 64b9136a (2026-07-21), main d98e8a64."""\n# see bench/results/x.md; deadbeef, 0.12.1\n')
+    assert _history(str(a)) == [(1, "64b9136a"), (1, "2026-07-21"), (2, "bench/results/")]
 
 
 def test_kernel_launches_take_the_loss_whole():
