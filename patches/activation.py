@@ -53,7 +53,10 @@ import logging
 import sys
 import warnings
 
-from mindspeed_cez.patches import arguments, megatron_state, reporting
+import torch
+
+from mindspeed_cez import kernels
+from mindspeed_cez.patches import arguments, launch_checks, megatron_state, reporting
 from mindspeed_cez.patches import settings as _settings
 from mindspeed_cez.patches.import_hook import ADAPTOR, HOOK, module_exists, require_megatron_core
 from mindspeed_cez.patches.settings import Settings
@@ -76,6 +79,7 @@ class AdaptorRecord:
         self.feature = None  # our MindSpeed feature, once registered with MindSpeed
         self.adaptor_mode = None  # "megatron.training" / "megatron.core": the adaptor import's registration
         self.command_line = None  # the import's validation of the command line, handed on (arguments.Validated)
+        self.announced = None  # the Settings whose startup line was printed
 
     def chose_by_apply(self, settings):
         self.apply_chose, self.from_apply = True, settings
@@ -87,6 +91,7 @@ class AdaptorRecord:
         """``remove()``: neither ``apply()`` nor the flags chose (the registrations stay)."""
         self.apply_chose, self.from_apply = False, None
         self.flags_chose, self.from_flags = False, None
+        self.announced = None
 
 
 # Global: Megatron's validate_args and MindSpeed's features manager reach the activation route without a handle.
@@ -232,6 +237,19 @@ def _set_active(settings):
     _settings.set_active(settings)
     reporting.report_names(settings.metric_names() if settings is not None else [])
     HOOK.strict = settings is not None  # active: a required patch point missing at its import fails there
+    if settings is not None and settings != RECORD.announced:
+        RECORD.announced = settings
+        if launch_checks.first_process():
+            print(f"mindspeed_cez: on: {settings.describe(backend_name(settings))}", flush=True)
+
+
+def backend_name(settings):
+    """The cross-entropy backend the ops will take on this process's device: the settings' own, else
+    Triton where an accelerator is present and Triton imports, else the torch reference."""
+    if settings.backend is not None:
+        return settings.backend
+    accelerator = torch.cuda.is_available() or bool(getattr(torch, "npu", None) and torch.npu.is_available())
+    return f"auto: {'triton' if accelerator and kernels.triton_available() else 'torch'}"
 
 
 def validate_flags(args):

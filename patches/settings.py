@@ -19,6 +19,7 @@ from typing import Optional
 from mindspeed_cez import environment, kernels
 from mindspeed_cez.environment import BACKEND_ENV, LINEAR_BACKEND_ENV  # noqa: F401 (public names)
 from mindspeed_cez.kernels import cann
+from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
 from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
 from mindspeed_cez.kernels.loss_spec import LossSpec
 from mindspeed_cez.linear_cross_entropy import GradientPath
@@ -195,6 +196,29 @@ class Settings:
 
     def __repr__(self):
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in self._arguments().items()) + ")"
+
+    def describe(self, backend):
+        """One line of what these settings turn on, ``backend`` naming the cross-entropy backend."""
+        parts = [f"LM z-loss coefficient {self.z_loss_coeff:g}", f"backend {backend}"]
+        if self.fused_output_layer:
+            path = self.gradient_path
+            if path.grads != "forward":
+                blocks = ""
+            elif path.block_fraction is not None:
+                blocks = f", blocks of {path.block_fraction:g} of the tokens"
+            else:
+                blocks = f", blocks of at most {(path.block_bytes or LOGITS_BUDGET_BYTES) / (1 << 30):g} GiB of logits"
+            parts.append(f"fused output layer ({path.grads}{blocks}; linear backend {self.linear_backend or 'auto'})")
+        if self.logit_transform is not None:
+            parts.append(f"the model's logit transform {self.logit_transform}")
+        if self.logit_softcap:
+            parts.append(f"logit soft cap {self.logit_softcap:g}")
+        if self.mu_centering:
+            parts.append("mu-centering")
+        if self.mu_loss_coeff:
+            parts.append(f"mu-loss coefficient {self.mu_loss_coeff:g}")
+        logged = self.metric_names()
+        return ", ".join(parts) + (f"; logs {' '.join(logged)}" if logged else "")
 
     def metric_names(self):
         """The tracker names this run reports; identical on every rank (collectives depend on it)."""
