@@ -68,11 +68,16 @@ VARIANTS = {
     "z_by_hand": ([], {"CEZ_BENCH_HAND_Z": str(Z_COEFF)}),
     # liger-kernel's own Megatron patch of both CE entry points (rms_norm off: only the loss changes)
     "liger": ([], {"CEZ_BENCH_LIGER": "1"}),
+    # the z-loss with each mitigation beside it (their cost per step): the soft cap at 30, mu-centering, mu-loss 1e-4
+    "cez_softcap": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-logit-softcap", "30"], {}),
+    "cez_mu_centering": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-mu-centering"], {}),
+    "cez_mu_loss": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-mu-loss-coeff", "1e-4"], {}),
     "cez": (["--lm-z-loss-coeff", str(Z_COEFF)], {}),
     # --lm-fused-output-layer: output layer + loss as one op (default: grads in forward; logits recomputed)
     "cez_fol": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-fused-output-layer"], {}),
     "cez_fol_recompute": (["--lm-z-loss-coeff", str(Z_COEFF), "--lm-fused-output-layer", "recompute"], {}),
 }
+OPT_IN = ("liger", "cez_softcap", "cez_mu_centering", "cez_mu_loss")  # run only when named
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
 PEAK = re.compile(r"CEZ_BENCH peak_allocated_bytes=(\d+)")
 OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory|Failed to CUDA calloc")  # torch; NCCL
@@ -354,7 +359,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="busy")
     parser.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
-                        help="default: all but liger (it needs liger-kernel)")
+                        help="default: all but liger (it needs liger-kernel) and the mitigations (cez_*: by name)")
     parser.add_argument("--pairs", type=int, default=3, help="runs per variant, alternated")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="iterations left out of each run's median")
@@ -372,7 +377,7 @@ def main(argv=None):
                              "each stopped there with the steps it logged")
     parser.add_argument("--out", default="out/e2e")
     args = parser.parse_args(argv)
-    variants = args.variants or [v for v in VARIANTS if v != "liger" and (v != "z_by_hand" or args.tp == 1)]
+    variants = args.variants or [v for v in VARIANTS if v not in OPT_IN and (v != "z_by_hand" or args.tp == 1)]
     if args.tp > 1 and "z_by_hand" in variants:
         parser.error("z_by_hand computes the z-loss on one rank's logits: it needs --tp 1")
     if args.tp < MIN_TP.get(args.config, 1):
@@ -519,11 +524,19 @@ def worker():
     """``examples/pretrain_gpt.py`` with the adaptor, and what the variant's environment asks for:
     ``CEZ_BENCH_HAND_Z=C``: the LM loss plus ``C * logsumexp(logits.float())**2`` in torch (TP=1);
     ``CEZ_BENCH_LIGER=1``: liger-kernel's ``apply_liger_kernel_to_megatron(rms_norm=False, cross_entropy=True)``
-    before the model is built; ``CEZ_BENCH_ATTENTION=sdpa``: ``_sdpa_forward``; at exit,
+    before the model is built; ``CEZ_BENCH_ATTENTION=sdpa``: ``_sdpa_forward``; ``CEZ_BENCH_GPU_GIB=G``: the
+    caching allocator capped at G GiB (a larger card measured as a smaller one); at exit,
     ``CEZ_BENCH peak_allocated_bytes=N``."""
     import atexit
 
     import torch
+
+    if os.environ.get("CEZ_BENCH_GPU_GIB") and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        cap = float(os.environ["CEZ_BENCH_GPU_GIB"]) * (1 << 30)
+        if cap < total:
+            torch.cuda.set_per_process_memory_fraction(cap / total)
+            print(f"CEZ_BENCH allocator capped at {cap / (1 << 30):.2f} GiB of {total / (1 << 30):.2f}", flush=True)
 
     if os.environ.get("CEZ_BENCH_LIGER"):
         _apply_liger()
