@@ -56,8 +56,10 @@ def test_apply_takes_the_variables_where_its_arguments_are_none(tmp_path):
             "try:\n    p.apply(1e-2, backend='triton')\nexcept ValueError as e:\n    print(e)")
     proc = _run(["-c", code], {"MINDSPEED_CEZ_BACKEND": "torch", "MINDSPEED_CEZ_LINEAR_BACKEND": "gemm"}, tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["torch gemm", "apply(backend='triton') and MINDSPEED_CEZ_BACKEND='torch' "
-                                        "disagree: keep one (drop the argument or unset the variable)"]
+    on, *printed = proc.stdout.splitlines()
+    assert on == "mindspeed_cez: on: LM z-loss coefficient 0.01, backend torch; logs lm_z_loss"  # the startup line
+    assert printed == ["torch gemm", "apply(backend='triton') and MINDSPEED_CEZ_BACKEND='torch' "
+                                     "disagree: keep one (drop the argument or unset the variable)"]
 
 
 def test_triton_on_the_cpu_interpreter_stays_allowed():
