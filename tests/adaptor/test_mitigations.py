@@ -8,7 +8,8 @@
   logits' gradient that of ``CE + c lse**2`` of the capped logits; with mu-loss the loss value stays the CE,
   the logits' gradient is the CE's and the output weight's gradient gains ``2 L mu / V`` on every row;
   ``lm_mu_norm`` is ``||mu||``; mu-centering marks the output weight (and with tied embeddings the input
-  embedding) and :func:`center_` leaves its mean row over the whole vocabulary at 0.
+  embedding) and :func:`center_` leaves its mean row over the whole vocabulary at 0; the fused output layer
+  (``fused_output_layer=True``) gives the unfused path's losses and parameter gradients with all of them on.
 """
 
 import argparse
@@ -119,7 +120,8 @@ def _mitigations_worker(rank, world_size, tp, tied):
     import mindspeed_cez.patches as patches
     from mindspeed_cez.patches import mean_embedding
     from mindspeed_cez.patches import reporting as metrics
-    from support.tiny_gpt import COEFF, LAYERS, VOCAB, build, full_vocab, micro_batches
+    from mindspeed_cez.patches import local_gpt
+    from support.tiny_gpt import BATCH, COEFF, LAYERS, SEQ, VOCAB, build, full_vocab, micro_batches
     from support.tiny_gpt import iteration as _iteration
 
     model = build(tp, share_embeddings=tied)
@@ -190,6 +192,29 @@ def _mitigations_worker(rank, world_size, tp, tied):
         torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-6, msg=name)
     assert float((grads[weight_name] - ref_grads[weight_name]).abs().max()) > 1e-5, "mu-loss must change the gradient"
     assert scalars[LM_MU_NORM] == pytest.approx(float(mu.norm()), rel=1e-5), scalars
+
+    # the fused output layer serves both alike: the same losses and parameter gradients as the unfused path
+    def losses_and_grads(**settings):
+        patches.apply(**settings)
+        model.zero_grad(set_to_none=True)
+        position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+        losses = []
+        for tokens, labels, loss_mask in batches:
+            loss = model(tokens, position_ids, local_gpt.causal_attention_mask(SEQ), labels=labels, loss_mask=loss_mask)
+            losses.append(loss.detach())
+            ((loss * loss_mask).sum() / tokens_total).backward()
+        local_gpt.allreduce_sequence_parallel_grads(model)
+        return losses, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    both = dict(z_loss_coeff=COEFF, logit_softcap=CAP, mu_loss_coeff=MU_COEFF)
+    unfused_losses, unfused = losses_and_grads(**both)
+    fused_losses, fused = losses_and_grads(**both, fused_output_layer=True)
+    for a, b in zip(fused_losses, unfused_losses):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert fused.keys() == unfused.keys()
+    for name in fused:
+        torch.testing.assert_close(fused[name], unfused[name], rtol=1e-4, atol=1e-6, msg=name)
+    metrics.reduce_iteration()
 
     # mu-centering: the forward marks the weights; centering leaves the global mean row at 0
     patches.apply(mu_centering=True)
