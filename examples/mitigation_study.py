@@ -67,9 +67,10 @@ def tables(runs):
             if mus:
                 cell["mu_norm"][run["seed"]] = mus[-1]
     for by_arm in out.values():
+        for cell in by_arm.values():
+            cell["decided"] = len(cell["diverged"]) + len(cell["complete"])
         for name, cell in by_arm.items():
-            decided = len(cell["diverged"]) + len(cell["complete"])
-            cell["decided"] = decided
+            decided = cell["decided"]
             for base_name in ("c0", "z-loss 1e-4"):
                 base = by_arm.get(base_name)
                 if base is None or name == base_name:
