@@ -33,7 +33,7 @@ It builds on the ops of :mod:`mindspeed_cez`, never the other way round.
 """
 
 from mindspeed_cez.patches import patch_points, runtime
-from mindspeed_cez.patches.activation import activate, active_settings, apply, enable, remove
+from mindspeed_cez.patches.activation import activate, active_settings, apply, remove
 from mindspeed_cez.patches.import_hook import PatchRegistry, PatchTargetError
 from mindspeed_cez.patches.reporting import IterationMetrics, report
 from mindspeed_cez.patches.settings import Settings

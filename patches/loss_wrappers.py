@@ -3,9 +3,9 @@
 Every wrapper is a *decorator* (``xxx_wrapper(original) -> replacement``), the convention of
 MindSpeed's patch manager (a new function whose name ends in ``wrapper`` decorates the current
 one), so the same objects serve both the MindSpeed path and the direct megatron-core path.
-Each replacement is made by :func:`.runtime.while_active`: it reads
-the runtime's settings (:data:`mindspeed_cez.patches.runtime.RUNTIME`) on every call; while it is ``None`` the original runs
-unchanged.
+Each replacement is made by :func:`.runtime.while_active`: it reads the runtime's settings
+(:data:`mindspeed_cez.patches.runtime.RUNTIME`) on every call; while they are ``None`` the original
+runs unchanged.
 
 Patched (the table: :data:`.patch_points.TARGETS`):
 
