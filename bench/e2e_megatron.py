@@ -461,18 +461,18 @@ def _alternate_steps():
     import torch
     from megatron.training import training
 
-    from mindspeed_cez.patches import settings as adaptor_settings  # the active settings the patches read
+    from mindspeed_cez.patches import runtime as adaptor_runtime  # the active settings the patches read
 
     inner, count, both = training.train_step, [0], {}
 
     def train_step(*args, **kwargs):
         if not both:  # the run's settings and the same without the fused layer, built once
-            active = adaptor_settings.get_active()
+            active = adaptor_runtime.get_active()
             if active is None or not active.fused_output_layer:
                 raise RuntimeError("CEZ_BENCH_ALTERNATE needs a run with --lm-fused-output-layer")
             both.update({True: active, False: active.replace(fused_output_layer=False)})
         fused = count[0] % 4 in (1, 2)
-        adaptor_settings.set_active(both[fused])
+        adaptor_runtime.set_active(both[fused])
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()

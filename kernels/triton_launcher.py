@@ -19,6 +19,7 @@ no launch hook (a profiler's) is set; everything else goes through ``kernel[grid
 one warning on CUDA where this Triton is outside those versions (torch 2.7.1 brings Triton 3.3.1).
 """
 
+import functools
 import inspect
 import re
 import warnings
@@ -47,15 +48,9 @@ def direct_launch_supported(version=triton.__version__) -> bool:
     return in_range and _knobs is not None and isinstance(getattr(_CompiledKernel, "run", None), property)
 
 
-# Global: the warning is given once per process, by whichever launcher (one per kernel) meets it first.
-_WARNED = []
-
-
+@functools.lru_cache(maxsize=None)  # a cache: the warning given once per Triton version (one per process)
 def warn_triton_launch(version=triton.__version__):
     """Once per process: the CUDA launches go through Triton's own path with this Triton."""
-    if _WARNED:
-        return
-    _WARNED.append(version)
     low, high = (".".join(map(str, v)) for v in DIRECT_LAUNCH_TRITON)
     warnings.warn(f"mindspeed_cez: Triton {version} is outside {low}-{high}, the versions its direct kernel "
                   "launcher follows; kernels launch through Triton's own path (same results, some tens of "

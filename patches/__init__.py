@@ -21,7 +21,9 @@ This folder holds everything about Megatron / MindSpeed / MindSpeed-LLM, one job
 * :mod:`.loss_wrappers`: the wrappers of Megatron's LM loss and cross entropies;
 * :mod:`.model_context`: the model's loss context and its main head's output layer call;
 * :mod:`.reporting`: the metrics, Megatron's ``training_log`` and MoE report;
-* :mod:`.activation`: ``apply()``, the flags' route and the adaptor's registration (MindSpeed's feature);
+* :mod:`.runtime`: the one :class:`~.runtime.Runtime`, everything the adaptor holds while it is on;
+* :mod:`.activation`: ``apply()``, the flags' route, the one ``enable()`` they call, the adaptor's
+  registration (MindSpeed's feature);
 * :mod:`.arguments`: the flags and their one validation; :mod:`.settings`: the settings they build;
 * :mod:`.megatron_state`: every read of Megatron's process-wide state (groups, micro-batches, arguments);
 * :mod:`.cpu_mode`, :mod:`.local_gpt`: Megatron on a CPU and megatron-core's local GPT, for the demo and
@@ -30,13 +32,14 @@ This folder holds everything about Megatron / MindSpeed / MindSpeed-LLM, one job
 It builds on the ops of :mod:`mindspeed_cez`, never the other way round.
 """
 
-from mindspeed_cez.patches import patch_points
+from mindspeed_cez.patches import patch_points, runtime
 from mindspeed_cez.patches.activation import activate, active_settings, apply, remove
-from mindspeed_cez.patches.import_hook import HOOK, PatchTargetError
-from mindspeed_cez.patches.reporting import report
+from mindspeed_cez.patches.import_hook import PatchRegistry, PatchTargetError
+from mindspeed_cez.patches.reporting import IterationMetrics, report
 from mindspeed_cez.patches.settings import Settings
 
-HOOK.table = patch_points.TARGETS  # what the hook attaches: the one table
+if runtime.current() is None:  # the process's runtime, off: its patch registry holds the one table
+    runtime.replace(runtime.Runtime(PatchRegistry(patch_points.TARGETS), IterationMetrics()))
 
 __all__ = ["apply", "activate", "remove", "active_settings", "report", "installed_targets", "patch_targets",
            "Settings", "PatchTargetError"]
@@ -44,10 +47,10 @@ __all__ = ["apply", "activate", "remove", "active_settings", "report", "installe
 
 def installed_targets():
     """The patch points currently installed directly (not through MindSpeed's patch manager)."""
-    return HOOK.installed()
+    return runtime.current().patches.installed()
 
 
 def patch_targets():
     """``[(dotted path, wrapper)]`` for this megatron-core (and MindSpeed-LLM, once imported), for
     MindSpeed's patch manager; imports the target modules."""
-    return HOOK.patch_targets()
+    return runtime.current().patches.patch_targets()

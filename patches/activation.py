@@ -1,24 +1,27 @@
-"""Activation: where ``apply()`` and the ``--lm-*`` flags meet, and the adaptor's registration.
+"""Activation: the routes to the adaptor's settings, the one function they call, and the adaptor's
+registration.
 
-:func:`activate` is the one place settings become active. Its routes:
+:func:`enable` is the one place settings become active: it turns on the runtime
+(:class:`.runtime.Runtime`, everything the adaptor holds while it is on) that ``remove()`` drops. Its
+routes, each building a :class:`.settings.Settings` and calling it:
 
-* ``mindspeed_cez.patches.apply(...)`` (:func:`apply`) builds the :class:`.settings.Settings` from its
-  arguments;
+* ``mindspeed_cez.patches.apply(...)`` (:func:`apply`), from its arguments;
 * the flags: :func:`activate_from_flags` takes them from Megatron's parsed arguments
   (:func:`validate_flags`), called by Megatron's ``validate_args`` (:func:`validate_args_wrapper`), by
   our MindSpeed feature's ``validate_args``, or, with megatron-core alone, by the adaptor's import
   from ``sys.argv``.
 
+Where two routes choose, one rule decides (:func:`decide`): an ``apply()`` before Megatron parses its
+arguments is kept when the flags choose nothing; flags that choose differently are one error naming
+both (:func:`conflict`). :func:`remove` restores Megatron's functions.
+
 **One Settings per process.** The adaptor's import validates the command line before the script runs
 (:func:`.arguments.validate_command_line`: a bad value stops the run before Megatron's imports print
-their warnings) and keeps the outcome (``RECORD.command_line``). Megatron's validation hands it on
+their warnings) and keeps the outcome (the runtime's ``command_line``). Megatron's validation hands it on
 (:func:`validate_flags`): where Megatron parsed the same flags, its Settings are the run's, not built
 again. Only where Megatron's arguments differ from the command line (a script's ``args_defaults``, a
 YAML config) are the Settings built from them, the command line's having been its check. ``apply()``
 builds its own, once.
-
-An ``apply()`` before Megatron parses its arguments is kept when the flags choose nothing; flags
-that choose differently are one clear error. :func:`remove` restores Megatron's functions.
 
 ``import mindspeed_cez.megatron_adaptor`` calls :func:`register_adaptor`, which imports nothing of
 Megatron or MindSpeed:
@@ -56,9 +59,9 @@ import warnings
 import torch
 
 from mindspeed_cez import kernels
-from mindspeed_cez.patches import arguments, launch_checks, megatron_state, reporting
+from mindspeed_cez.patches import arguments, launch_checks, megatron_state, reporting, runtime
 from mindspeed_cez.patches import settings as _settings
-from mindspeed_cez.patches.import_hook import ADAPTOR, HOOK, module_exists, require_megatron_core
+from mindspeed_cez.patches.import_hook import ADAPTOR, module_exists, require_megatron_core
 from mindspeed_cez.patches.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -67,35 +70,9 @@ FEATURE_NAME = "lm-z-loss"
 FEATURES_MANAGER = "mindspeed.features_manager.features_manager"  # MindSpeed's, once loaded: its route
 
 
-class AdaptorRecord:
-    """How this process reaches its active settings: what ``apply()`` and the ``--lm-*`` flags chose
-    (:func:`activate` reconciles them), our MindSpeed feature once it joined MindSpeed's list, and
-    where the adaptor's import reads the flags (:func:`register_adaptor`)."""
-
-    def __init__(self):
-        self.apply_chose, self.from_apply = False, None  # an apply() (activate()) call chose these Settings
-        self.flags_chose, self.from_flags = False, None  # the parsed flags chose explicitly (None: kernel off)
-        self.warned_unchecked = False  # apply() warned that MindSpeed-LLM's modes could not be checked
-        self.feature = None  # our MindSpeed feature, once registered with MindSpeed
-        self.adaptor_mode = None  # "megatron.training" / "megatron.core": the adaptor import's registration
-        self.command_line = None  # the import's validation of the command line, handed on (arguments.Validated)
-        self.announced = None  # the Settings whose startup line was printed
-
-    def chose_by_apply(self, settings):
-        self.apply_chose, self.from_apply = True, settings
-
-    def chose_by_flags(self, settings):
-        self.flags_chose, self.from_flags = True, settings
-
-    def forget_choices(self):
-        """``remove()``: neither ``apply()`` nor the flags chose (the registrations stay)."""
-        self.apply_chose, self.from_apply = False, None
-        self.flags_chose, self.from_flags = False, None
-        self.announced = None
-
-
-# Global: Megatron's validate_args and MindSpeed's features manager reach the activation route without a handle.
-RECORD = AdaptorRecord()
+# The routes that choose settings; where two of them choose, :func:`decide` rules.
+APPLY = "apply"  # an apply() (activate()) call
+FLAGS = "flags"  # the parsed --lm-* flags (argv at the adaptor's import, Megatron's validate_args, MindSpeed's feature)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +120,7 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
     Imports nothing of Megatron; without megatron-core installed, ends the run with one line
     naming ``pip install megatron-core``.
     """
-    require_megatron_core()
+    require_megatron_core(runtime.current().patches.table)
     backend, linear_backend = _with_environment(backend=backend, linear_backend=linear_backend)
     if logit_transform is None:
         args = megatron_args()
@@ -155,7 +132,7 @@ def apply(z_loss_coeff=0.0, *, label_smoothing=None, log_z_loss=True, log_lse=Fa
                         grads=grads, logit_transform=logit_transform, backend=backend, linear_backend=linear_backend,
                         block_fraction=block_fraction, block_bytes=block_bytes, logit_softcap=logit_softcap,
                         mu_centering=mu_centering, mu_loss_coeff=mu_loss_coeff)
-    return activate(settings)
+    return enable(settings)
 
 
 def _with_environment(**given):
@@ -170,15 +147,13 @@ def _with_environment(**given):
     return tuple(given[field] or from_environment[field] for field in ("backend", "linear_backend"))
 
 
-def _check_megatron_args(settings):
+def _check_megatron_args(settings, state):
     args = megatron_args()
     if args is not None:
         output_layer_flag = "mindspeed_cez.patches.apply(fused_output_layer=True)" if settings.fused_output_layer else None
         arguments.check_mindspeed_llm_args(
             args, f"mindspeed_cez.patches.apply(z_loss_coeff={settings.z_loss_coeff})", output_layer_flag)
-    elif ("mindspeed_llm" in sys.modules and not RECORD.warned_unchecked
-          and RECORD.adaptor_mode is None):
-        RECORD.warned_unchecked = True
+    elif "mindspeed_llm" in sys.modules and state.adaptor_mode is None and state.warn_once("apply_unchecked"):
         warnings.warn(
             "mindspeed_cez.patches.apply(): MindSpeed-LLM is loaded but Megatron's arguments are not parsed "
             "yet, so its modes that bypass the fused kernel (--loss-compute-mode chunk at TP=1, "
@@ -193,52 +168,69 @@ def megatron_args():
     return megatron_state.parsed_args()
 
 
-def activate(settings, *, args=None):
-    """The one activation route: attach the wrappers (now or when their modules are imported),
-    check that every required one could attach, and make ``settings`` active. Returns the active
-    settings.
+def enable(settings, *, args=None):
+    """The one function every route calls: ``settings`` (None: the fused loss off) made the runtime's
+    (:class:`.runtime.Runtime`), after :func:`decide` reconciled them with another route's; the wrappers
+    attached (now or when their modules are imported, through MindSpeed's patch manager in a MindSpeed
+    process) and every required one checked. Returns the active settings.
 
-    ``args``: Megatron's parsed arguments whose ``--lm-*`` flags gave ``settings`` (validated;
-    None: the fused kernel off); without ``args``, ``settings`` come from ``apply()`` and are run
-    through the startup checks on Megatron's arguments where they are parsed. Flags that choose
-    nothing keep an earlier ``apply()``; flags and ``apply()`` that disagree are a ``ValueError``
-    naming both.
+    ``args``: Megatron's parsed arguments whose ``--lm-*`` flags gave ``settings`` (the flags' route);
+    None: ``settings`` come from ``apply()`` and are run through the startup checks on Megatron's
+    arguments where they are parsed.
     """
-    record = RECORD
-    if args is None:
-        if record.flags_chose and _differ(record.from_flags, settings):
-            raise ValueError(_conflict(settings, record.from_flags))
-        _check_megatron_args(settings)
-        record.chose_by_apply(settings)
-    else:
-        explicit = settings is not None or getattr(args, "lm_fused_ce", None) is False
-        if explicit:
-            record.chose_by_flags(settings)
-        applied = record.from_apply
-        if record.apply_chose and explicit and _differ(settings, applied):
-            raise ValueError(_conflict(applied, settings))
-        if record.apply_chose and not explicit:
-            settings = applied
-            arguments.check_mindspeed_llm_args(
-                args, _apply_call(settings), _apply_call(settings, "fused_output_layer") if settings.fused_output_layer
-                else None)
+    state = runtime.current()
+    settings = decide(state, settings, args)
     register_with_mindspeed()  # in a MindSpeed process its patch manager attaches the wrappers
     if registered_with_mindspeed():
         if "megatron.core" in sys.modules:
             register_patches_now()  # MindSpeed's patch manager owns the patching
     else:
-        HOOK.install_patches()
-    HOOK.check_attached()
-    _set_active(settings)
+        state.patches.install_patches()
+    state.patches.check_attached()
+    _set_active(state, settings)
     return settings
 
 
-def _set_active(settings):
-    _settings.set_active(settings)
+activate = enable  # the public name (mindspeed_cez.patches.activate)
+
+
+def decide(state, settings, args):
+    """The one rule where two routes meet: the settings to make active when ``apply()`` (``args`` None)
+    or the flags of ``args`` (``settings`` None: the fused loss off) choose ``settings``, given what the
+    other route chose before (``state.chosen``).
+
+    Flags that choose nothing (no ``--lm-*`` flag set) keep an earlier ``apply()``'s settings, run
+    through the startup checks on ``args``; ``apply()`` and flags that choose differently are a
+    ``ValueError`` naming both (:func:`conflict`). Records the choice."""
+    chosen = state.chosen
+    if args is None:
+        if FLAGS in chosen and differ(chosen[FLAGS], settings):
+            raise ValueError(conflict(settings, chosen[FLAGS]))
+        _check_megatron_args(settings, state)
+        chosen[APPLY] = settings
+        return settings
+    explicit = settings is not None or getattr(args, "lm_fused_ce", None) is False
+    if explicit:
+        chosen[FLAGS] = settings
+    if APPLY not in chosen:
+        return settings
+    applied = chosen[APPLY]
+    if explicit and differ(settings, applied):
+        raise ValueError(conflict(applied, settings))
+    if not explicit:
+        settings = applied
+        arguments.check_mindspeed_llm_args(
+            args, _apply_call(settings), _apply_call(settings, "fused_output_layer") if settings.fused_output_layer
+            else None)
+    return settings
+
+
+def _set_active(state, settings):
+    runtime.set_active(settings)
     reporting.report_names(settings.metric_names() if settings is not None else [])
-    HOOK.strict = settings is not None  # active: a required patch point missing at its import fails there
-    if settings is not None and settings != RECORD.announced:
-        RECORD.announced = settings
+    state.patches.strict = settings is not None  # active: a required patch point missing at its import fails there
+    if settings is not None and settings != state.announced:
+        state.announced = settings
         if launch_checks.first_process():
             print(f"mindspeed_cez: on: {settings.describe(backend_name(settings))}", flush=True)
 
@@ -255,7 +247,7 @@ def backend_name(settings):
 def validate_flags(args):
     """The flags' Settings from Megatron's (or MindSpeed's) parsed ``args`` (:func:`.arguments.validate`),
     with the command line's validation at the adaptor's import handed on: built once per process."""
-    return arguments.validate(args, RECORD.command_line)
+    return arguments.validate(args, runtime.current().command_line)
 
 
 def activate_from_flags(args):
@@ -268,7 +260,7 @@ def activate_from_flags(args):
 def _activate_flags(args, settings):
     """Activate ``settings``, the flags' (validated from ``args``; None: the fused kernel off)."""
     try:
-        return activate(settings, args=args)
+        return enable(settings, args=args)
     except arguments.FlagValueError:
         raise
     except ValueError as err:
@@ -279,7 +271,8 @@ _COMPARED = ("z_loss_coeff", "log_lse", "logit_softcap", "mu_centering", "mu_los
 _COMPARED_OUTPUT_LAYER = ("grads", "block_fraction", "block_bytes")
 
 
-def _differ(a, b):
+def differ(a, b):
+    """Whether settings ``a`` and ``b`` (either None: the fused loss off) configure the fused loss differently."""
     if a is None or b is None:
         return (a is None) != (b is None)
     fields = _COMPARED + (_COMPARED_OUTPUT_LAYER if a.fused_output_layer or b.fused_output_layer else ())
@@ -290,7 +283,8 @@ def _apply_call(settings, field="z_loss_coeff"):
     return f"mindspeed_cez.patches.apply({field}={getattr(settings, field)!r})"
 
 
-def _conflict(applied, flagged):
+def conflict(applied, flagged):
+    """The error when ``apply()`` chose ``applied`` and the flags ``flagged``: it names both."""
     flags = arguments.FLAG_NO_FUSED if flagged is None else (
         f"{arguments.FLAG_COEFF} {flagged.z_loss_coeff}" + (f" {arguments.FLAG_LOG_LSE}" if flagged.log_lse else "")
         + (f" {arguments.FLAG_SOFTCAP} {flagged.logit_softcap:g}" if flagged.logit_softcap else "")
@@ -306,14 +300,15 @@ def remove():
 
     Patches installed through MindSpeed's patch manager stay in place but pass through to the
     functions they wrap (MindSpeed owns them); only the settings are cleared."""
-    _set_active(None)
-    RECORD.forget_choices()
-    HOOK.uninstall_all()
+    state = runtime.current()
+    _set_active(state, None)
+    state.patches.uninstall_all()
+    runtime.replace(state.successor())  # the registrations and the warnings given stay with the process
 
 
 def active_settings():
     """The active :class:`Settings`, or None (Megatron's own loss)."""
-    return _settings.get_active()
+    return runtime.get_active()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,8 +379,9 @@ def make_feature_class(base):
 
         def register_patches(self, patch_manager, args):
             self._patches_registered = True
-            direct = set(HOOK.installed())  # attached before MindSpeed loaded: not twice
-            for path, wrapper in HOOK.patch_targets():
+            patches = runtime.current().patches
+            direct = set(patches.installed())  # attached before MindSpeed loaded: not twice
+            for path, wrapper in patches.patch_targets():
                 if path not in direct:
                     patch_manager.register_patch(path, wrapper)
 
@@ -429,21 +425,22 @@ def register_with_mindspeed():
     before MindSpeed-LLM's, the feature stays in the list MindSpeed-LLM sets. MindSpeed ignores a
     wrapper registered twice, so a later ``apply_features_patches`` is harmless.
     """
-    HOOK.on_import(FEATURES_MANAGER, _join)
-    return RECORD.feature
+    runtime.current().patches.on_import(FEATURES_MANAGER, _join)
+    return runtime.current().feature
 
 
 def _join(features_manager_module):
     """Add our feature to the features manager that just loaded (or was loaded already)."""
     base, features_manager, patch_manager = _mindspeed_api()
-    if RECORD.feature is None:
+    state = runtime.current()
+    if state.feature is None:
         cls = make_feature_class(base)
         existing = [f for f in features_manager.FEATURES_LIST if type(f).__name__ == cls.__name__]
-        RECORD.feature = existing[0] if existing else cls()
-    if RECORD.feature not in features_manager.FEATURES_LIST:
-        features_manager.FEATURES_LIST.append(RECORD.feature)
-    _stay_in_features_list(features_manager, RECORD.feature)
-    HOOK.manager_module = FEATURES_MANAGER  # while it is loaded, MindSpeed's patch manager attaches the table
+        state.feature = existing[0] if existing else cls()
+    if state.feature not in features_manager.FEATURES_LIST:
+        features_manager.FEATURES_LIST.append(state.feature)
+    _stay_in_features_list(features_manager, state.feature)
+    state.patches.manager_module = FEATURES_MANAGER  # while it is loaded, MindSpeed's patch manager attaches the table
     if "megatron.core" in sys.modules:  # MindSpeed applied its features already: ours now
         register_patches_now()
 
@@ -451,12 +448,12 @@ def _join(features_manager_module):
 def register_patches_now():
     """(Re)register and apply our wrappers through MindSpeed's patch manager."""
     _, _, patch_manager = _mindspeed_api()
-    RECORD.feature.register_patches(patch_manager, None)
+    runtime.current().feature.register_patches(patch_manager, None)
     patch_manager.apply_patches()
 
 
 def registered_with_mindspeed():
-    return RECORD.feature is not None and FEATURES_MANAGER in sys.modules
+    return runtime.current().feature is not None and FEATURES_MANAGER in sys.modules
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,24 +472,25 @@ def _arguments_parsed(args):
 def register_adaptor(argv=None):
     """What ``import mindspeed_cez.megatron_adaptor`` does (idempotent; imports nothing of Megatron or
     MindSpeed): the command line validated (``argv``, default ``sys.argv[1:]``; a bad value: one line,
-    exit 2, now) and its outcome kept for Megatron's validation to hand on (``RECORD.command_line``), our
+    exit 2, now) and its outcome kept for Megatron's validation to hand on (the runtime's ``command_line``), our
     MindSpeed feature registered, and the wrappers attached (with Megatron's argument hooks) or, with
     megatron-core alone, the flags' Settings activated. Returns the mode."""
-    if RECORD.adaptor_mode is not None:
+    state = runtime.current()
+    if state.adaptor_mode is not None:
         return mode()
-    require_megatron_core()
-    RECORD.command_line = arguments.validate_command_line(sys.argv[1:] if argv is None else argv)
+    require_megatron_core(state.patches.table)
+    state.command_line = arguments.validate_command_line(sys.argv[1:] if argv is None else argv)
     register_with_mindspeed()  # joins MindSpeed's features once MindSpeed loads them
     if module_exists("megatron.training"):
-        HOOK.install_patches(ADAPTOR)
+        state.patches.install_patches(ADAPTOR)
         args = megatron_args()
         if args is not None and (arguments.has_lm_z_loss_args(args) or not registered_with_mindspeed()):
             _arguments_parsed(args)
-        RECORD.adaptor_mode = "megatron.training"
+        state.adaptor_mode = "megatron.training"
     else:
         # megatron-core alone: the command line is the parsed flags, its Settings the run's
-        _activate_flags(RECORD.command_line.args, RECORD.command_line.settings)
-        RECORD.adaptor_mode = "megatron.core"
+        _activate_flags(state.command_line.args, state.command_line.settings)
+        state.adaptor_mode = "megatron.core"
     return mode()
 
 
@@ -501,4 +499,4 @@ def mode():
     ``"megatron.core"`` (where the flags are read from)."""
     if registered_with_mindspeed():
         return "mindspeed"
-    return RECORD.adaptor_mode
+    return runtime.current().adaptor_mode

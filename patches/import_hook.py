@@ -12,8 +12,8 @@ A target is *required* or *optional*: optional ones are feature-detected; a requ
 attach (its module imported, the attribute missing) is a :class:`PatchTargetError` naming it, raised
 by :meth:`PatchRegistry.check_attached` (or at the import itself once ``strict``), never a silent miss.
 
-Nothing here knows what is patched: the table is :mod:`.patch_points`, handed to :data:`HOOK` by
-:mod:`mindspeed_cez.patches`.
+Nothing here knows what is patched: the table is :mod:`.patch_points`, handed to the registry the
+runtime holds (:class:`.runtime.Runtime`) by :mod:`mindspeed_cez.patches`.
 """
 
 import importlib
@@ -311,10 +311,6 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-# Global: the import system (the post-import hook) and Megatron's modules reach the patches without a handle.
-HOOK = PatchRegistry()
-
-
 class MegatronCoreMissing(SystemExit):
     """megatron-core is not installed: uncaught, the process ends with this one line on stderr and
     exit status 1 (no traceback)."""
@@ -326,13 +322,13 @@ class MegatronCoreMissing(SystemExit):
         super().__init__(self.MESSAGE)
 
 
-def require_megatron_core():
+def require_megatron_core(table):
     """Raise :class:`MegatronCoreMissing` unless ``megatron.core`` can be imported, and
-    :class:`MegatronLayoutRefused` where its layout is one the patch points cannot serve
+    :class:`MegatronLayoutRefused` where its layout is one the patch points of ``table`` cannot serve
     (:func:`check_megatron_layout`). Imports nothing."""
     if not module_exists("megatron.core"):
         raise MegatronCoreMissing()
-    check_megatron_layout()
+    check_megatron_layout(table)
 
 
 def module_spec(name):
@@ -384,17 +380,16 @@ class MegatronLayoutRefused(SystemExit):
     one line on stderr and exit status 1 (no traceback)."""
 
 
-def check_megatron_layout(table=None):
+def check_megatron_layout(table):
     """Raise :class:`MegatronLayoutRefused`, one line naming the version, where this Megatron keeps its
     cross entropy in ``megatron/core/ops/loss`` (:data:`MOVED_CROSS_ENTROPY`) or lacks the module of a
-    required megatron-core patch point of ``table`` (default: the hook's). Imports nothing."""
+    required megatron-core patch point of ``table`` (``.patch_points.TARGETS``). Imports nothing."""
     moved = [name for name in MOVED_CROSS_ENTROPY if module_spec(name) is not None]
     if moved:
         raise MegatronLayoutRefused(
             f"mindspeed_cez: this Megatron ({megatron_version()}) keeps its cross entropy in {moved[0]}, a layout "
             "mindspeed_cez does not serve yet (its fused loss would be bypassed): use megatron-core <= 0.20 or "
             "Megatron-LM main up to d98e8a64, or report the version")
-    table = HOOK.table if table is None else table
     gone = sorted({t.module for t in table if t.required and t.route == ALWAYS
                    and t.module.startswith("megatron.core.") and module_spec(t.module) is None})
     if gone:

@@ -3,9 +3,9 @@
 Every wrapper is a *decorator* (``xxx_wrapper(original) -> replacement``), the convention of
 MindSpeed's patch manager (a new function whose name ends in ``wrapper`` decorates the current
 one), so the same objects serve both the MindSpeed path and the direct megatron-core path.
-Each replacement is made by :func:`.settings.while_active`: it reads
-:data:`mindspeed_cez.patches.settings.ACTIVE` on every call; while it is ``None`` the original runs
-unchanged.
+Each replacement is made by :func:`.runtime.while_active`: it reads the runtime's settings
+(:data:`mindspeed_cez.patches.runtime.RUNTIME`) on every call; while they are ``None`` the original
+runs unchanged.
 
 Patched (the table: :data:`.patch_points.TARGETS`):
 
@@ -41,9 +41,10 @@ from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.kernels.logit_transform import IDENTITY
 from mindspeed_cez.linear_cross_entropy import (RECOMPUTE, ForwardGradientError, WeightGradTarget,
                                                check_forward_gradients, linear_cross_entropy_zloss)
-from mindspeed_cez.patches import mean_embedding, megatron_state, model_context, reporting
+from mindspeed_cez.patches import mean_embedding, megatron_state, model_context, reporting, runtime
 from mindspeed_cez.patches.model_context import FLAG, DeferredLogits
-from mindspeed_cez.patches.settings import LM_LSE, LM_MU_NORM, LM_Z_LOSS, while_active
+from mindspeed_cez.patches.runtime import while_active
+from mindspeed_cez.patches.settings import LM_LSE, LM_MU_NORM, LM_Z_LOSS
 from mindspeed_cez.tensor_parallel import group_rank_and_size
 
 
@@ -95,9 +96,6 @@ def megatron_cross_entropy(settings, logits, target, tp_group, label_smoothing_m
     return in_megatron_convention(loss, z_loss, spec), z_loss, lse
 
 
-_NO_MASK_WARNED = "_mindspeed_cez_no_mask_warned"  # the model's flag: its warning given
-
-
 def with_mu_loss(loss, weight, tp_group, coeff, training):
     """``(loss, ||mu||)``: the per-token ``loss`` with the mu-loss ``coeff * ||mu||**2`` of the output
     ``weight``'s mean row in its gradient (each token's share: Megatron's weighting sums them to one per
@@ -114,8 +112,7 @@ def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context, mu_norm
     names = settings.metric_names()
     if not names or not module.training or not torch.is_grad_enabled():
         return
-    if not has_context and not vars(module).get(_NO_MASK_WARNED):
-        vars(module)[_NO_MASK_WARNED] = True
+    if not has_context and runtime.current().warn_once_for(module):
         warnings.warn(f"mindspeed_cez: {type(module).__name__} hands no loss mask to its LM loss; lm_z_loss and "
                       "lm_lse average over every token of its micro-batches", stacklevel=3)
     reporting.record_lm_z_loss(

@@ -16,10 +16,12 @@ the optimizer hooks center what was marked.
 import torch
 import torch.distributed as dist
 
-from mindspeed_cez.patches.settings import while_active
+from mindspeed_cez.patches.runtime import while_active
 from mindspeed_cez.tensor_parallel import group_rank_and_size
 
-# The attribute a weight to center carries: its tensor-parallel group (None: not sharded).
+# The attribute a weight to center carries: its tensor-parallel group (None: not sharded). It rides on the
+# weight: Megatron's optimizers (their copy of the main params, the distributed optimizer's step) meet the
+# weight, not the model, when the patched hooks center it.
 CENTERED = "_mindspeed_cez_centered_rows"
 
 

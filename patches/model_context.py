@@ -34,7 +34,7 @@ import torch
 
 from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
 from mindspeed_cez.patches import mean_embedding, megatron_state
-from mindspeed_cez.patches.settings import while_active
+from mindspeed_cez.patches.runtime import while_active
 
 FLAG = "--lm-fused-output-layer"
 TRANSFORM_FLAGS = "--output-multiplier-scale / --output-logit-softcapping"
@@ -52,7 +52,9 @@ class LogitTransformError(RuntimeError):
 # the loss context: a model's forward -> its compute_language_model_loss
 # ---------------------------------------------------------------------------------------------
 
-# The model's attribute holding its open context (a plain object: nn.Module keeps it in __dict__).
+# The model's attribute holding its open context (a plain object: nn.Module keeps it in __dict__). It rides
+# on the model: Megatron calls the model's own compute_language_model_loss, with no handle, inside that
+# model's forward (one context per model, so nested or pipelined models keep theirs apart).
 ATTRIBUTE = "_mindspeed_cez_loss_context"
 
 
@@ -202,7 +204,8 @@ def _check_layer(layer, runtime_gather_output, hidden):
                                     f"served: drop --output-logit-dtype or {FLAG}")
 
 
-# The output layer's attribute holding its MainHeadCall during the model's forward.
+# The output layer's attribute holding its MainHeadCall during the model's forward. It rides on the layer:
+# Megatron calls that layer (with no handle) from its forward, and only the main head's call is deferred.
 MAIN_HEAD = "_mindspeed_cez_main_head"
 
 

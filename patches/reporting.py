@@ -57,9 +57,10 @@ import torch.distributed as dist
 
 from mindspeed_cez.linear_forward_grads import forget_forward_gradients
 from mindspeed_cez.patches import megatron_state
-from mindspeed_cez.patches import settings as _settings
+from mindspeed_cez.patches import runtime
 from mindspeed_cez.patches.import_hook import module_exists
-from mindspeed_cez.patches.settings import LM_LSE, LM_LSE_MAX, LM_MU_NORM, LM_Z_LOSS, while_active
+from mindspeed_cez.patches.runtime import while_active
+from mindspeed_cez.patches.settings import LM_LSE, LM_LSE_MAX, LM_MU_NORM, LM_Z_LOSS
 
 MOE_LOGGING = "megatron.core.transformer.moe.moe_logging"
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
@@ -171,13 +172,14 @@ class IterationMetrics:
             self.reporting = False
 
 
-# Global: the patched loss records and Megatron's training_log / MoE report reduce without a handle.
-_ITERATION = IterationMetrics()
+def _metrics():
+    """The runtime's metric buffers (:class:`.runtime.Runtime`)."""
+    return runtime.current().metrics
 
 
 def report_names(names):
     """Report ``names`` (of ``LM_Z_LOSS``, ``LM_LSE``, ``LM_LSE_MAX``) by default from now on; ``[]``: none."""
-    _ITERATION.names = list(names)
+    _metrics().names = list(names)
 
 
 def record_lm_z_loss(z_loss_per_token=None, loss_mask=None, *, lse_per_token=None, mu_norm=None):
@@ -191,18 +193,18 @@ def record_lm_z_loss(z_loss_per_token=None, loss_mask=None, *, lse_per_token=Non
             and the maximum over the counted tokens.
         mu_norm: the norm of the mean output embedding in this micro-batch's forward (a 0-dim tensor), or None.
     """
-    _ITERATION.record(z_loss_per_token, loss_mask, lse_per_token, mu_norm)
+    _metrics().record(z_loss_per_token, loss_mask, lse_per_token, mu_norm)
 
 
 def recorded_tokens():
     """The tokens recorded since the last :func:`reduce_iteration` (a host sync: for tests)."""
-    return _ITERATION.recorded_tokens()
+    return _metrics().recorded_tokens()
 
 
 def report_iteration():
     """``with report_iteration() as values``: this iteration's values for the outermost report (Megatron's
     ``training_log``, its MoE report, :func:`report`), None inside it: each iteration is reported once."""
-    return _ITERATION.report_iteration()
+    return _metrics().report_iteration()
 
 
 def _collective_device(group):
@@ -223,7 +225,7 @@ def reduce_iteration(names=None):
     maximum likewise with MAX, so every rank returns the last stage's values). ``names`` defaults to
     :func:`report_names`'.
     """
-    return _ITERATION.reduce(names)
+    return _metrics().reduce(names)
 
 
 def write(values, iteration, writer=None, wandb_writer=None, total_loss_dict=None):
@@ -313,7 +315,7 @@ def moe_metrics_report_wrapper(fn):
 
     @functools.wraps(fn)
     def report_(*args, **kwargs):
-        if _settings.get_active() is None:
+        if runtime.get_active() is None:
             return fn(*args, **kwargs)
         with report_iteration() as values:  # None: Megatron's training_log (or report()) reports them
             result = fn(*args, **kwargs)

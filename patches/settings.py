@@ -1,20 +1,15 @@
-"""The adaptor's run-time settings: one :class:`Settings` per process, and the slot the patched
-functions read it from.
+"""The adaptor's run-time settings: one :class:`Settings` per process.
 
 :class:`Settings` is built once, from the parsed ``--lm-*`` flags (:func:`.arguments.validate`) or by
-``apply()``, and handed on as it is (:mod:`.activation` makes it active). Every patched function is
-made by :func:`while_active`: it reads :data:`ACTIVE` on each call; ``None`` means "behave exactly like
-Megatron" (the original function runs), a :class:`Settings` "use the fused op with these settings",
-handed to the wrapper as its first argument.
+``apply()``, and handed on as it is (:func:`.activation.enable` makes it the runtime's,
+:mod:`.runtime`).
 
 :func:`backends_from_environment` (:func:`mindspeed_cez.environment.read_backends`, the one reader of
 ``MINDSPEED_CEZ_BACKEND`` / ``MINDSPEED_CEZ_LINEAR_BACKEND`` on every route) gives the flags' backends.
 """
 
-import functools
 import math
 import numbers
-from typing import Optional
 
 from mindspeed_cez import environment, kernels
 from mindspeed_cez.environment import BACKEND_ENV, LINEAR_BACKEND_ENV  # noqa: F401 (public names)
@@ -234,39 +229,3 @@ class Settings:
 
 def _finite(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-# Global: Megatron calls the patched functions without a handle to the adaptor, so they read it here.
-ACTIVE: Optional[Settings] = None
-
-
-def set_active(settings: Optional[Settings]):
-    """Make ``settings`` the ones the patched functions use (None: Megatron's own functions again).
-    Only :mod:`.activation` calls it."""
-    global ACTIVE
-    ACTIVE = settings
-
-
-def get_active() -> Optional[Settings]:
-    return ACTIVE
-
-
-def while_active(fn, active, inactive=None):
-    """The replacement of ``fn``: ``active(settings, *args, **kwargs)`` while :data:`ACTIVE` is set,
-    else ``inactive(*args, **kwargs)`` (default ``fn``, unchanged). ``inactive`` serves a name Megatron
-    binds to None (e.g. ``te_parallel_cross_entropy`` without Transformer Engine). ``__cez_wraps__``
-    holds ``fn``, for the patch manager to restore it."""
-    inactive = fn if inactive is None else inactive
-
-    def replacement(*args, **kwargs):
-        settings = ACTIVE
-        if settings is None:
-            return inactive(*args, **kwargs)
-        return active(settings, *args, **kwargs)
-
-    if fn is not None:
-        functools.update_wrapper(replacement, fn)
-    else:
-        replacement.__name__ = replacement.__qualname__ = active.__name__
-    replacement.__cez_wraps__ = fn
-    return replacement

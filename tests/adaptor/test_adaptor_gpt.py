@@ -53,8 +53,7 @@ def _gpt_worker(rank, world_size, tp):
 
     import mindspeed_cez.patches as patches
     from mindspeed_cez.patches import reporting as metrics
-    from mindspeed_cez.patches import settings as _settings
-    from mindspeed_cez.patches.import_hook import HOOK
+    from mindspeed_cez.patches import runtime
 
     model = build(tp)
     model.train()
@@ -71,7 +70,7 @@ def _gpt_worker(rank, world_size, tp):
     megatron, megatron_scalars = run()  # Megatron's own loss
     assert "lm_z_loss" not in megatron_scalars and megatron_scalars["load_balancing_loss"] > 0
 
-    HOOK.install_patches()  # installed, inactive: Megatron's numbers, bit for bit
+    runtime.current().patches.install_patches()  # installed, inactive: Megatron's numbers, bit for bit
     inactive, inactive_scalars = run()
     _assert_same(inactive, megatron, "installed but inactive")
     assert inactive_scalars == megatron_scalars
@@ -123,7 +122,7 @@ def _gpt_worker(rank, world_size, tp):
     scalars = metrics.report(2, 1, LAYERS, track_names=())
     assert scalars["lm_z_loss"] == pytest.approx(float(unmasked[0] / unmasked[1]), rel=1e-5), scalars
 
-    _settings.set_active(None)  # flag off
+    runtime.set_active(None)  # flag off
     _assert_same(run()[0], megatron, "flag off")
     patches.apply(z_loss_coeff=0.0)  # --lm-fused-ce: fused kernel, plain CE and its gradient
     (losses, captured, _), scalars = run()

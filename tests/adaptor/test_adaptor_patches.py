@@ -19,7 +19,7 @@ from mindspeed_cez.kernels.logit_transform import LogitTransform
 pytest.importorskip("megatron.core")
 
 import mindspeed_cez.patches as patches  # noqa: E402
-from mindspeed_cez.patches import activation  # noqa: E402
+from mindspeed_cez.patches import activation, runtime  # noqa: E402
 from mindspeed_cez.patches import settings as _settings  # noqa: E402
 
 
@@ -190,10 +190,12 @@ def fake_mindspeed(monkeypatch):
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     patches.remove()
-    monkeypatch.setattr(activation.RECORD, "feature", None)
+    registered = runtime.current().feature
+    runtime.current().feature = None
     yield FeaturesManager
     _RecordingPatchManager.remove_patches()
-    _settings.set_active(None)
+    runtime.set_active(None)
+    runtime.current().feature = registered
 
 
 def test_mindspeed_feature_registers_args_validation_and_patches(fake_mindspeed):
@@ -296,7 +298,7 @@ def test_apply_warns_once_where_it_cannot_check(monkeypatch):
         package.__path__ = []
         monkeypatch.setitem(sys.modules, name, package)
     monkeypatch.delitem(sys.modules, "megatron.training.global_vars", raising=False)
-    monkeypatch.setattr(activation.RECORD, "warned_unchecked", False)
+    runtime.current().warned.discard("apply_unchecked")
     try:
         with pytest.warns(UserWarning, match="--loss-compute-mode chunk at TP=1.*could not be checked"):
             patches.apply(z_loss_coeff=1e-4)
@@ -367,21 +369,22 @@ def test_a_required_target_that_cannot_attach_is_an_error_naming_it(tmp_path, mo
     (tmp_path / "cez_fake_megatron_late.py").write_text("def other():\n    return 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     wrapper = patch_points.TARGETS[1].wrapper
-    monkeypatch.setattr(import_hook.HOOK, "table", [
+    registry = runtime.current().patches  # the same registry before and after remove()
+    monkeypatch.setattr(registry, "table", [
         import_hook.Target("cez_fake_megatron_mod", "", ("loss_fn",), wrapper),
         import_hook.Target("cez_fake_megatron_mod", "", ("optional_fn",), wrapper, required=False),
         import_hook.Target("cez_fake_megatron_late", "", ("loss_fn",), wrapper)])
     patches.remove()
     try:
-        import_hook.HOOK.install_patches()
+        registry.install_patches()
         import cez_fake_megatron_mod  # noqa: F401
 
         with pytest.raises(patches.PatchTargetError, match=r"cannot patch cez_fake_megatron_mod\.loss_fn:"):
             patches.apply(z_loss_coeff=1e-3)
         assert patches.active_settings() is None
-        import_hook.HOOK.forget_failures()  # as if that module had not been imported
-        import_hook.HOOK.strict = True  # as activation leaves it
-        _settings.set_active(patches.Settings(z_loss_coeff=1e-3))
+        registry.forget_failures()  # as if that module had not been imported
+        registry.strict = True  # as activation leaves it
+        runtime.set_active(patches.Settings(z_loss_coeff=1e-3))
         with pytest.raises(patches.PatchTargetError, match=r"cez_fake_megatron_late\.loss_fn"):
             import cez_fake_megatron_late  # noqa: F401
     finally:

@@ -118,14 +118,14 @@ def test_settings_from_flags():
                                   ["--lm-fused-output-layer"], ["--lm-z-loss-coeff", "2e-4", "--lm-z-loss-log-lse"]])
 def test_megatron_adaptor_activates_every_setting(argv):
     """What the flags set is what the patches run with (the flag must never be a silent no-op)."""
-    from mindspeed_cez.patches import activation
-    from mindspeed_cez.patches import settings as _settings
+    from mindspeed_cez.patches import activation, runtime
 
     import mindspeed_cez.patches as patches
 
     try:
         expected = activation.activate_from_flags(_parse(argv))
-        assert _settings.ACTIVE is expected and expected == arguments.validate(_parse(argv)), (_settings.ACTIVE, expected)
+        active = runtime.current().settings
+        assert active is expected and expected == arguments.validate(_parse(argv)), (active, expected)
     finally:
         patches.remove()
 
@@ -136,10 +136,10 @@ import os, sys, json
 os.environ.setdefault("WORLD_SIZE", "1"); os.environ.setdefault("RANK", "0")
 import mindspeed_cez.megatron_adaptor as adaptor
 from megatron.training import arguments as A
-from mindspeed_cez.patches import active_settings, settings
+from mindspeed_cez.patches import active_settings, runtime
 results = []
 for argv in json.loads(sys.argv[1]):
-    settings.set_active(None)
+    runtime.set_active(None)
     sys.argv = ["pretrain_gpt.py"] + argv
     args = A.parse_args()
     out = {"mode": adaptor.MODE, "lm": args.lm_z_loss_coeff, "moe": args.moe_z_loss_coeff, "fused": args.lm_fused_ce}

@@ -17,6 +17,7 @@ import torch
 
 from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.patches import arguments, model_context
+from mindspeed_cez.patches import runtime
 from mindspeed_cez.patches import settings as _settings
 
 FLAG = "--lm-fused-output-layer"
@@ -109,9 +110,9 @@ _HybridLike.forward = model_context.loss_context_wrapper(_HybridLike.forward)
 @pytest.fixture
 def active():
     def activate(**fields):
-        _settings.set_active(_settings.Settings(**fields))
+        runtime.set_active(_settings.Settings(**fields))
     yield activate
-    _settings.set_active(None)
+    runtime.set_active(None)
 
 
 def test_real_hybrid_model_forward_has_the_mtp_switch_the_adaptor_reads():

@@ -93,9 +93,9 @@ def test_flags_and_apply_that_disagree_name_both():
     from mindspeed_cez.patches import activation
 
     applied, flagged = Settings(z_loss_coeff=1e-4), Settings(z_loss_coeff=1e-4, mu_loss_coeff=1e-4)
-    assert activation._differ(applied, flagged)
-    assert "--lm-mu-loss-coeff 0.0001" in activation._conflict(applied, flagged)
-    assert not activation._differ(flagged, Settings(z_loss_coeff=1e-4, mu_loss_coeff=1e-4))
+    assert activation.differ(applied, flagged)
+    assert "--lm-mu-loss-coeff 0.0001" in activation.conflict(applied, flagged)
+    assert not activation.differ(flagged, Settings(z_loss_coeff=1e-4, mu_loss_coeff=1e-4))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -191,7 +191,7 @@ def _fused_output_layer_worker(rank, world_size, tp, transform):
     _import_adaptors("cez first")
     from mindspeed_llm.training import arguments, training
 
-    from mindspeed_cez.patches import settings as cez_settings
+    from mindspeed_cez.patches import runtime as cez_runtime
     from support import recorded_grad_scales
 
     model = gpt.build(tp)
@@ -207,7 +207,7 @@ def _fused_output_layer_worker(rank, world_size, tp, transform):
     def run(extra, torch_transform=False):
         arguments.parse_args(base + extra)
         if torch_transform:  # the reference: MindSpeed-LLM's own ops on the logits
-            cez_settings.set_active(cez_settings.get_active().replace(logit_transform=None))
+            cez_runtime.set_active(cez_runtime.get_active().replace(logit_transform=None))
         model.zero_grad(set_to_none=True)
         kinds, outputs = [], []
         hooks = [model.output_layer.register_forward_hook(lambda m, i, o: kinds.append(_kind(o[0]))),

@@ -68,7 +68,7 @@ def test_the_direct_kernel_launcher_names_the_triton_versions_it_follows():
     assert not launch.direct_launch_supported("3.3.1") and not launch.direct_launch_supported("3.2.0")
     assert not launch.direct_launch_supported("3.7.0")
     with pytest.warns(UserWarning, match=r"Triton 3\.3\.1 is outside 3\.4-3\.6"):
-        launch._WARNED.clear()
+        launch.warn_triton_launch.cache_clear()
         launch.warn_triton_launch("3.3.1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

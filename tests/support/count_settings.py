@@ -14,10 +14,10 @@ import os
 import runpy
 import sys
 
-from mindspeed_cez.patches import settings
+from mindspeed_cez.patches import runtime, settings
 
 BUILT, ACTIVATED = [], []
-_init, _set_active = settings.Settings.__init__, settings.set_active
+_init, _set_active = settings.Settings.__init__, runtime.set_active
 
 
 def _counted_init(self, *args, **kwargs):
@@ -32,7 +32,7 @@ def _recorded_set_active(value):
 
 
 settings.Settings.__init__ = _counted_init
-settings.set_active = _recorded_set_active
+runtime.set_active = _recorded_set_active
 
 
 @atexit.register
