@@ -374,7 +374,7 @@ def launch_all(plan, cfg, data, run_dir, gpus, parallel, budget_s, eval_iters, p
             log = open(os.path.join(run_dir, "logs", run["name"] + ".log"), "w")
             log.write(" ".join(cmd) + "\n\n")
             log.flush()
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             running[run["name"]] = (proc, log, dict(run, gpu=None if not gpus else gpu, mps=str(gpu) in mps_gpus,
                                                     started_s=round(time.time() - start, 1)))
