@@ -27,7 +27,7 @@ class ForwardGradsOptions(LinearLossOptions):
     row_block: Optional[int] = None
     block_fraction: Optional[float] = None
     block_bytes: Optional[int] = None
-    remedy: str = "grads='recompute'"  # the fix that errors raised after the forward name
+    remedy: str = "GradientPath('recompute')"  # the fix that errors raised after the forward name
 
 
 RECOMPUTE_FIX = ForwardGradsOptions.remedy

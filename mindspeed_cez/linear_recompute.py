@@ -1,4 +1,4 @@
-"""The fused output layer's recompute path (``grads="recompute"``, the default).
+"""The fused output layer's recompute path (``grads="recompute"``, and any call without token weights).
 
 The forward reduces the logits to the partials as they are made (Triton: ``tl.dot`` tiles in
 registers, kernels/triton_linear_cross_entropy.py; torch: GEMMs on chunks of the vocab); backward
