@@ -48,9 +48,9 @@ class LogitTransform:
 
     def __post_init__(self):
         if not (_finite(self.scale) and self.scale > 0):
-            raise ValueError(f"logit_scale (LogitTransform.scale) must be a finite number > 0, got {self.scale!r}")
+            raise ValueError(f"logit_scale must be a finite number > 0 (LogitTransform.scale), got {self.scale!r}")
         if not (_finite(self.cap) and self.cap >= 0):
-            raise ValueError(f"logit_softcap (LogitTransform.cap) must be a finite number >= 0 (0: no cap), got {self.cap!r}")
+            raise ValueError(f"logit_softcap must be a finite number >= 0 (0: no cap) (LogitTransform.cap), got {self.cap!r}")
         object.__setattr__(self, "scale", float(self.scale))
         object.__setattr__(self, "cap", float(self.cap))
 
