@@ -10,13 +10,12 @@
 
 Under tensor parallelism each rank holds a vocabulary slice: ``mu`` is one all-reduce of a
 hidden-size vector. The weights are found through the model's forward (:func:`mark_output_weights`);
-the optimizer hooks center what was marked.
+the optimizer hooks (:mod:`.optimizer_hooks`) center what was marked.
 """
 
 import torch
 import torch.distributed as dist
 
-from mindspeed_cez.patches.settings import while_active
 from mindspeed_cez.tensor_parallel import group_rank_and_size
 
 # The attribute a weight to center carries: its tensor-parallel group (None: not sharded).
@@ -179,34 +178,3 @@ def center_main_params(optimizer):
         center_float16_main_params(optimizer)
     else:
         raise MuCenteringError(f"--lm-mu-centering does not know the master weights of {type(optimizer).__name__}")
-
-
-# ---------------------------------------------------------------------------------------------
-# the optimizers' patch points (the table: .patch_points.TARGETS)
-# ---------------------------------------------------------------------------------------------
-
-
-def copy_main_params_to_model_params_wrapper(fn):
-    """``Float16OptimizerWithFloat16Params`` / ``DistributedOptimizer._copy_main_params_to_model_params``
-    (right after the inner optimizer's step): with mu-centering on, the marked weights' master copies are
-    centered first, so the model's weights get the centered values."""
-
-    def copy_main_params_to_model_params(settings, self, *args, **kwargs):
-        if settings.mu_centering and not getattr(self, "is_stub_optimizer", False):
-            center_main_params(self)
-        return fn(self, *args, **kwargs)
-
-    return while_active(fn, copy_main_params_to_model_params)
-
-
-def fp32_step_with_ready_grads_wrapper(fn):
-    """``FP32Optimizer.step_with_ready_grads``: with mu-centering on, the marked weights after the step."""
-
-    def step_with_ready_grads(settings, self, *args, **kwargs):
-        stepped = fn(self, *args, **kwargs)
-        if settings.mu_centering and not getattr(self, "is_stub_optimizer", False):
-            with torch.no_grad():
-                center_fp32_params(self)
-        return stepped
-
-    return while_active(fn, step_with_ready_grads)

@@ -9,7 +9,7 @@ the flags: Megatron's argument hooks), ``MINDSPEED`` (through MindSpeed's patch 
 MindSpeed-LLM's modules, never imported by the adaptor; ``loaded_only``: listed once imported).
 """
 
-from mindspeed_cez.patches import activation, loss_wrappers, mean_embedding, model_context, reporting
+from mindspeed_cez.patches import activation, loss_wrappers, model_context, optimizer_hooks, reporting
 from mindspeed_cez.patches.import_hook import ADAPTOR, MINDSPEED, Target
 
 _LM = "megatron.core.models.common.language_module.language_module"
@@ -33,11 +33,11 @@ TARGETS = [
            loss_wrappers.finish_grad_sync_wrapper),
     # Megatron-Core's optimizers, right after their step (--lm-mu-centering: the master weights centered)
     Target("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params",
-           ("_copy_main_params_to_model_params",), mean_embedding.copy_main_params_to_model_params_wrapper),
+           ("_copy_main_params_to_model_params",), optimizer_hooks.copy_main_params_to_model_params_wrapper),
     Target("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer",
-           ("_copy_main_params_to_model_params",), mean_embedding.copy_main_params_to_model_params_wrapper),
+           ("_copy_main_params_to_model_params",), optimizer_hooks.copy_main_params_to_model_params_wrapper),
     Target("megatron.core.optimizer.optimizer", "FP32Optimizer", ("step_with_ready_grads",),
-           mean_embedding.fp32_step_with_ready_grads_wrapper),
+           optimizer_hooks.fp32_step_with_ready_grads_wrapper),
     # Megatron-Core's models whose forward takes the script's labels and loss mask (0.13 on:
     # GPTModel._postprocess, which the MoE schedule-plan path of --overlap-moe-expert-parallel-comm calls
     # directly, not forward; 0.12: forward)

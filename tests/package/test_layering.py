@@ -127,6 +127,8 @@ def test_entry_points_exist():
 
 # patches/ by job: every module of it, none more (a new job is a decision, made here).
 PATCHES_BY_JOB = ("import_hook", "patch_points", "loss_wrappers", "model_context", "reporting", "activation",
+                  "mean_embedding",  # mu-centering and the mu-loss
+                  "optimizer_hooks",  # the optimizers' patch points (mu-centering after the step)
                   "arguments", "launch_checks", "settings",  # launch_checks: the command line before any parser
                   "megatron_state",  # every read of Megatron's process-wide state
                   "cpu_mode", "local_gpt")  # Megatron on a CPU and its local GPT: the demo's and tests', only when called
