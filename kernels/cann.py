@@ -85,18 +85,18 @@ def _rows_loss(rows, target, valid, z_loss_coeff, label_smoothing):
     return torch.where(valid, loss, zero), torch.where(valid, z_loss, zero), lse.detach()
 
 
-def cross_entropy_zloss(logits, target, loss):
-    """``(loss, z_loss, lse)`` (fp32, shape of ``target``) through the vendor op, of the loss ``loss``
+def cross_entropy_zloss(logits, target, spec):
+    """``(loss, z_loss, lse)`` (fp32, shape of ``target``) through the vendor op, of the loss ``spec``
     (a ``LossSpec``) :func:`mindspeed_cez.vocab_parallel_cross_entropy_zloss` checked
     (:func:`check_applies` included)."""
     rows = logits.reshape(-1, logits.shape[-1])
     flat = target.reshape(-1)
-    valid = flat != loss.ignore_index
+    valid = flat != spec.ignore_index
     if rows.device.type not in ("cpu", "cuda"):  # the op leaves an out-of-range id undefined: assert, no host sync
         in_range = (flat >= 0) & (flat < rows.shape[1])
         torch._assert_async((in_range | ~valid).all(), "target outside [0, vocab) and not ignore_index")
-    parts = [_rows_loss(rows[s:s + MAX_ROWS], flat[s:s + MAX_ROWS], valid[s:s + MAX_ROWS], loss.z_loss_coeff,
-                        loss.label_smoothing) for s in range(0, rows.shape[0], MAX_ROWS)]
+    parts = [_rows_loss(rows[s:s + MAX_ROWS], flat[s:s + MAX_ROWS], valid[s:s + MAX_ROWS], spec.z_loss_coeff,
+                        spec.label_smoothing) for s in range(0, rows.shape[0], MAX_ROWS)]
     if not parts:
         empty = torch.zeros(target.shape, dtype=torch.float32, device=logits.device)
         return empty + 0.0 * logits.sum(), empty, empty

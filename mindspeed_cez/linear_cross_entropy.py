@@ -43,7 +43,7 @@ from mindspeed_cez.linear_forward_grads import (LEAN_BLOCK_FRACTION, ForwardGrad
 # Re-exported: the adaptor and the tests import them from here (WeightGradTarget too).
 from mindspeed_cez.linear_forward_grads import (ForwardGradientError, check_forward_gradients,  # noqa: F401
                                                 default_row_block)
-from mindspeed_cez.linear_layer import WeightGradTarget
+from mindspeed_cez.linear_options import WeightGradTarget
 from mindspeed_cez.linear_recompute import LinearCrossEntropyZLoss, RecomputeOptions
 from mindspeed_cez.tensor_parallel import group_rank_and_size
 

@@ -15,7 +15,7 @@ import torch
 from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
-from mindspeed_cez.linear_layer import LinearLossOptions
+from mindspeed_cez.linear_options import LinearLossOptions
 from mindspeed_cez.tensor_parallel import reduce_dhidden, start_reduce_dhidden
 from mindspeed_cez.vocab_parallel import VocabParallel
 

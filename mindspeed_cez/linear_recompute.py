@@ -16,7 +16,7 @@ from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.kernels.backends import LinearBackend
-from mindspeed_cez.linear_layer import LinearLossOptions
+from mindspeed_cez.linear_options import LinearLossOptions
 from mindspeed_cez.tensor_parallel import start_reduce_dhidden
 from mindspeed_cez.vocab_parallel import VocabParallel
 
