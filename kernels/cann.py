@@ -17,7 +17,7 @@ label smoothing (``a * (x[t] - mean(x))``, whose gradient ``a * (onehot - 1/V)``
 ``softmax - onehot`` into the smoothed one), fp32 results, the lse (``CE + x[t]``) and the z-loss
 ``c * lse**2`` of it, both through autograd (the z-loss's gradient ``2c * lse * softmax``). Not
 served (refused, naming the argument): vocab shards (TP > 1: the op needs each token's whole
-vocab), ``logit_scale`` / ``logit_softcap``, the fused output layer.
+vocab), a ``logit_transform`` (scale / soft cap), the fused output layer.
 """
 
 import importlib
@@ -59,8 +59,9 @@ def check_applies(tp_size, transform):
             "tensor-parallel size > 1")
     if not transform.is_identity:
         raise ValueError(
-            f"backend='cann' computes the loss of the logits as given: logit_scale={transform.scale!r} / "
-            f"logit_softcap={transform.cap!r} need backend='triton' or 'torch' (or scale / cap the logits first)")
+            f"backend='cann' computes the loss of the logits as given: logit_transform=LogitTransform("
+            f"scale={transform.scale!r}, cap={transform.cap!r}) needs backend='triton' or 'torch' (or scale / cap the "
+            "logits first)")
 
 
 def _rows_loss(rows, target, valid, z_loss_coeff, label_smoothing):

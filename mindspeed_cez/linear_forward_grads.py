@@ -84,7 +84,7 @@ def check_forward_gradients(backward_pending_ok=False):
     _LEDGER.dropped.clear()
     if dropped:
         raise ForwardGradientError(
-            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {dropped[0]} into its target "
+            f"linear_cross_entropy_zloss(GradientPath('forward')) added the weight gradient of {dropped[0]} into its target "
             f"during a forward ({len(dropped)} such forward(s)) whose output was freed without a backward: the target "
             "now holds a gradient no loss asked for. An extra forward with autograd on (e.g. a metric computed in "
             "training mode) must run under torch.no_grad(); or run with " + RECOMPUTE_FIX + ", which adds nothing "
@@ -93,7 +93,7 @@ def check_forward_gradients(backward_pending_ok=False):
         for token in list(_LEDGER.owed):
             token.paid = True  # reported once
         raise ForwardGradientError(
-            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {pending[0]} into its target "
+            f"linear_cross_entropy_zloss(GradientPath('forward')) added the weight gradient of {pending[0]} into its target "
             f"during a forward whose backward has not run ({len(pending)} such forward(s)) before the gradients are "
             "used (the gradient sync): every training forward of the loss needs its backward. Run other "
             "forwards under torch.no_grad(), or run with " + RECOMPUTE_FIX + ".")
@@ -223,7 +223,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
         if ctx.backward_done:
             raise RuntimeError(
-                "linear_cross_entropy_zloss(grads='forward') made its gradients during the forward for one backward: "
+                "linear_cross_entropy_zloss(GradientPath('forward')) made its gradients during the forward for one backward: "
                 "a second backward through the same graph (retain_graph=True) is not served; run the forward again, "
                 "or use " + ctx.options.remedy)
         ctx.backward_done = True
@@ -231,7 +231,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             ctx.owed.paid = True
             if grad_loss is None:
                 raise ForwardGradientError(
-                    "linear_cross_entropy_zloss(grads='forward'): the loss got no gradient, but its forward added the "
+                    "linear_cross_entropy_zloss(GradientPath('forward')): the loss got no gradient, but its forward added the "
                     "weight gradient into its target for grad_scale * token_weights: backpropagate the loss, or run "
                     "with " + ctx.options.remedy + ".")
         no_grads = (None,) * 4  # target, token_weights, grad_scale, options
@@ -242,13 +242,13 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         g = grad_loss.reshape(-1).float()
         if ctx.upstream_known:
             expected = upstream
-            message = ("linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights "
+            message = ("linear_cross_entropy_zloss(trainer=TrainerInputs(grad_scale=s)): the upstream gradient must be s * token_weights "
                        "as the forward assumed; the loss was weighted otherwise. For custom loss weighting run with "
                        + ctx.options.remedy)
         else:
             k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
             expected = k * weights
-            message = ("linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w (one "
+            message = ("linear_cross_entropy_zloss(trainer=TrainerInputs(token_weights=w)): the upstream gradient must be k * w (one "
                        "scalar k) as the forward assumed; the loss was weighted otherwise. For custom loss weighting "
                        "run with " + ctx.options.remedy)
         matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g

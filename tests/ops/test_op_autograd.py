@@ -120,7 +120,7 @@ def test_linear_op_second_backward_right_or_refused(backend, device, path):
         loss.backward(upstream)
         assert torch.allclose(hidden.grad, 2 * grads[0]) and torch.allclose(weight.grad, 2 * grads[1])
         return
-    with pytest.raises(RuntimeError, match="grads='forward'\\) made its gradients during the forward for one "
+    with pytest.raises(RuntimeError, match="GradientPath\\('forward'\\)\\) made its gradients during the forward for one "
                                            "backward.*GradientPath\\('recompute'\\)"):
         loss.backward(upstream)
     assert torch.equal(hidden.grad, grads[0])
