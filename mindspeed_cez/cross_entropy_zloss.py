@@ -87,7 +87,7 @@ class CallOptions:
     """Everything :class:`VocabParallelCrossEntropyZLoss` takes besides its tensors, checked by
     :func:`vocab_parallel_cross_entropy_zloss` before it is made."""
 
-    loss: LossSpec
+    spec: LossSpec
     tp_group: Any  # a resolved process group (None: a single rank)
     backend: CrossEntropyBackend  # kernels.backend_for's
 
@@ -99,14 +99,14 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, options):
-        backend, loss = options.backend, options.loss
-        vp = VocabParallel(options.tp_group, logits.shape[-1], loss, backend)
+        backend, spec = options.backend, options.spec
+        vp = VocabParallel(options.tp_group, logits.shape[-1], spec, backend)
         rows = vp.rows(logits)
         flat_target = target.reshape(-1)
         if vp.tp_size == 1:
-            out = backend.fused_loss(rows, flat_target, loss)
+            out = backend.fused_loss(rows, flat_target, spec)
         else:
-            out = vp.merged_loss(backend.shard_partials(rows, flat_target, loss, vp.shard), flat_target)
+            out = vp.merged_loss(backend.shard_partials(rows, flat_target, spec, vp.shard), flat_target)
         vp.check_targets(flat_target)  # after the collective
         total, z_loss, lse = out.view(3, *target.shape).unbind(0)  # one view op for the three
 
@@ -137,7 +137,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
         grad = rows if ctx.in_place else torch.empty_like(rows)
-        options.backend.write_grad(rows, grad, flat_target, lse, grad_loss, options.loss, ctx.shard)
+        options.backend.write_grad(rows, grad, flat_target, lse, grad_loss, options.spec, ctx.shard)
         if ctx.in_place:
             # The logits now hold their gradient: any later use of them in backward must fail loudly.
             torch.autograd.graph.increment_version(rows)
@@ -186,14 +186,14 @@ def vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=0.0, label_s
     logits' buffer, so the logits must not be read after backward.
     """
     _check_tensors(logits, target)
-    loss = loss_spec(ignore_index, z_loss_coeff, label_smoothing, logit_transform)
+    spec = loss_spec(ignore_index, z_loss_coeff, label_smoothing, logit_transform)
     whole = kernels.whole_loss_backend(backend)
     if whole is not None:  # a vendor's op (torch_npu), TP = 1: its own autograd
-        whole.check_applies(group_rank_and_size(tp_group)[1], loss.logit_transform)
-        VocabParallel(None, logits.shape[-1], loss, kernels.torch_reference).check_targets(target.reshape(-1))
+        whole.check_applies(group_rank_and_size(tp_group)[1], spec.logit_transform)
+        VocabParallel(None, logits.shape[-1], spec, kernels.torch_reference).check_targets(target.reshape(-1))
         total, z_loss, lse = whole.cross_entropy_zloss(
-            first_order_input(logits, "vocab_parallel_cross_entropy_zloss"), target, loss)
+            first_order_input(logits, "vocab_parallel_cross_entropy_zloss"), target, spec)
     else:
-        options = CallOptions(loss, tp_group, kernels.backend_for(logits.device, backend))
+        options = CallOptions(spec, tp_group, kernels.backend_for(logits.device, backend))
         total, z_loss, lse = VocabParallelCrossEntropyZLoss.apply(logits, target, options)
     return (total, z_loss, lse) if return_lse else (total, z_loss)

@@ -356,8 +356,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
                         f"{type(trainer).__name__}")
     path = options.path
     _check_trainer_inputs(trainer, target, path, weight)
-    loss = loss_spec(ignore_index, z_loss_coeff, label_smoothing, options.logit_transform)
-    common = dict(loss=loss, tp_group=tp_group, sequence_parallel=bool(sequence_parallel),
+    spec = loss_spec(ignore_index, z_loss_coeff, label_smoothing, options.logit_transform)
+    common = dict(spec=spec, tp_group=tp_group, sequence_parallel=bool(sequence_parallel),
                   weight_grad=trainer.weight_grad, backend=kernels.backend_for(hidden.device, options.backend))
     forward = (path.grads == "forward" and trainer.token_weights is not None and torch.is_grad_enabled()
                and (hidden.requires_grad or weight.requires_grad))  # else the loss alone, or any upstream gradient

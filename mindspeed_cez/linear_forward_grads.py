@@ -161,10 +161,10 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, token_weights, grad_scale, options):
-        backend, loss = options.backend, options.loss
-        ignore_index = loss.ignore_index
+        backend, spec = options.backend, options.spec
+        ignore_index = spec.ignore_index
         tp_group, sequence_parallel = options.tp_group, options.sequence_parallel
-        vp = VocabParallel(tp_group, weight.shape[0], loss, backend, shard_name="weight")
+        vp = VocabParallel(tp_group, weight.shape[0], spec, backend, shard_name="weight")
         shard, tp_size = vp.shard, vp.tp_size
         full = vp.gather_sequence(hidden, sequence_parallel)
         rows = vp.rows(full)
@@ -188,11 +188,11 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             x, t = rows[r:r + step], flat_target[r:r + step]
             logits = block[:x.shape[0]]
             torch.matmul(x, weight.t(), out=logits)
-            stats = backend.shard_partials(logits, t, loss, shard)
+            stats = backend.shard_partials(logits, t, spec, shard)
             vp.merged_loss(stats, t, out[:, r:r + step])
             if r == 0:  # after the first collective (see the op's forward), before anything is written
                 vp.check_targets(flat_target)
-            backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], loss, shard)
+            backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], spec, shard)
             if upstream_known and r + step >= n:
                 # The last block's dhidden and weight-gradient GEMMs wait for backward, as the unfused layer's
                 # do: Megatron syncs on each micro-batch's loss, and a backward that starts with them queued

@@ -35,11 +35,11 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, options):
-        vp = VocabParallel(options.tp_group, weight.shape[0], options.loss, options.backend, checker=options.linear,
+        vp = VocabParallel(options.tp_group, weight.shape[0], options.spec, options.backend, checker=options.linear,
                            shard_name="weight")
         rows = vp.rows(vp.gather_sequence(hidden, options.sequence_parallel))
         flat_target = target.reshape(-1)
-        out = vp.merged_loss(options.linear.linear_partials(rows, weight, flat_target, options.loss, vp.shard),
+        out = vp.merged_loss(options.linear.linear_partials(rows, weight, flat_target, options.spec, vp.shard),
                              flat_target)
         vp.check_targets(flat_target)  # after the collective
         total, z_loss, lse = out.view(3, *target.shape).unbind(0)
@@ -69,7 +69,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
             dlogits = options.linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss,
-                                                 options.loss, vp.shard.chunk(c, w.shape[0]))
+                                                 options.spec, vp.shard.chunk(c, w.shape[0]))
             accumulate(drows, dlogits, w)  # fp32 sum over vocab chunks
             if c + step >= v_local:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
                 reduction = start_reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, vp.tp_size,
