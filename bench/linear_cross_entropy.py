@@ -25,10 +25,14 @@ def dims(shape):
     return tuple(int(x) for x in shape.split("x"))
 
 
-def fused_loss(h, w, t, **options):
-    from mindspeed_cez import linear_cross_entropy_zloss
+def fused_loss(h, w, t, tp_group=None, sequence_parallel=False, path=None, trainer=None, **options):
+    """The fused layer's summed loss; ``path``: a GradientPath (None: its default), ``options``: the
+    rest of its :class:`LinearCrossEntropyOptions`, ``trainer``: its :class:`TrainerInputs`."""
+    from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, linear_cross_entropy_zloss
 
-    return linear_cross_entropy_zloss(h, w, t, Z, **options)[0].sum()
+    options = LinearCrossEntropyOptions(path=path or GradientPath(), **options)
+    return linear_cross_entropy_zloss(h, w, t, Z, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                      options=options, trainer=trainer)[0].sum()
 
 
 def with_main_grad(w):
@@ -38,16 +42,19 @@ def with_main_grad(w):
     return w
 
 
-def into_main_grad(h, w, t, **options):
+def into_main_grad(h, w, t, tp_group=None, sequence_parallel=False, token_weights=None, block_fraction=None,
+                   row_block=None):
     """The gradients-in-forward path as Megatron runs it: the upstream gradient known in forward
     (``grad_scale``; here 1 per counted token, the benchmark's ``sum``), ``dweight`` added into an fp32
     ``weight.main_grad`` (made once, counted with the inputs' gradients, as Megatron's grad buffer)."""
-    with_main_grad(w)
-    if options.get("token_weights") is None:
-        options["token_weights"] = (t != -100).float()
+    from mindspeed_cez import GradientPath, TrainerInputs
     from mindspeed_cez.patches.loss_wrappers import main_grad_target
 
-    return fused_loss(h, w, t, grad_scale=1.0, weight_grad=main_grad_target(w), grads="forward", **options)
+    with_main_grad(w)
+    trainer = TrainerInputs(token_weights=(t != -100).float() if token_weights is None else token_weights,
+                            grad_scale=1.0, weight_grad=main_grad_target(w))
+    return fused_loss(h, w, t, tp_group, sequence_parallel, GradientPath("forward", block_fraction, row_block=row_block),
+                      trainer)
 
 
 def unfused(h, w, t, tp_group=None):
@@ -126,6 +133,8 @@ def implementations(args):
     """name -> loss(h, w, t). ``--accumulations``: the unfused op, Liger, the default path into main_grad
     with each fp32 accumulation forced (``addmm_out_dtype``: torch >= 2.8; ``triton``: what torch < 2.8
     runs; ``gemm_add``: 16-bit GEMM + fp32 add), and the block dial on the accumulation this torch chooses."""
+    from mindspeed_cez import TrainerInputs
+
     impls = {"unfused: cuBLAS + cez op": unfused,
              "unfused, weight gradient into fp32 main_grad (Megatron's accumulation fusion)": unfused_into_main_grad}
     if args.accumulations:
@@ -143,8 +152,8 @@ def implementations(args):
         "cez fused, Triton tl.dot": lambda h, w, t: fused_loss(h, w, t, linear_backend="triton"),
         "cez fused, cuBLAS chunks": lambda h, w, t: fused_loss(h, w, t, linear_backend="gemm"),
         # the loss mask as token weights (upstream gradient mask / const, as in Megatron)
-        "cez fused, grads in forward": lambda h, w, t: fused_loss(h, w, t, token_weights=(t != -100).float(),
-                                                                  grads="forward"),
+        "cez fused, grads in forward": lambda h, w, t: fused_loss(
+            h, w, t, trainer=TrainerInputs(token_weights=(t != -100).float())),
         "cez fused, grads in forward into main_grad (default rows)": into_main_grad})
     for rows in args.main_grad_rows:
         impls[f"cez fused, grads in forward into main_grad, {rows} rows"] = functools.partial(into_main_grad,

@@ -33,9 +33,10 @@ def build_impls(tp_group, device, coeff, softcap=0.0):
     impls = []
 
     def ours():
-        from mindspeed_cez import kernels, vocab_parallel_cross_entropy_zloss as op
+        from mindspeed_cez import LogitTransform, kernels, vocab_parallel_cross_entropy_zloss as op
 
-        return (lambda x, t: op(x, t, z_loss_coeff=coeff, tp_group=tp_group, backend=BACKEND, logit_softcap=softcap)), \
+        return (lambda x, t: op(x, t, z_loss_coeff=coeff, tp_group=tp_group, backend=BACKEND,
+                                logit_transform=LogitTransform(cap=softcap))), \
             f"backend {kernels.backend_for(device, BACKEND).__name__.rsplit('.', 1)[-1]}" + (
                 f", logit_softcap {softcap:g}" if softcap else "")
 

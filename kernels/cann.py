@@ -17,7 +17,7 @@ label smoothing (``a * (x[t] - mean(x))``, whose gradient ``a * (onehot - 1/V)``
 ``softmax - onehot`` into the smoothed one), fp32 results, the lse (``CE + x[t]``) and the z-loss
 ``c * lse**2`` of it, both through autograd (the z-loss's gradient ``2c * lse * softmax``). Not
 served (refused, naming the argument): vocab shards (TP > 1: the op needs each token's whole
-vocab), ``logit_scale`` / ``logit_softcap``, the fused output layer.
+vocab), a ``logit_transform`` (scale / soft cap), the fused output layer.
 """
 
 import importlib
@@ -59,8 +59,9 @@ def check_applies(tp_size, transform):
             "tensor-parallel size > 1")
     if not transform.is_identity:
         raise ValueError(
-            f"backend='cann' computes the loss of the logits as given: logit_scale={transform.scale!r} / "
-            f"logit_softcap={transform.cap!r} need backend='triton' or 'torch' (or scale / cap the logits first)")
+            f"backend='cann' computes the loss of the logits as given: logit_transform=LogitTransform("
+            f"scale={transform.scale!r}, cap={transform.cap!r}) needs backend='triton' or 'torch' (or scale / cap the "
+            "logits first)")
 
 
 def _rows_loss(rows, target, valid, z_loss_coeff, label_smoothing):
@@ -85,18 +86,18 @@ def _rows_loss(rows, target, valid, z_loss_coeff, label_smoothing):
     return torch.where(valid, loss, zero), torch.where(valid, z_loss, zero), lse.detach()
 
 
-def cross_entropy_zloss(logits, target, loss):
-    """``(loss, z_loss, lse)`` (fp32, shape of ``target``) through the vendor op, of the loss ``loss``
+def cross_entropy_zloss(logits, target, spec):
+    """``(loss, z_loss, lse)`` (fp32, shape of ``target``) through the vendor op, of the loss ``spec``
     (a ``LossSpec``) :func:`mindspeed_cez.vocab_parallel_cross_entropy_zloss` checked
     (:func:`check_applies` included)."""
     rows = logits.reshape(-1, logits.shape[-1])
     flat = target.reshape(-1)
-    valid = flat != loss.ignore_index
+    valid = flat != spec.ignore_index
     if rows.device.type not in ("cpu", "cuda"):  # the op leaves an out-of-range id undefined: assert, no host sync
         in_range = (flat >= 0) & (flat < rows.shape[1])
         torch._assert_async((in_range | ~valid).all(), "target outside [0, vocab) and not ignore_index")
-    parts = [_rows_loss(rows[s:s + MAX_ROWS], flat[s:s + MAX_ROWS], valid[s:s + MAX_ROWS], loss.z_loss_coeff,
-                        loss.label_smoothing) for s in range(0, rows.shape[0], MAX_ROWS)]
+    parts = [_rows_loss(rows[s:s + MAX_ROWS], flat[s:s + MAX_ROWS], valid[s:s + MAX_ROWS], spec.z_loss_coeff,
+                        spec.label_smoothing) for s in range(0, rows.shape[0], MAX_ROWS)]
     if not parts:
         empty = torch.zeros(target.shape, dtype=torch.float32, device=logits.device)
         return empty + 0.0 * logits.sum(), empty, empty

@@ -60,23 +60,23 @@ class ChunkedLinear:
     def __repr__(self):
         return f"ChunkedLinear({getattr(self.ce_backend, '__name__', self.ce_backend)}, chunk_cols={self.chunk_cols})"
 
-    def linear_partials(self, rows, weight, target, loss, shard):
+    def linear_partials(self, rows, weight, target, spec, shard):
         """fp32 partials (``shard_partials``'s layout) of ``rows @ weight.T`` (the vocab slice ``shard``).
         Memory beyond one chunk of logits: 8 bytes per token and chunk."""
         n_rows, n_cols = rows.shape[0], weight.shape[0]
         step = chunk_width(self.chunk_cols, n_rows, n_cols, rows.element_size())
-        parts = [self.ce_backend.shard_partials(rows @ weight[c:c + step].t(), target, loss,
+        parts = [self.ce_backend.shard_partials(rows @ weight[c:c + step].t(), target, spec,
                                                 shard.chunk(c, min(step, n_cols - c)))
                  for c in range(0, n_cols, step)]
         return merge_chunks(torch.stack(parts), n_cols)
 
-    def linear_grad(self, rows, weight, grad, target, lse, grad_loss, loss, shard):
+    def linear_grad(self, rows, weight, grad, target, lse, grad_loss, spec, shard):
         """Writes the gradient of ``rows @ weight.T``'s loss (the vocab slice ``shard``) into ``grad``
         ``[n, weight rows]``."""
         torch.matmul(rows, weight.t(), out=grad)
-        return self.ce_backend.write_grad(grad, grad, target, lse, grad_loss, loss, shard)
+        return self.ce_backend.write_grad(grad, grad, target, lse, grad_loss, spec, shard)
 
     @staticmethod
-    def check_targets(target, loss, shard):
+    def check_targets(target, spec, shard):
         """The chunks' partials check no target: CUDA's device-side assert is the torch reference's."""
-        torch_reference.check_targets(target, loss, shard)
+        torch_reference.check_targets(target, spec, shard)

@@ -4,8 +4,8 @@
 ``z = scale * x`` when ``cap`` is 0 (a multiplier on the output logits, then a soft cap, as
 MindSpeed-LLM's GPT model applies them). ``IDENTITY`` (``scale=1, cap=0``) is the loss of ``x`` itself.
 
-Where it goes: the ops build one from their ``logit_scale`` / ``logit_softcap`` arguments (checked
-here, once) into the loss's :class:`.loss_spec.LossSpec`; the adaptor's settings carry one; the
+Where it goes: the ops take one as their ``logit_transform`` (the fused layer: in its options), checked
+here, once, and put it into the loss's :class:`.loss_spec.LossSpec`; the adaptor's settings carry one; the
 Triton kernels get its two fp32 numbers and the ``TRANSFORM`` constexpr
 :attr:`kind` from ``LossSpec.kernel_args``, the torch reference calls :meth:`apply` / :meth:`slope`.
 
@@ -36,16 +36,21 @@ def _finite(value):
 
 @dataclass(frozen=True)
 class LogitTransform:
-    """``z = cap * tanh(scale * x / cap)`` (``cap > 0``), ``z = scale * x`` (``cap == 0``)."""
+    """``z = cap * tanh(scale * x / cap)`` (``cap > 0``), ``z = scale * x`` (``cap == 0``).
+
+    Args:
+        scale: ``s > 0``, finite: the logit scale (MindSpeed-LLM's ``output_multiplier_scale``).
+        cap: ``C >= 0``, finite: the soft cap; 0 (default): no cap.
+    """
 
     scale: float = 1.0
     cap: float = 0.0
 
     def __post_init__(self):
         if not (_finite(self.scale) and self.scale > 0):
-            raise ValueError(f"logit_scale must be a finite number > 0, got {self.scale!r}")
+            raise ValueError(f"logit_scale must be a finite number > 0 (LogitTransform.scale), got {self.scale!r}")
         if not (_finite(self.cap) and self.cap >= 0):
-            raise ValueError(f"logit_softcap must be a finite number >= 0 (0: no cap), got {self.cap!r}")
+            raise ValueError(f"logit_softcap must be a finite number >= 0 (0: no cap) (LogitTransform.cap), got {self.cap!r}")
         object.__setattr__(self, "scale", float(self.scale))
         object.__setattr__(self, "cap", float(self.cap))
 

@@ -101,19 +101,19 @@ class LossSpec:
 
 
 @functools.lru_cache(maxsize=64, typed=True)  # typed: True is not 1 (a bool is refused)
-def _made(ignore_index, z_loss_coeff, label_smoothing, scale, cap):
-    return LossSpec(ignore_index, z_loss_coeff, label_smoothing, LogitTransform(scale, cap))
+def _made(ignore_index, z_loss_coeff, label_smoothing, logit_transform):
+    return LossSpec(ignore_index, z_loss_coeff, label_smoothing, logit_transform)
 
 
-def loss_spec(ignore_index=-100, z_loss_coeff=0.0, label_smoothing=0.0, logit_scale=1.0, logit_softcap=0.0):
-    """``LossSpec`` of the ops' loose arguments, one object per set of values (the ops call this per
-    call, checked once). Bad values raise as the constructor does, naming the ops' arguments."""
+def loss_spec(ignore_index=-100, z_loss_coeff=0.0, label_smoothing=0.0, logit_transform=IDENTITY):
+    """``LossSpec`` of the ops' arguments, one object per set of values (the ops call this per call,
+    checked once). Bad values raise as the constructor does, naming the ops' arguments."""
     try:
-        return _made(ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
+        return _made(ignore_index, z_loss_coeff, label_smoothing, logit_transform)
     except TypeError as error:
         if "unhashable" not in str(error):
             raise
-        return LossSpec(ignore_index, z_loss_coeff, label_smoothing, LogitTransform(logit_scale, logit_softcap))
+        return LossSpec(ignore_index, z_loss_coeff, label_smoothing, logit_transform)
 
 
 class VocabShard(NamedTuple):

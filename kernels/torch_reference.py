@@ -47,16 +47,16 @@ def write_width(partials, n_rows, width):
         words[i].fill_(value)
 
 
-def shard_partials(logits, target, loss, shard):
-    """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`, of ``loss.logit_transform.apply(logits)``
-    (``loss``: a :class:`.loss_spec.LossSpec`; ``shard``: the logits' :class:`.loss_spec.VocabShard`)."""
+def shard_partials(logits, target, spec, shard):
+    """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`, of ``spec.logit_transform.apply(logits)``
+    (``spec``: a :class:`.loss_spec.LossSpec`; ``shard``: the logits' :class:`.loss_spec.VocabShard`)."""
     n_rows, n_cols = logits.shape
-    a = loss.label_smoothing
+    a = spec.label_smoothing
     partials = torch.empty(partials_numel(n_rows), dtype=torch.float32, device=logits.device)
     lse, terms = row(partials, LOCAL_LSE, n_rows), row(partials, TARGET_TERM, n_rows)
-    invalid = ~valid_targets(target, shard.global_vocab, loss.ignore_index)
+    invalid = ~valid_targets(target, shard.global_vocab, spec.ignore_index)
     for start, end in _row_chunks(n_rows, n_cols):
-        x = loss.logit_transform.apply(logits[start:end].float())
+        x = spec.logit_transform.apply(logits[start:end].float())
         lse[start:end] = logsumexp(x)
         local, owned = _local_target(target[start:end], shard.vocab_start, n_cols)
         picked = x.gather(1, local[:, None]).squeeze(1)
@@ -68,7 +68,7 @@ def shard_partials(logits, target, loss, shard):
     return partials
 
 
-def loss_from_partials(gathered, target, loss, out=None):
+def loss_from_partials(gathered, target, spec, out=None):
     """fp32 ``[3, n]`` rows (loss, z-loss, lse), into ``out`` when given, from ``gathered`` ``[ranks, numel]``
     partials (every rank's, all-gathered; ``[1, numel]`` for one): lse the log-sum-exp of the
     ranks' lse, the target terms summed. Slices of unequal width give NaN (on CUDA also a
@@ -76,7 +76,7 @@ def loss_from_partials(gathered, target, loss, out=None):
     ranks, n_rows = gathered.shape[0], rows_of(gathered.shape[1])
     lse = logsumexp(row(gathered, LOCAL_LSE, n_rows), dim=0)
     term = row(gathered, TARGET_TERM, n_rows).sum(dim=0)
-    z_loss = loss.z_loss_coeff * lse * lse
+    z_loss = spec.z_loss_coeff * lse * lse
     total = lse - term + z_loss
     if ranks > 1:
         words = gathered[:, WIDTH * n_rows:]
@@ -84,7 +84,7 @@ def loss_from_partials(gathered, target, loss, out=None):
         if gathered.device.type == "cuda":
             torch._assert_async(~unequal, UNEQUAL_WIDTHS)
         total = torch.where(unequal, torch.full_like(total, float("nan")), total)
-    ignored = target == loss.ignore_index
+    ignored = target == spec.ignore_index
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
     out = torch.empty(3, n_rows, dtype=torch.float32, device=gathered.device) if out is None else out
     out[0] = torch.where(ignored, zero, total)
@@ -93,19 +93,19 @@ def loss_from_partials(gathered, target, loss, out=None):
     return out
 
 
-def fused_loss(logits, target, loss):
+def fused_loss(logits, target, spec):
     """One rank holds the whole vocab: fp32 [3, n] rows (loss, z-loss, lse)."""
-    partials = shard_partials(logits, target, loss, VocabShard.whole(logits.shape[1]))
-    return loss_from_partials(partials[None], target, loss)
+    partials = shard_partials(logits, target, spec, VocabShard.whole(logits.shape[1]))
+    return loss_from_partials(partials[None], target, spec)
 
 
-def write_grad(logits, grad, target, lse, grad_loss, loss, shard):
+def write_grad(logits, grad, target, lse, grad_loss, spec, shard):
     """Write ``g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)`` into ``grad`` (may alias
     ``logits``), ``g`` the upstream gradient ``grad_loss`` (0 on ignored rows); with a transform,
     that gradient of the transformed logits times their slope ``dz/dx``."""
     n_rows, n_cols = logits.shape
-    a, c, transform = loss.label_smoothing, loss.z_loss_coeff, loss.logit_transform
-    grad_scale = grad_loss.float().masked_fill(target == loss.ignore_index, 0.0)
+    a, c, transform = spec.label_smoothing, spec.z_loss_coeff, spec.logit_transform
+    grad_scale = grad_loss.float().masked_fill(target == spec.ignore_index, 0.0)
     for start, end in _row_chunks(n_rows, n_cols):
         z, slope = transform.apply_with_slope(logits[start:end].float())
         g = grad_scale[start:end, None]
@@ -122,9 +122,9 @@ def write_grad(logits, grad, target, lse, grad_loss, loss, shard):
     return grad
 
 
-def check_targets(target, loss, shard):
+def check_targets(target, spec, shard):
     """CUDA: an asynchronous device-side assert (no host sync). Elsewhere the partials carry NaN."""
     if target.device.type == "cuda":
-        valid = valid_targets(target, shard.global_vocab, loss.ignore_index)
+        valid = valid_targets(target, shard.global_vocab, spec.ignore_index)
         torch._assert_async(valid.all(), "target outside [0, vocab) and not ignore_index")
 

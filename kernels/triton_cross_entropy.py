@@ -246,7 +246,7 @@ _launch_loss_from_partials = Launcher(_loss_from_partials_kernel)
 LAUNCHERS = (_launch_forward, _launch_grad, _launch_loss_from_partials)
 
 
-def _forward(logits, target, out, loss, shard, finish):
+def _forward(logits, target, out, spec, shard, finish):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         if not finish:
@@ -256,27 +256,27 @@ def _forward(logits, target, out, loss, shard, finish):
                                                         launch_type(logits.device))
     width_hi, width_lo = partials.width_words(n_cols)
     args = _launch_forward.bind(
-        loss.kernel_args(shard.global_vocab), **constexprs, logits_ptr=logits, row_stride=logits.stride(0),
+        spec.kernel_args(shard.global_vocab), **constexprs, logits_ptr=logits, row_stride=logits.stride(0),
         target_ptr=target, out_ptr=out, n_rows=n_rows, n_cols=n_cols, rows_per_program=rows_per_program,
         vocab_start=shard.vocab_start, width_hi=width_hi, width_lo=width_lo, FINISH=finish)
     _launch_forward(grid, args, options)
     return out
 
 
-def fused_loss(logits, target, loss):
+def fused_loss(logits, target, spec):
     """One rank holds the whole vocab: fp32 [3, n] rows (loss, z-loss, lse) in one pass, of the loss
-    ``loss`` (a :class:`.loss_spec.LossSpec`)."""
+    ``spec`` (a :class:`.loss_spec.LossSpec`)."""
     out = torch.empty(3, logits.shape[0], dtype=torch.float32, device=logits.device)
-    return _forward(logits, target, out, loss, VocabShard.whole(logits.shape[1]), True)
+    return _forward(logits, target, out, spec, VocabShard.whole(logits.shape[1]), True)
 
 
-def shard_partials(logits, target, loss, shard):
+def shard_partials(logits, target, spec, shard):
     """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`, of the logits of ``shard``."""
     out = torch.empty(partials.partials_numel(logits.shape[0]), dtype=torch.float32, device=logits.device)
-    return _forward(logits, target, out, loss, shard, False)
+    return _forward(logits, target, out, spec, shard, False)
 
 
-def loss_from_partials(gathered, target, loss, out=None):
+def loss_from_partials(gathered, target, spec, out=None):
     """fp32 ``[3, n]`` (loss, z-loss, lse), into ``out`` when given (unit column stride), from
     ``[ranks, numel]`` partials; on CUDA several ranks' widths are asserted equal on the device."""
     ranks, n_rows = gathered.shape[0], partials.rows_of(gathered.shape[1])
@@ -285,14 +285,14 @@ def loss_from_partials(gathered, target, loss, out=None):
     if n_rows or ranks > 1:  # no tokens: the widths are still checked
         check = ranks > 1 and launch_type(gathered.device) == "cuda"
         args = _launch_loss_from_partials.bind(
-            loss.kernel_args(), partials_ptr=gathered,
+            spec.kernel_args(), partials_ptr=gathered,
             rank_stride=gathered.stride(0), n_ranks=ranks, target_ptr=target, out_ptr=out, out_stride=out.stride(0),
             n_rows=n_rows, BLOCK=VECTOR_BLOCK, CHECK_WIDTHS=check)
         _launch_loss_from_partials((max(1, triton.cdiv(n_rows, VECTOR_BLOCK)),), args, ASSERT_OPTIONS if check else ())
     return out
 
 
-def write_grad(logits, grad, target, lse, grad_loss, loss, shard):
+def write_grad(logits, grad, target, lse, grad_loss, spec, shard):
     """Writes the gradient of the loss of ``logits`` (the slice ``shard``) into ``grad`` (may be ``logits``)."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
@@ -300,7 +300,7 @@ def write_grad(logits, grad, target, lse, grad_loss, loss, shard):
     grid, rows_per_program, constexprs, options = _plan(logits.device, n_rows, n_cols, "bwd",
                                                         launch_type(logits.device))
     args = _launch_grad.bind(
-        loss.kernel_args(shard.global_vocab), **constexprs, logits_ptr=logits, logits_row_stride=logits.stride(0),
+        spec.kernel_args(shard.global_vocab), **constexprs, logits_ptr=logits, logits_row_stride=logits.stride(0),
         grad_ptr=grad, grad_row_stride=grad.stride(0), target_ptr=target, lse_ptr=lse, grad_loss_ptr=grad_loss,
         grad_loss_stride=grad_loss.stride(0), n_rows=n_rows, n_cols=n_cols, rows_per_program=rows_per_program,
         vocab_start=shard.vocab_start)
@@ -308,6 +308,6 @@ def write_grad(logits, grad, target, lse, grad_loss, loss, shard):
     return grad
 
 
-def check_targets(target, loss, shard):
+def check_targets(target, spec, shard):
     """Nothing to launch: on CUDA the forward kernel asserts on out-of-range targets (no host
     sync); other accelerators get the NaN loss the forward kernel writes for such a target."""

@@ -227,7 +227,7 @@ def groups(n_cols, device_type):
     return triton.cdiv(n_cols, c["block_n"] * c["group_n"])
 
 
-def linear_partials(rows, weight, target, loss, shard):
+def linear_partials(rows, weight, target, spec, shard):
     """fp32 partials (the layout of :mod:`.partials`) of ``rows @ weight.T``, the vocab slice
     ``shard``, no logits."""
     rows, weight = as_rows(rows), as_rows(weight)
@@ -242,7 +242,7 @@ def linear_partials(rows, weight, target, loss, shard):
     n_groups = groups(n_cols, kind)
     per_group = torch.empty(n_groups, partials.PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
     args = _launch_partials.bind(
-        loss.kernel_args(shard.global_vocab), **constexprs, x_ptr=rows, x_row_stride=rows.stride(0), w_ptr=weight,
+        spec.kernel_args(shard.global_vocab), **constexprs, x_ptr=rows, x_row_stride=rows.stride(0), w_ptr=weight,
         w_row_stride=weight.stride(0), target_ptr=target, out_ptr=per_group, n_rows=n_rows, n_cols=n_cols, h=h,
         vocab_start=shard.vocab_start)
     _launch_partials(grid, args, options)
@@ -253,7 +253,7 @@ def linear_partials(rows, weight, target, loss, shard):
     return out
 
 
-def linear_grad(rows, weight, grad, target, lse, grad_loss, loss, shard):
+def linear_grad(rows, weight, grad, target, lse, grad_loss, spec, shard):
     """Writes the gradient of ``rows @ weight.T``'s loss (the vocab slice ``shard``) into ``grad``
     ``[n, weight rows]``."""
     rows, weight = as_rows(rows), as_rows(weight)
@@ -263,7 +263,7 @@ def linear_grad(rows, weight, grad, target, lse, grad_loss, loss, shard):
         return grad
     grid, constexprs, options = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad", launch_type(rows.device))
     args = _launch_grad.bind(
-        loss.kernel_args(shard.global_vocab), **constexprs, x_ptr=rows, x_row_stride=rows.stride(0), w_ptr=weight,
+        spec.kernel_args(shard.global_vocab), **constexprs, x_ptr=rows, x_row_stride=rows.stride(0), w_ptr=weight,
         w_row_stride=weight.stride(0), grad_ptr=grad, grad_row_stride=grad.stride(0), target_ptr=target, lse_ptr=lse,
         grad_loss_ptr=grad_loss, grad_loss_stride=grad_loss.stride(0), n_rows=n_rows, n_cols=n_cols, h=h,
         vocab_start=shard.vocab_start)

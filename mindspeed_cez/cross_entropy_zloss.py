@@ -9,7 +9,7 @@ Per token, with each tensor-parallel rank holding the vocab slice
     loss = lse - (1-a)*t - a*mean(x over the global vocab) + c*lse**2
     dx   = g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)   (no collective)
 
-With ``logit_scale`` s and ``logit_softcap`` C all of it is of ``z = C*tanh(s*x/C)`` (``z = s*x``
+With a ``logit_transform`` of scale s and soft cap C all of it is of ``z = C*tanh(s*x/C)`` (``z = s*x``
 for C = 0), made per element inside the kernels; backward multiplies by ``dz/dx``
 (``s*(1 - (z/C)**2)``, or ``s``).
 
@@ -17,6 +17,8 @@ The backends in ``mindspeed_cez.kernels`` do the per-row work (with one rank, th
 forward is one kernel); the collectives are the steps of :mod:`mindspeed_cez.tensor_parallel`.
 """
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch
 from mindspeed_cez import kernels
 from mindspeed_cez.first_order import first_order_input, first_order_only
 from mindspeed_cez.kernels.backends import CrossEntropyBackend
+from mindspeed_cez.kernels.logit_transform import IDENTITY
 from mindspeed_cez.kernels.loss_spec import LossSpec, loss_spec
 from mindspeed_cez.tensor_parallel import group_rank_and_size
 from mindspeed_cez.vocab_parallel import VocabParallel
@@ -49,22 +52,34 @@ def _check_tensors(logits, target):
         raise ValueError(f"logits ({logits.device}) and target ({target.device}) are on different devices")
 
 
-LOOSE_DEFAULTS = (-100, 0.0, 0.0, 1.0, 0.0)  # ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap
+def refusing_removed(replacements, positional_hint=None):
+    """``op`` with a ``TypeError`` for each keyword in ``replacements`` (a removed keyword: what replaced it)
+    and, with ``positional_hint``, for positional arguments past the op's (what they became). The op's own
+    signature stays the public one (``inspect.signature`` follows ``__wrapped__``)."""
+
+    def decorate(op):
+        positional = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in inspect.signature(op).parameters.values())
+
+        @functools.wraps(op)
+        def checked(*args, **kwargs):
+            if len(args) > positional and positional_hint is not None:
+                raise TypeError(f"{op.__name__}() takes at most {positional} positional arguments, got {len(args)}: "
+                                f"{positional_hint}")
+            if not replacements.keys().isdisjoint(kwargs):
+                name = next(name for name in kwargs if name in replacements)
+                raise TypeError(f"{op.__name__}() no longer takes {name}=: pass {replacements[name]}")
+            return op(*args, **kwargs)
+
+        return checked
+
+    return decorate
 
 
-def loss_spec_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap):
-    """The ops' :class:`LossSpec`: ``loss`` as given (made and checked where its values entered), or
-    the thin shim of the loose arguments: the spec they describe (checked here, once; one object per
-    set of values). Passing both is an error."""
-    loose = (ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
-    if loss is None:
-        return loss_spec(*loose)
-    if not isinstance(loss, LossSpec):
-        raise TypeError(f"loss must be a mindspeed_cez.kernels.loss_spec.LossSpec or None, got {type(loss).__name__}")
-    if any(type(v) is bool or v != d for v, d in zip(loose, LOOSE_DEFAULTS)):
-        raise ValueError("loss= describes the whole loss: pass it without ignore_index, z_loss_coeff, "
-                         "label_smoothing, logit_scale or logit_softcap, or pass those without loss=")
-    return loss
+REMOVED = {
+    "logit_scale": "logit_transform=LogitTransform(scale=..., cap=...) (mindspeed_cez.kernels.logit_transform)",
+    "logit_softcap": "logit_transform=LogitTransform(scale=..., cap=...) (mindspeed_cez.kernels.logit_transform)",
+    "loss": "its fields as z_loss_coeff=, label_smoothing=, ignore_index= and logit_transform=",
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,7 +87,7 @@ class CallOptions:
     """Everything :class:`VocabParallelCrossEntropyZLoss` takes besides its tensors, checked by
     :func:`vocab_parallel_cross_entropy_zloss` before it is made."""
 
-    loss: LossSpec
+    spec: LossSpec
     tp_group: Any  # a resolved process group (None: a single rank)
     backend: CrossEntropyBackend  # kernels.backend_for's
 
@@ -84,14 +99,14 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, options):
-        backend, loss = options.backend, options.loss
-        vp = VocabParallel(options.tp_group, logits.shape[-1], loss, backend)
+        backend, spec = options.backend, options.spec
+        vp = VocabParallel(options.tp_group, logits.shape[-1], spec, backend)
         rows = vp.rows(logits)
         flat_target = target.reshape(-1)
         if vp.tp_size == 1:
-            out = backend.fused_loss(rows, flat_target, loss)
+            out = backend.fused_loss(rows, flat_target, spec)
         else:
-            out = vp.merged_loss(backend.shard_partials(rows, flat_target, loss, vp.shard), flat_target)
+            out = vp.merged_loss(backend.shard_partials(rows, flat_target, spec, vp.shard), flat_target)
         vp.check_targets(flat_target)  # after the collective
         total, z_loss, lse = out.view(3, *target.shape).unbind(0)  # one view op for the three
 
@@ -122,7 +137,7 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         lse = lse.reshape(-1)
         grad_loss = torch.zeros_like(lse) if grad_loss is None else grad_loss.reshape(-1)
         grad = rows if ctx.in_place else torch.empty_like(rows)
-        options.backend.write_grad(rows, grad, flat_target, lse, grad_loss, options.loss, ctx.shard)
+        options.backend.write_grad(rows, grad, flat_target, lse, grad_loss, options.spec, ctx.shard)
         if ctx.in_place:
             # The logits now hold their gradient: any later use of them in backward must fail loudly.
             torch.autograd.graph.increment_version(rows)
@@ -130,20 +145,9 @@ class VocabParallelCrossEntropyZLoss(torch.autograd.Function):
         return grad.view(ctx.logits_shape), None, None
 
 
-def vocab_parallel_cross_entropy_zloss(
-    logits,
-    target,
-    z_loss_coeff=0.0,
-    label_smoothing=0.0,
-    ignore_index=-100,
-    tp_group=None,
-    *,
-    logit_scale=1.0,
-    logit_softcap=0.0,
-    backend=None,
-    return_lse=False,
-    loss=None,
-):
+@refusing_removed(REMOVED)
+def vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=0.0, label_smoothing=0.0, ignore_index=-100,
+                                       tp_group=None, *, logit_transform=IDENTITY, backend=None, return_lse=False):
     """Fused cross entropy + z-loss on this rank's vocab slice of the logits.
 
     Args:
@@ -153,42 +157,43 @@ def vocab_parallel_cross_entropy_zloss(
         z_loss_coeff: ``c >= 0``; the z-loss is ``c * logsumexp(logits)**2`` per token.
         label_smoothing: ``0 <= a < 1``; ``(1-a)*CE + a*mean(-log p)`` over the global vocab.
         ignore_index: target value whose tokens get loss 0 and gradient 0.
-        logit_scale: ``s > 0``, finite; the loss is of ``s * logits`` (MindSpeed-LLM's
-            ``output_multiplier_scale``), made per tile inside the kernels.
-        logit_softcap: ``C >= 0``, finite; ``C > 0``: the loss is of ``C * tanh(s * logits / C)``
-            (soft-capped logits), 0 (default): no cap. Gradients go through the transform exactly.
         tp_group: the tensor-parallel process group; ``None``: a single rank (no collective). Under
             the adaptor, the patch layer passes Megatron's.
+        logit_transform: a :class:`~mindspeed_cez.kernels.logit_transform.LogitTransform` ``(scale, cap)``:
+            the loss is of ``cap * tanh(scale * logits / cap)`` (``scale * logits`` for cap 0; MindSpeed-LLM's
+            ``output_multiplier_scale`` and soft cap), made per tile inside the kernels, gradients through it
+            exactly. ``IDENTITY`` (default): the loss of the logits themselves. With ``z_loss_coeff``,
+            ``label_smoothing`` and ``ignore_index`` it makes the loss's
+            :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` (checked once per set of values).
         backend: ``"triton"`` or ``"torch"`` (the pure-torch reference); ``None`` (default): Triton on
             accelerators where it imports, else torch (``mindspeed_cez.kernels.backend_for``);
             ``"cann"``: torch_npu's ``npu_cross_entropy_loss`` on Ascend, tensor-parallel size 1, no
             scale / soft cap (:mod:`mindspeed_cez.kernels.cann`; its gradient is not written in place).
         return_lse: also return the per-token log-sum-exp the op computed anyway (detached, fp32,
             of the transformed logits): the adaptor logs its mean as ``lm_lse`` without another pass.
-        loss: the whole loss as one :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` (made and
-            checked where its values entered, e.g. a config). ``ignore_index``, ``z_loss_coeff``,
-            ``label_smoothing``, ``logit_scale`` and ``logit_softcap`` are a shim for it: without
-            ``loss`` the op builds the spec they describe (one object per set of values); with it
-            they must stay at their defaults.
 
     Returns:
         ``(loss, z_loss)``, fp32, shape of ``target``: ``loss = CE + c*lse**2`` per token and the
         detached ``z_loss = c*lse**2`` (for logging), both 0 where ``target == ignore_index``; CE and
         lse of the transformed logits. ``(loss, z_loss, lse)`` with ``return_lse=True``.
 
+    Raises:
+        TypeError: for a keyword the op no longer takes (``logit_scale``, ``logit_softcap``, ``loss``),
+            naming what replaced it.
+
     Backward writes d(loss)/d(logits) in the logits' dtype; when ``logits`` is an intermediate
     of the autograd graph (the usual case: the output layer's result) the gradient reuses the
     logits' buffer, so the logits must not be read after backward.
     """
     _check_tensors(logits, target)
-    loss = loss_spec_of(loss, ignore_index, z_loss_coeff, label_smoothing, logit_scale, logit_softcap)
+    spec = loss_spec(ignore_index, z_loss_coeff, label_smoothing, logit_transform)
     whole = kernels.whole_loss_backend(backend)
     if whole is not None:  # a vendor's op (torch_npu), TP = 1: its own autograd
-        whole.check_applies(group_rank_and_size(tp_group)[1], loss.logit_transform)
-        VocabParallel(None, logits.shape[-1], loss, kernels.torch_reference).check_targets(target.reshape(-1))
+        whole.check_applies(group_rank_and_size(tp_group)[1], spec.logit_transform)
+        VocabParallel(None, logits.shape[-1], spec, kernels.torch_reference).check_targets(target.reshape(-1))
         total, z_loss, lse = whole.cross_entropy_zloss(
-            first_order_input(logits, "vocab_parallel_cross_entropy_zloss"), target, loss)
+            first_order_input(logits, "vocab_parallel_cross_entropy_zloss"), target, spec)
     else:
-        options = CallOptions(loss, tp_group, kernels.backend_for(logits.device, backend))
+        options = CallOptions(spec, tp_group, kernels.backend_for(logits.device, backend))
         total, z_loss, lse = VocabParallelCrossEntropyZLoss.apply(logits, target, options)
     return (total, z_loss, lse) if return_lse else (total, z_loss)

@@ -15,7 +15,7 @@ import torch
 from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
-from mindspeed_cez.linear_layer import LinearLossOptions
+from mindspeed_cez.linear_options import LinearLossOptions
 from mindspeed_cez.tensor_parallel import reduce_dhidden, start_reduce_dhidden
 from mindspeed_cez.vocab_parallel import VocabParallel
 
@@ -27,7 +27,7 @@ class ForwardGradsOptions(LinearLossOptions):
     row_block: Optional[int] = None
     block_fraction: Optional[float] = None
     block_bytes: Optional[int] = None
-    remedy: str = "grads='recompute'"  # the fix that errors raised after the forward name
+    remedy: str = "GradientPath('recompute')"  # the fix that errors raised after the forward name
 
 
 RECOMPUTE_FIX = ForwardGradsOptions.remedy
@@ -84,7 +84,7 @@ def check_forward_gradients(backward_pending_ok=False):
     _LEDGER.dropped.clear()
     if dropped:
         raise ForwardGradientError(
-            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {dropped[0]} into its target "
+            f"linear_cross_entropy_zloss(GradientPath('forward')) added the weight gradient of {dropped[0]} into its target "
             f"during a forward ({len(dropped)} such forward(s)) whose output was freed without a backward: the target "
             "now holds a gradient no loss asked for. An extra forward with autograd on (e.g. a metric computed in "
             "training mode) must run under torch.no_grad(); or run with " + RECOMPUTE_FIX + ", which adds nothing "
@@ -93,7 +93,7 @@ def check_forward_gradients(backward_pending_ok=False):
         for token in list(_LEDGER.owed):
             token.paid = True  # reported once
         raise ForwardGradientError(
-            f"linear_cross_entropy_zloss(grads='forward') added the weight gradient of {pending[0]} into its target "
+            f"linear_cross_entropy_zloss(GradientPath('forward')) added the weight gradient of {pending[0]} into its target "
             f"during a forward whose backward has not run ({len(pending)} such forward(s)) before the gradients are "
             "used (the gradient sync): every training forward of the loss needs its backward. Run other "
             "forwards under torch.no_grad(), or run with " + RECOMPUTE_FIX + ".")
@@ -161,10 +161,10 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, token_weights, grad_scale, options):
-        backend, loss = options.backend, options.loss
-        ignore_index = loss.ignore_index
+        backend, spec = options.backend, options.spec
+        ignore_index = spec.ignore_index
         tp_group, sequence_parallel = options.tp_group, options.sequence_parallel
-        vp = VocabParallel(tp_group, weight.shape[0], loss, backend, shard_name="weight")
+        vp = VocabParallel(tp_group, weight.shape[0], spec, backend, shard_name="weight")
         shard, tp_size = vp.shard, vp.tp_size
         full = vp.gather_sequence(hidden, sequence_parallel)
         rows = vp.rows(full)
@@ -188,11 +188,11 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             x, t = rows[r:r + step], flat_target[r:r + step]
             logits = block[:x.shape[0]]
             torch.matmul(x, weight.t(), out=logits)
-            stats = backend.shard_partials(logits, t, loss, shard)
+            stats = backend.shard_partials(logits, t, spec, shard)
             vp.merged_loss(stats, t, out[:, r:r + step])
             if r == 0:  # after the first collective (see the op's forward), before anything is written
                 vp.check_targets(flat_target)
-            backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], loss, shard)
+            backend.write_grad(logits, logits, t, out[2, r:r + step], upstream[r:r + step], spec, shard)
             if upstream_known and r + step >= n:
                 # The last block's dhidden and weight-gradient GEMMs wait for backward, as the unfused layer's
                 # do: Megatron syncs on each micro-batch's loss, and a backward that starts with them queued
@@ -223,7 +223,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_z_loss, _grad_lse):
         if ctx.backward_done:
             raise RuntimeError(
-                "linear_cross_entropy_zloss(grads='forward') made its gradients during the forward for one backward: "
+                "linear_cross_entropy_zloss(GradientPath('forward')) made its gradients during the forward for one backward: "
                 "a second backward through the same graph (retain_graph=True) is not served; run the forward again, "
                 "or use " + ctx.options.remedy)
         ctx.backward_done = True
@@ -231,7 +231,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             ctx.owed.paid = True
             if grad_loss is None:
                 raise ForwardGradientError(
-                    "linear_cross_entropy_zloss(grads='forward'): the loss got no gradient, but its forward added the "
+                    "linear_cross_entropy_zloss(GradientPath('forward')): the loss got no gradient, but its forward added the "
                     "weight gradient into its target for grad_scale * token_weights: backpropagate the loss, or run "
                     "with " + ctx.options.remedy + ".")
         no_grads = (None,) * 4  # target, token_weights, grad_scale, options
@@ -242,13 +242,13 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         g = grad_loss.reshape(-1).float()
         if ctx.upstream_known:
             expected = upstream
-            message = ("linear_cross_entropy_zloss(grad_scale=s): the upstream gradient must be s * token_weights "
+            message = ("linear_cross_entropy_zloss(trainer=TrainerInputs(grad_scale=s)): the upstream gradient must be s * token_weights "
                        "as the forward assumed; the loss was weighted otherwise. For custom loss weighting run with "
                        + ctx.options.remedy)
         else:
             k = (g * weights).sum() / (weights * weights).sum().clamp_min(torch.finfo(torch.float32).tiny)
             expected = k * weights
-            message = ("linear_cross_entropy_zloss(token_weights=w): the upstream gradient must be k * w (one "
+            message = ("linear_cross_entropy_zloss(trainer=TrainerInputs(token_weights=w)): the upstream gradient must be k * w (one "
                        "scalar k) as the forward assumed; the loss was weighted otherwise. For custom loss weighting "
                        "run with " + ctx.options.remedy)
         matches = ((g - expected).abs() <= 1e-3 * expected.abs() + 1e-30) | ~counted  # ignored: any g

@@ -1,4 +1,4 @@
-"""The fused output layer's recompute path (``grads="recompute"``, the default).
+"""The fused output layer's recompute path (``grads="recompute"``, and any call without token weights).
 
 The forward reduces the logits to the partials as they are made (Triton: ``tl.dot`` tiles in
 registers, kernels/triton_linear_cross_entropy.py; torch: GEMMs on chunks of the vocab); backward
@@ -16,7 +16,7 @@ from mindspeed_cez.first_order import first_order_only
 from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.kernels.backends import LinearBackend
-from mindspeed_cez.linear_layer import LinearLossOptions
+from mindspeed_cez.linear_options import LinearLossOptions
 from mindspeed_cez.tensor_parallel import start_reduce_dhidden
 from mindspeed_cez.vocab_parallel import VocabParallel
 
@@ -35,11 +35,11 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, options):
-        vp = VocabParallel(options.tp_group, weight.shape[0], options.loss, options.backend, checker=options.linear,
+        vp = VocabParallel(options.tp_group, weight.shape[0], options.spec, options.backend, checker=options.linear,
                            shard_name="weight")
         rows = vp.rows(vp.gather_sequence(hidden, options.sequence_parallel))
         flat_target = target.reshape(-1)
-        out = vp.merged_loss(options.linear.linear_partials(rows, weight, flat_target, options.loss, vp.shard),
+        out = vp.merged_loss(options.linear.linear_partials(rows, weight, flat_target, options.spec, vp.shard),
                              flat_target)
         vp.check_targets(flat_target)  # after the collective
         total, z_loss, lse = out.view(3, *target.shape).unbind(0)
@@ -69,7 +69,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
             dlogits = options.linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss,
-                                                 options.loss, vp.shard.chunk(c, w.shape[0]))
+                                                 options.spec, vp.shard.chunk(c, w.shape[0]))
             accumulate(drows, dlogits, w)  # fp32 sum over vocab chunks
             if c + step >= v_local:  # dhidden complete: its collective overlaps the last weight-gradient GEMM
                 reduction = start_reduce_dhidden(drows.to(rows.dtype).view(full.shape), options.tp_group, vp.tp_size,

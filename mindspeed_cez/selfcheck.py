@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez.linear_cross_entropy import GradientPath, LinearCrossEntropyOptions, TrainerInputs
 from mindspeed_cez.kernels import cann
 from mindspeed_cez.environment import read_backends
 from mindspeed_cez.selfcheck_cases import REAL_VOCAB, absent_backends, ce_backends, linear_variants, sizes
@@ -212,13 +213,13 @@ def check_linear(linear_backend, grads, ce_backend, dtype, rows, vocab, hidden, 
     upstream = 0.5 * mask  # k * token_weights: what grads="forward" requires (any works for "recompute")
     h = h.requires_grad_(True)
     w_local = _shard(w, rank, world, dim=0).requires_grad_(True)
-    extra = {"token_weights": mask, "grad_scale": 0.5} if grads == "forward" else {}
+    options = LinearCrossEntropyOptions(path=GradientPath(grads), backend=ce_backend, linear_backend=linear_backend)
+    trainer = TrainerInputs(token_weights=mask, grad_scale=0.5) if grads == "forward" else None
 
     def step():
         h.grad = w_local.grad = None
         loss, z_loss = linear_cross_entropy_zloss(h, w_local, target, Z_LOSS_COEFF, SMOOTHING, IGNORE, group,
-                                                  grads=grads, backend=ce_backend, linear_backend=linear_backend,
-                                                  **extra)
+                                                  options=options, trainer=trainer)
         loss.backward(upstream)
         return loss, z_loss
 

@@ -18,10 +18,10 @@ class VocabParallel:
     default; the linear backend on the recompute path) checks the targets off the CPU. ``shard_name``:
     the tensor an error about unequal vocab widths names."""
 
-    __slots__ = ("tp_group", "shard", "loss", "backend", "checker", "shard_name")
+    __slots__ = ("tp_group", "shard", "spec", "backend", "checker", "shard_name")
 
-    def __init__(self, tp_group, v_local, loss, backend, checker=None, shard_name="logits"):
-        self.tp_group, self.loss, self.backend, self.shard_name = tp_group, loss, backend, shard_name
+    def __init__(self, tp_group, v_local, spec, backend, checker=None, shard_name="logits"):
+        self.tp_group, self.spec, self.backend, self.shard_name = tp_group, spec, backend, shard_name
         self.shard = vocab_shard(tp_group, v_local)
         self.checker = backend if checker is None else checker
 
@@ -38,12 +38,12 @@ class VocabParallel:
     def merged_loss(self, partials, target, out=None):
         """fp32 ``[3, n]`` (loss, z-loss, lse) over the global vocab from this rank's partials (into ``out``)."""
         gathered = gather_partials(partials, self.tp_group, self.tp_size, self.shard_name)
-        return self.backend.loss_from_partials(gathered, target, self.loss, out)
+        return self.backend.loss_from_partials(gathered, target, self.spec, out)
 
     def check_targets(self, target):
         """The targets' range: on the CPU a ``ValueError``; elsewhere the checker's device-side check
         (CUDA: an asynchronous assert, no host sync; on Ascend an out-of-range target is a NaN loss)."""
         if target.device.type == "cpu":
-            check_targets_on_host(target, self.shard, self.loss.ignore_index)
+            check_targets_on_host(target, self.shard, self.spec.ignore_index)
         else:
-            self.checker.check_targets(target, self.loss, self.shard)
+            self.checker.check_targets(target, self.spec, self.shard)

@@ -27,7 +27,7 @@ The models' forwards and ``ColumnParallelLinear.forward`` (the loss mask, the ma
 their metric averages every token, with a one-time warning.
 
 With ``--lm-fused-output-layer`` the loss of the deferred output layer call (:func:`linear_loss`)
-chooses the path (the flag's where the loss mask is known, else recompute) and calls
+hands the flag's path and, where the loss mask is known, the token weights to
 :func:`mindspeed_cez.linear_cross_entropy_zloss` (which alone takes the recompute path where no
 backward will come).
 """
@@ -39,8 +39,8 @@ import torch
 
 from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
 from mindspeed_cez.kernels.logit_transform import IDENTITY
-from mindspeed_cez.linear_cross_entropy import (RECOMPUTE, ForwardGradientError, WeightGradTarget,
-                                               check_forward_gradients, linear_cross_entropy_zloss)
+from mindspeed_cez.linear_cross_entropy import (ForwardGradientError, LinearCrossEntropyOptions, TrainerInputs,
+                                               WeightGradTarget, check_forward_gradients, linear_cross_entropy_zloss)
 from mindspeed_cez.patches import mean_embedding, megatron_state, model_context, reporting, runtime
 from mindspeed_cez.patches.model_context import FLAG, DeferredLogits
 from mindspeed_cez.patches.runtime import while_active
@@ -91,8 +91,9 @@ def megatron_cross_entropy(settings, logits, target, tp_group, label_smoothing_m
         tp_group = megatron_state.tensor_parallel_group()
     spec = call_loss_spec(settings.loss, logits.shape[-1] * _tp_world_size(tp_group), label_smoothing_megatron,
                      main_head, transform)
-    loss, z_loss, lse = vocab_parallel_cross_entropy_zloss(logits, target, tp_group=tp_group, backend=settings.backend,
-                                                           return_lse=True, loss=spec)
+    loss, z_loss, lse = vocab_parallel_cross_entropy_zloss(
+        logits, target, spec.z_loss_coeff, spec.label_smoothing, spec.ignore_index, tp_group,
+        logit_transform=spec.logit_transform, backend=settings.backend, return_lse=True)
     return in_megatron_convention(loss, z_loss, spec), z_loss, lse
 
 
@@ -211,7 +212,7 @@ def te_parallel_cross_entropy_wrapper(fn):
 
 
 def _naming_the_flag(error):
-    """The op's :class:`ForwardGradientError`, its fix (the op's ``grads='recompute'``) named by the flag."""
+    """The op's :class:`ForwardGradientError`, its fix (the op's ``GradientPath('recompute')``) named by the flag."""
     return ForwardGradientError(f"{error} With Megatron: {FLAG} recompute.")
 
 
@@ -278,17 +279,25 @@ def megatron_grad_scale(config, loss_mask):
     return loss_scale / (loss_mask.float().sum().clamp(min=1) * num_microbatches)
 
 
+@functools.lru_cache(maxsize=64)
+def linear_options_cache(logit_transform, path, backend, linear_backend):
+    """The fused layer's options for one call (a cache: one object per set of the settings' values and the
+    call's transform)."""
+    return LinearCrossEntropyOptions(logit_transform=logit_transform, path=path, backend=backend,
+                                     linear_backend=linear_backend, return_lse=True)
+
+
 def linear_loss(deferred, target, loss, tp_group, settings, loss_mask, config):
     """``(loss, z_loss, lse)`` of the deferred output layer call, ``[s, b]``, as the op returns them
     (``loss = CE + c*lse**2``) for the ``LossSpec`` ``loss``, with the backends of ``settings``.
-    The path: ``settings.gradient_path`` where the ``loss_mask`` ``[b, s]`` is known (``"forward"``
-    makes the gradients for the upstream gradient Megatron's schedule sends: the mask as token
-    weights, scaled by :func:`megatron_grad_scale` of ``config``, the weight gradient into
-    ``main_grad`` during the forward), else recompute; where no backward will come the op itself
-    takes the recompute path."""
+    The path: ``settings.gradient_path``; ``"forward"`` where the ``loss_mask`` ``[b, s]`` is known makes
+    the gradients for the upstream gradient Megatron's schedule sends (the mask as token weights, scaled by
+    :func:`megatron_grad_scale` of ``config``, the weight gradient into ``main_grad`` during the forward);
+    without a loss mask the op gets no token weights and takes the recompute path, as it does where no
+    backward will come."""
     layer, weight = deferred.layer, deferred.weight
-    path = settings.gradient_path if loss_mask is not None else RECOMPUTE
-    forward = path.grads == "forward"
+    path = settings.gradient_path
+    forward = path.grads == "forward" and loss_mask is not None
     # Megatron's DDP gives the weight an fp32 main_grad and reads grad_added_to_main_grad: the op adds
     # into it as the layer would with --gradient-accumulation-fusion (which needs apex / TE, the op not)
     into_main_grad = bool(getattr(layer, "gradient_accumulation_fusion", False)) or (
@@ -296,14 +305,15 @@ def linear_loss(deferred, target, loss, tp_group, settings, loss_mask, config):
     into_main_grad = into_main_grad and not megatron_fsdp_param(weight)  # Megatron-FSDP: autograd
     # no scale to read where no gradient is made (validation: the op computes the loss alone)
     grad_scale = megatron_grad_scale(config, loss_mask) if forward and torch.is_grad_enabled() else None
+    trainer = TrainerInputs(
+        token_weights=loss_mask.transpose(0, 1).to(torch.float32) if forward else None,  # [b s] => [s b]
+        grad_scale=grad_scale, weight_grad=main_grad_target(weight) if into_main_grad else None,
+        remedy=f"{FLAG} recompute")
+    options = linear_options_cache(loss.logit_transform, path, settings.backend, settings.linear_backend)
     try:
         return linear_cross_entropy_zloss(
-            deferred.hidden, weight, target, loss=loss, tp_group=tp_group,
-            sequence_parallel=bool(getattr(layer, "sequence_parallel", False)),
-            weight_grad=main_grad_target(weight) if into_main_grad else None,
-            token_weights=loss_mask.transpose(0, 1).to(torch.float32) if forward else None,  # [b s] => [s b]
-            grad_scale=grad_scale, path=path, backend=settings.backend, linear_backend=settings.linear_backend,
-            remedy=f"{FLAG} recompute", return_lse=True)
+            deferred.hidden, weight, target, loss.z_loss_coeff, loss.label_smoothing, loss.ignore_index, tp_group,
+            bool(getattr(layer, "sequence_parallel", False)), options=options, trainer=trainer)
     except ForwardGradientError as error:  # a dropped forward's gradient, found at this one
         raise _naming_the_flag(error) from error
 

@@ -8,8 +8,9 @@ path captured in a CUDA graph, with and without the cap. Skipped without CUDA.""
 import pytest
 import torch
 
-from support import capture_cuda_graph, linear_loss_and_grads_float64, relative_error
+from support import capture_cuda_graph, linear_loss_and_grads_float64, relative_error, split_transform
 from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, TrainerInputs
 from mindspeed_cez.patches.loss_wrappers import main_grad_target  # the adaptor's weight-gradient target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -55,15 +56,18 @@ def _compare_at_a_real_size(path, dtype, label_smoothing, **transform):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     if into_main_grad:
         w.main_grad = torch.zeros(w.shape, dtype=dtype if path == "main_grad16" else torch.float32, device="cuda")
-    loss, _ = linear_cross_entropy_zloss(h, w, target, Z, label_smoothing, token_weights=mask if forward_grads else None,
-                                         grad_scale=1 / mask.sum() if into_main_grad else None,
-                                         weight_grad=main_grad_target(w) if into_main_grad else None,
-                                         grads="forward" if forward_grads else "recompute",
-                                         linear_backend=None if forward_grads else path, **transform)
+    options = LinearCrossEntropyOptions(split_transform(transform)[1],
+                                        GradientPath("forward" if forward_grads else "recompute"),
+                                        linear_backend=None if forward_grads else path)
+    trainer = TrainerInputs(token_weights=mask if forward_grads else None,
+                            grad_scale=1 / mask.sum() if into_main_grad else None,
+                            weight_grad=main_grad_target(w) if into_main_grad else None)
+    loss, _ = linear_cross_entropy_zloss(h, w, target, Z, label_smoothing, options=options, trainer=trainer)
     (loss * upstream).sum().backward()
     dweight = w.main_grad if into_main_grad else w.grad
     hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, Z, label_smoothing, **transform)
+    lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, Z, label_smoothing,
+                                               logit_transform=split_transform(transform)[1])
     (lu * upstream).sum().backward()
 
     # logits in the inputs' dtype bound the unfused path's error (the float64 reference takes exact products)
@@ -83,7 +87,9 @@ def test_triton_path_captures_in_a_cuda_graph(transform):
 
     def step():
         x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-        loss, z_loss = linear_cross_entropy_zloss(x, w, target, Z, 0.1, linear_backend="triton", **transform)
+        loss, z_loss = linear_cross_entropy_zloss(x, w, target, Z, 0.1,
+                                                  options=LinearCrossEntropyOptions(split_transform(transform)[1],
+                                                                                    linear_backend="triton"))
         return (loss, z_loss, *torch.autograd.grad(loss, (x, w), upstream))
 
     graph, out = capture_cuda_graph(step)
@@ -141,10 +147,9 @@ def test_the_op_on_each_cuda_accumulation(kind, path):
     w.main_grad = torch.zeros(w.shape, device="cuda")
     forward = path == "main_grad"
     with acc.forced(kind):
-        loss, _ = linear_cross_entropy_zloss(h, w, target, Z, token_weights=mask if forward else None,
-                                             grad_scale=1 / mask.sum() if forward else None,
-                                             weight_grad=main_grad_target(w),
-                                             grads="forward" if forward else "recompute")
+        loss, _ = linear_cross_entropy_zloss(h, w, target, Z,
+                                             options=LinearCrossEntropyOptions(path=GradientPath("forward" if forward else "recompute")),
+                                             trainer=TrainerInputs(token_weights=mask if forward else None, grad_scale=1 / mask.sum() if forward else None, weight_grad=main_grad_target(w)))
         (loss * upstream).sum().backward()
     hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, Z)
@@ -158,7 +163,7 @@ def test_the_op_on_each_cuda_accumulation(kind, path):
 # its CUDA context): hidden h, weight w, targets t, loss mask m
 _FORWARD_PATH = (
     "import torch\n"
-    "from mindspeed_cez import linear_cross_entropy_zloss\n"
+    "from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, TrainerInputs, linear_cross_entropy_zloss\n"
     "h = torch.randn(64, 32, device='cuda').requires_grad_()\n"
     "w = torch.randn(100, 32, device='cuda').requires_grad_()\n"
     "t = torch.randint(0, 100, (64,), device='cuda')\n"
@@ -179,13 +184,13 @@ def _output_of_a_failing_script(script):
 
 def test_the_device_assert_names_the_fix():
     """A loss weighted other than the forward assumed: the CUDA device-side assert's text names the
-    cause and the fix, ``grads='recompute'``."""
+    cause and the fix, ``GradientPath('recompute')``."""
     output = _output_of_a_failing_script(
         _FORWARD_PATH
-        + "loss, _ = linear_cross_entropy_zloss(h, w, t, token_weights=m, grad_scale=0.5, grads='forward')\n"
+        + "loss, _ = linear_cross_entropy_zloss(h, w, t, trainer=TrainerInputs(token_weights=m, grad_scale=0.5))\n"
           "(loss * torch.rand(64, device='cuda')).sum().backward()\n"
           "torch.cuda.synchronize()\n")
-    assert "For custom loss weighting run with grads='recompute'" in output, output[-3000:]
+    assert "For custom loss weighting run with GradientPath('recompute')" in output, output[-3000:]
 
 
 def test_a_non_finite_grad_scale_tensor_is_a_device_assert():
@@ -195,8 +200,8 @@ def test_a_non_finite_grad_scale_tensor_is_a_device_assert():
         + "from mindspeed_cez.linear_cross_entropy import WeightGradTarget\n"
           "w.main_grad = torch.zeros(100, 32, device='cuda')\n"
           "s = torch.tensor(float('nan'), device='cuda')\n"
-          "loss, _ = linear_cross_entropy_zloss(h, w, t, token_weights=m, grad_scale=s, grads='forward',\n"
-          "                                     weight_grad=WeightGradTarget(w.main_grad))\n"
+          "loss, _ = linear_cross_entropy_zloss(h, w, t, trainer=TrainerInputs(token_weights=m, grad_scale=s,\n"
+          "                                     weight_grad=WeightGradTarget(w.main_grad)))\n"
           "torch.cuda.synchronize()\n")
     assert "grad_scale must be finite" in output, output[-3000:]
 
@@ -219,10 +224,8 @@ def _sequence_parallel_over_nccl(rank, world_size, grads):
     if grads == "main_grad":
         ws.main_grad = torch.zeros(ws.shape, device="cuda")
     loss, _ = linear_cross_entropy_zloss(hs, ws, target, Z, tp_group=dist.group.WORLD, sequence_parallel=True,
-                                         token_weights=None if grads == "recompute" else mask,
-                                         grad_scale=1 / mask.sum() if grads == "main_grad" else None,
-                                         weight_grad=main_grad_target(ws) if grads == "main_grad" else None,
-                                         grads="recompute" if grads == "recompute" else "forward")
+                                         options=LinearCrossEntropyOptions(path=GradientPath("recompute" if grads == "recompute" else "forward")),
+                                         trainer=TrainerInputs(token_weights=None if grads == "recompute" else mask, grad_scale=1 / mask.sum() if grads == "main_grad" else None, weight_grad=main_grad_target(ws) if grads == "main_grad" else None))
     (loss * upstream).sum().backward()
     dweight = ws.main_grad if grads == "main_grad" else ws.grad
     hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()  # the unfused path on one rank
@@ -263,9 +266,9 @@ def test_the_output_layer_holds_at_most_its_block_of_logits(budget_mib):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, Z, token_weights=mask, grad_scale=1 / n,
-                                         weight_grad=main_grad_target(weight), grads="forward",
-                                         block_bytes=None if budget_mib is None else budget)
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, Z,
+                                         options=LinearCrossEntropyOptions(path=GradientPath("forward", block_bytes=None if budget_mib is None else budget)),
+                                         trainer=TrainerInputs(token_weights=mask, grad_scale=1 / n, weight_grad=main_grad_target(weight)))
     (loss * mask / n).sum().backward()
     torch.cuda.synchronize()
     beyond = torch.cuda.max_memory_allocated() - before

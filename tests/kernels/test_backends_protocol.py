@@ -46,3 +46,15 @@ def test_the_ops_pick_backends_of_the_declared_kinds():
         if name == "triton" and not kernels.triton_available():
             continue
         assert isinstance(kernels.linear_backend_for(torch.device("cpu"), name), backends.LinearBackend), name
+
+
+def test_a_loss_spec_is_named_spec():
+    """``loss`` names a tensor in the package; a :class:`LossSpec` parameter of the interfaces is ``spec``."""
+    taking_one = 0
+    for protocol in (backends.CrossEntropyBackend, backends.LinearBackend, backends.WholeLossBackend):
+        for method, declared in _protocol_methods(protocol).items():
+            parameters = inspect.signature(declared).parameters
+            specs = [name for name, p in parameters.items() if p.annotation in (backends.LossSpec, "LossSpec")]
+            assert specs in ([], ["spec"]), (protocol.__name__, method, list(parameters))
+            taking_one += bool(specs)
+    assert taking_one >= 8, taking_one

@@ -15,6 +15,7 @@ from support import STAND_INS, cross_entropy_zloss_float64, loss_and_grad_float6
 
 import mindspeed_cez.cross_entropy_zloss as op_module
 from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import LinearCrossEntropyOptions
 from mindspeed_cez.kernels import cann
 from mindspeed_cez.kernels import LogitTransform
 from mindspeed_cez.patches import settings
@@ -88,10 +89,10 @@ def test_stand_in_refuses_what_the_documentation_rules_out(torch_npu):
 
 def test_refused_where_it_does_not_apply(torch_npu, monkeypatch):
     logits, target, _ = _inputs(torch.float32, seed=5)
-    with pytest.raises(ValueError, match="logit_softcap=30.0 need backend='triton'"):
-        vocab_parallel_cross_entropy_zloss(logits, target, backend="cann", logit_softcap=30.0)
-    with pytest.raises(ValueError, match="logit_scale=0.5"):
-        vocab_parallel_cross_entropy_zloss(logits, target, backend="cann", logit_scale=0.5)
+    with pytest.raises(ValueError, match="LogitTransform\\(scale=1.0, cap=30.0\\) needs backend='triton'"):
+        vocab_parallel_cross_entropy_zloss(logits, target, backend="cann", logit_transform=LogitTransform(cap=30.0))
+    with pytest.raises(ValueError, match="LogitTransform\\(scale=0.5, cap=0.0\\) needs"):
+        vocab_parallel_cross_entropy_zloss(logits, target, backend="cann", logit_transform=LogitTransform(scale=0.5))
     # vocab shards: the op asks the group's size (here: a group of two, without collectives)
     with monkeypatch.context() as m:
         m.setattr(op_module, "group_rank_and_size", lambda group: (0, 2))
@@ -100,7 +101,8 @@ def test_refused_where_it_does_not_apply(torch_npu, monkeypatch):
     assert not torch_npu.CALLS, "refused before the op was called"
     hidden, weight = torch.randn(4, 8), torch.randn(16, 8)
     with pytest.raises(ValueError, match="backend='cann'.*fused output layer"):
-        linear_cross_entropy_zloss(hidden, weight, torch.zeros(4, dtype=torch.long), backend="cann")
+        linear_cross_entropy_zloss(hidden, weight, torch.zeros(4, dtype=torch.long),
+                                   options=LinearCrossEntropyOptions(backend="cann"))
     with pytest.raises(ValueError, match="target holds 999"):
         vocab_parallel_cross_entropy_zloss(logits, target.clamp_min(0) + 999, backend="cann")
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, TrainerInputs
 from mindspeed_cez.kernels.logit_transform import SOFTCAP, LogitTransform
 from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard, loss_spec
 from mindspeed_cez.patches import arguments
@@ -31,7 +32,7 @@ def test_a_bad_value_names_the_callers_name_for_it(field, value, error, message)
     with pytest.raises(error, match=f"^--my-{field} {message}"):
         LossSpec(**{field: value}, names={field: f"--my-{field}"})
     logits, target = torch.randn(3, 5), torch.tensor([0, 4, -100])
-    with pytest.raises(error, match=f"^{field} {message}"):  # the op's loose argument
+    with pytest.raises(error, match=f"^{field} {message}"):  # the op's keyword
         vocab_parallel_cross_entropy_zloss(logits, target, **{field: value})
     with pytest.raises(error, match=f"^{field} {message}"):
         linear_cross_entropy_zloss(torch.randn(3, 4), torch.randn(5, 4), target, **{field: value})
@@ -55,37 +56,43 @@ def test_settings_and_flags_name_their_own_fields():
 
 
 def test_gradient_path_is_checked_once_where_it_enters():
-    """The fused layer's grads / block_fraction: one GradientPath, made by the op from its loose
-    arguments or by the adaptor's settings (naming the flag); the op takes the latter as is."""
+    """The fused layer's grads / block_fraction: one GradientPath, made by the caller (its options) or by the
+    adaptor's settings (naming the flag); the op takes it as is, in its options, and no other way."""
     from mindspeed_cez.linear_cross_entropy import GradientPath
 
     with pytest.raises(ValueError, match="^--my-block takes"):
         GradientPath("forward", 1.5, names={"block_fraction": "--my-block"})
-    with pytest.raises(ValueError, match="^block_fraction takes"):  # the op's loose argument
+    with pytest.raises(ValueError, match="^block_fraction takes"):  # the options' path
         linear_cross_entropy_zloss(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 4, -100]),
-                                   grads="forward", token_weights=torch.ones(3), block_fraction=0)
+                                   options=LinearCrossEntropyOptions(path=GradientPath("forward", block_fraction=0)),
+                                   trainer=TrainerInputs(token_weights=torch.ones(3)))
     settings = Settings(fused_output_layer=True, grads="forward", block_fraction=1)
     assert settings.gradient_path == GradientPath("forward", 1.0)
     assert type(settings.block_fraction) is float and type(settings.gradient_path.block_fraction) is float
     hidden, weight = torch.randn(6, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
     target = torch.tensor([0, 4, -100, 2, 1, 3])
-    by_path = linear_cross_entropy_zloss(hidden, weight, target, token_weights=torch.ones(6),
-                                         path=settings.gradient_path)[0]
-    loose = linear_cross_entropy_zloss(hidden, weight, target, token_weights=torch.ones(6), grads="forward",
-                                       block_fraction=1.0)[0]
+    by_path = linear_cross_entropy_zloss(hidden, weight, target,
+                                         options=LinearCrossEntropyOptions(path=settings.gradient_path),
+                                         trainer=TrainerInputs(token_weights=torch.ones(6)))[0]
+    loose = linear_cross_entropy_zloss(hidden, weight, target,
+                                       options=LinearCrossEntropyOptions(path=GradientPath("forward", block_fraction=1.0)),
+                                       trainer=TrainerInputs(token_weights=torch.ones(6)))[0]
     torch.testing.assert_close(by_path, loose, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="path= describes the gradient path"):
-        linear_cross_entropy_zloss(hidden, weight, target, token_weights=torch.ones(6), grads="forward",
-                                   path=settings.gradient_path)
+    with pytest.raises(TypeError, match="no longer takes block_fraction=: pass "
+                                        "options=LinearCrossEntropyOptions\\(path=GradientPath\\(block_fraction"):
+        linear_cross_entropy_zloss(hidden, weight, target, options=LinearCrossEntropyOptions(path=settings.gradient_path),
+                                   block_fraction=1.0)
     with pytest.raises(TypeError, match="path must be"):
-        linear_cross_entropy_zloss(hidden, weight, target, path="forward")
+        linear_cross_entropy_zloss(hidden, weight, target, options=LinearCrossEntropyOptions(path="forward"))
+    assert GradientPath() == settings.replace(block_fraction=None).gradient_path == GradientPath("forward")
 
 
 def test_values_are_cast_once_and_one_spec_serves_equal_values():
     spec = LossSpec(torch.tensor(7).item(), 1, 0)  # ints in: an int, floats out
     assert (type(spec.ignore_index), type(spec.z_loss_coeff), type(spec.label_smoothing)) == (int, float, float)
-    assert loss_spec(-100, 1e-3, 0.1, 2.0, 30.0) is loss_spec(-100, 1e-3, 0.1, 2.0, 30.0)
-    assert loss_spec(-100, 1e-3, 0.1, 2.0, 30.0) == LossSpec(-100, 1e-3, 0.1, LogitTransform(2.0, 30.0))
+    transform = LogitTransform(2.0, 30.0)
+    assert loss_spec(-100, 1e-3, 0.1, transform) is loss_spec(-100, 1e-3, 0.1, LogitTransform(2.0, 30.0))
+    assert loss_spec(-100, 1e-3, 0.1, transform) == LossSpec(-100, 1e-3, 0.1, LogitTransform(2.0, 30.0))
     with pytest.raises(ValueError, match="^z_loss_coeff"):
         loss_spec(z_loss_coeff=[1.0])  # unhashable: the constructor says what is wrong
     s = Settings(z_loss_coeff=3, label_smoothing=0)
@@ -124,19 +131,23 @@ def test_kernel_args_against_a_float64_loss():
     assert copied == spec and hash(copied) == hash(spec) and copied.kernel_args(vocab) == args
 
 
-def test_loss_argument_is_the_loose_arguments_in_one():
+def test_a_spec_reaches_the_op_by_its_fields_one_way_each():
+    """A ``LossSpec`` (a config's, the adaptor's) goes to the op as its fields: the keywords and the
+    ``logit_transform``; ``loss=`` is gone, a TypeError naming them; a transform that is not one is refused."""
     gen = torch.Generator().manual_seed(3)
     logits, target = torch.randn(6, 11, generator=gen), torch.randint(0, 11, (6,), generator=gen)
     target[0] = -1
     spec = LossSpec(-1, 1e-2, 0.1, LogitTransform(2.0, 5.0))
-    loose = vocab_parallel_cross_entropy_zloss(logits, target, 1e-2, 0.1, -1, logit_scale=2.0, logit_softcap=5.0,
-                                               backend="torch")
-    whole = vocab_parallel_cross_entropy_zloss(logits, target, loss=spec, backend="torch")
-    assert all(torch.equal(x, y) for x, y in zip(loose, whole))
-    with pytest.raises(ValueError, match="loss= describes the whole loss"):
-        vocab_parallel_cross_entropy_zloss(logits, target, 1e-2, loss=spec)
-    with pytest.raises(TypeError, match="loss must be a"):
-        vocab_parallel_cross_entropy_zloss(logits, target, loss={"z_loss_coeff": 1e-2})
+    by_fields = vocab_parallel_cross_entropy_zloss(logits, target, spec.z_loss_coeff, spec.label_smoothing,
+                                                   spec.ignore_index, backend="torch",
+                                                   logit_transform=spec.logit_transform)
+    loose = vocab_parallel_cross_entropy_zloss(logits, target, 1e-2, 0.1, -1, backend="torch",
+                                               logit_transform=LogitTransform(scale=2.0, cap=5.0))
+    assert all(torch.equal(x, y) for x, y in zip(loose, by_fields))
+    with pytest.raises(TypeError, match="no longer takes loss=: pass its fields as z_loss_coeff="):
+        vocab_parallel_cross_entropy_zloss(logits, target, loss=spec)
+    with pytest.raises(TypeError, match="logit_transform must be a LogitTransform"):
+        vocab_parallel_cross_entropy_zloss(logits, target, logit_transform=2.0)
 
 
 def test_the_vocab_prologue_and_its_chunks():

@@ -15,6 +15,7 @@ import torch
 from support import STAND_INS, relative_error
 from support.backends import triton_runs_on_cpu
 from mindspeed_cez import fp32_accumulation as acc
+from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, TrainerInputs
 from mindspeed_cez import linear_cross_entropy_zloss
 from mindspeed_cez.patches.loss_wrappers import main_grad_target  # the adaptor's weight-gradient target
 
@@ -146,13 +147,13 @@ def test_the_op_on_each_accumulation(kind, path):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     w.main_grad = torch.full(w.shape, 0.5)
     w.grad_added_to_main_grad = False
-    kwargs = {} if path == "recompute" else {"grads": "forward", "token_weights": mask}
-    if path == "forward, grad_scale":
-        kwargs["grad_scale"] = scale
+    options = LinearCrossEntropyOptions(path=GradientPath("recompute" if path == "recompute" else "forward",
+                                                          row_block=16), chunk_cols=32)
+    trainer = TrainerInputs(token_weights=None if path == "recompute" else mask, weight_grad=main_grad_target(w),
+                            grad_scale=scale if path == "forward, grad_scale" else None)
     stand_in = mindspeed_stand_in() if kind == "npu_matmul_add" else contextlib.nullcontext([])
     with stand_in as calls, acc.forced(kind):
-        loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, weight_grad=main_grad_target(w),
-                                             chunk_cols=32, row_block=16, **kwargs)
+        loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, options=options, trainer=trainer)
         (loss * scale * mask).sum().backward()
     assert relative_error(w.main_grad.double() - 0.5, w64.grad) < 1e-2
     assert relative_error(h.grad, h64.grad) < 1e-2

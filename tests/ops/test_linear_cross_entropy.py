@@ -11,8 +11,10 @@ import torch.nn.functional as F
 
 from support.backends import triton_runs_on_cpu
 from support import run_on_ranks
-from support import cross_entropy_zloss_float64, relative_error
+from support import cross_entropy_zloss_float64, relative_error, split_transform
 from mindspeed_cez import kernels, linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, LogitTransform, TrainerInputs
+from mindspeed_cez.linear_cross_entropy import DEFAULT_OPTIONS, RECOMPUTE
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
 from mindspeed_cez.patches.loss_wrappers import main_grad_target  # the adaptor's weight-gradient target
@@ -67,13 +69,15 @@ def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_g
         w.main_grad = torch.full(w.shape, 0.25)
     backend, _, linear = backend.partition("+")  # "triton+gemm": Triton's CE kernels on GEMM chunks
     # chunks of 16 vocab rows / blocks of 16 tokens: several, the last one short
+    _, logit_transform = split_transform(transform)
+    options = LinearCrossEntropyOptions(logit_transform, GradientPath("forward" if forward_grads else "recompute",
+                                                                      row_block=16),
+                                        backend=backend, linear_backend=linear or None, chunk_cols=16)
+    trainer = TrainerInputs(token_weights=token_weights, weight_grad=main_grad_target(w) if main_grad else None,
+                            grad_scale=torch.tensor(K) if forward_grads == "main_grad" else
+                            K if forward_grads == "scaled" else None)
     loss, z_loss = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=z, label_smoothing=a, tp_group=group,
-                                              sequence_parallel=sequence_parallel, token_weights=token_weights,
-                                              weight_grad=main_grad_target(w) if main_grad else None,
-                                              grad_scale=torch.tensor(K) if forward_grads == "main_grad" else
-                                              K if forward_grads == "scaled" else None,
-                                              grads="forward" if forward_grads else "recompute", backend=backend,
-                                              linear_backend=linear or None, chunk_cols=16, row_block=16, **transform)
+                                              sequence_parallel=sequence_parallel, options=options, trainer=trainer)
     if main_grad:  # the blocks before the last added during the forward, the last one in backward
         assert 0 < relative_error(w.main_grad - 0.25, exp_dw[rows]) < 1
     (loss * upstream).sum().backward()
@@ -90,7 +94,7 @@ def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_g
         hu = hidden.clone().requires_grad_()
         wu = weight[rows].clone().requires_grad_()
         lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, z, a, tp_group=group, backend=backend,
-                                                   **transform)
+                                                   logit_transform=logit_transform)
         (lu * upstream).sum().backward()
         dist.all_reduce(hu.grad, group=group)  # what ColumnParallelLinear's backward does
         unfused = {"dhidden": relative_error(hu.grad[seq], exp_dh[seq]), "dweight": relative_error(wu.grad, exp_dw[rows])}
@@ -174,16 +178,18 @@ def test_grad_scale_needs_that_upstream_gradient():
     mask, upstream = _token_weights(target, gen)
     h, w = hidden.requires_grad_(), weight.requires_grad_()
     w.main_grad = torch.zeros(w.shape)
-    loss, _ = linear_cross_entropy_zloss(h, w, target, token_weights=mask, grad_scale=K,
-                                         weight_grad=main_grad_target(w), grads="forward", row_block=16)
+    loss, _ = linear_cross_entropy_zloss(h, w, target,
+                                         options=LinearCrossEntropyOptions(path=GradientPath("forward", row_block=16)),
+                                         trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w)))
     assert w.main_grad.abs().sum() > 0  # the blocks before the last added during the forward
     with pytest.raises(RuntimeError, match="upstream gradient must be s \\* token_weights"):
         (loss * upstream * 1.01).sum().backward()
     for bad in (float("nan"), "1", torch.ones(2), torch.tensor(True)):
         with pytest.raises(ValueError, match="grad_scale must be"):
-            linear_cross_entropy_zloss(h, w, target, token_weights=mask, grad_scale=bad, grads="forward")
-    with pytest.raises(ValueError, match="grad_scale: .*grads='forward'"):
-        linear_cross_entropy_zloss(h, w, target, grad_scale=1.0)
+            linear_cross_entropy_zloss(h, w, target, options=LinearCrossEntropyOptions(path=GradientPath("forward")),
+                                       trainer=TrainerInputs(token_weights=mask, grad_scale=bad))
+    with pytest.raises(ValueError, match="grad_scale: .*pass token_weights with it"):
+        linear_cross_entropy_zloss(h, w, target, trainer=TrainerInputs(grad_scale=1.0))
 
 
 def test_forward_grads_dhidden_taken_without_a_copy():
@@ -194,8 +200,9 @@ def test_forward_grads_dhidden_taken_without_a_copy():
     mask, upstream = _token_weights(target, gen)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     w.main_grad = torch.zeros(w.shape)
-    loss = linear_cross_entropy_zloss(h, w, target, 1e-3, token_weights=mask, grad_scale=K, grads="forward",
-                                      weight_grad=main_grad_target(w))[0]
+    loss = linear_cross_entropy_zloss(h, w, target, 1e-3,
+                                      options=LinearCrossEntropyOptions(path=GradientPath("forward")),
+                                      trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w)))[0]
     made = {}
     loss.grad_fn.register_hook(lambda grad_inputs, _: made.update(ptr=grad_inputs[0].data_ptr()))
     (loss * mask).sum().mul(K).backward()
@@ -219,8 +226,9 @@ def test_one_block_makes_its_gradient_gemms_in_backward():
     w.main_grad = torch.full(w.shape, 0.25)
 
     def forward():
-        return linear_cross_entropy_zloss(h, w, target, 1e-3, token_weights=mask, grad_scale=K, grads="forward",
-                                          weight_grad=main_grad_target(w))[0]
+        return linear_cross_entropy_zloss(h, w, target, 1e-3,
+                                          options=LinearCrossEntropyOptions(path=GradientPath("forward")),
+                                          trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w)))[0]
 
     dropped = forward()
     assert torch.equal(w.main_grad, torch.full(w.shape, 0.25))
@@ -269,20 +277,27 @@ def test_default_row_block():
     mask, _ = _token_weights(target, gen)
     for bad in (0, 1.5, "0.5", True, float("nan")):
         with pytest.raises(ValueError, match="block_fraction takes .* a number in \\(0, 1\\]"):
-            linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_fraction=bad)
+            linear_cross_entropy_zloss(hidden, weight, target,
+                                       options=LinearCrossEntropyOptions(path=GradientPath("forward", block_fraction=bad)),
+                                       trainer=TrainerInputs(token_weights=mask))
     for bad in (0, -5, 2.5, "1GiB", True):
         with pytest.raises(ValueError, match="block_bytes takes the most memory one block of logits may take, in "
                                              "bytes: an int >= 1"):
-            linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_bytes=bad)
+            linear_cross_entropy_zloss(hidden, weight, target,
+                                       options=LinearCrossEntropyOptions(path=GradientPath("forward", block_bytes=bad)),
+                                       trainer=TrainerInputs(token_weights=mask))
     with pytest.raises(ValueError, match="row_block and block_fraction"):
-        linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_fraction=0.5,
-                                   row_block=16)
+        linear_cross_entropy_zloss(hidden, weight, target,
+                                   options=LinearCrossEntropyOptions(path=GradientPath("forward", block_fraction=0.5, row_block=16)),
+                                   trainer=TrainerInputs(token_weights=mask))
     with pytest.raises(ValueError, match="row_block and block_bytes"):
-        linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_bytes=1 << 20,
-                                   row_block=16)
+        linear_cross_entropy_zloss(hidden, weight, target,
+                                   options=LinearCrossEntropyOptions(path=GradientPath("forward", block_bytes=1 << 20, row_block=16)),
+                                   trainer=TrainerInputs(token_weights=mask))
     with pytest.raises(ValueError, match="block_fraction and block_bytes both size the blocks"):
-        linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward", block_fraction=0.5,
-                                   block_bytes=1 << 20)
+        linear_cross_entropy_zloss(hidden, weight, target,
+                                   options=LinearCrossEntropyOptions(path=GradientPath("forward", block_fraction=0.5, block_bytes=1 << 20)),
+                                   trainer=TrainerInputs(token_weights=mask))
 
 
 def test_block_bytes_splits_the_tokens_and_keeps_the_float64_gradients():
@@ -308,8 +323,9 @@ def test_block_bytes_splits_the_tokens_and_keeps_the_float64_gradients():
         return matmul(a, b, *args, **kwargs)
     torch.matmul = spy
     try:
-        loss, _ = linear_cross_entropy_zloss(x, w, target, 1e-3, token_weights=mask, grad_scale=K, grads="forward",
-                                             weight_grad=main_grad_target(w), block_bytes=budget)
+        loss, _ = linear_cross_entropy_zloss(x, w, target, 1e-3,
+                                             options=LinearCrossEntropyOptions(path=GradientPath("forward", block_bytes=budget)),
+                                             trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w)))
     finally:
         torch.matmul = matmul
     assert blocks == [1024, 1024, 952] and all(r * v * 4 <= budget for r in blocks)
@@ -329,17 +345,22 @@ def test_token_weights_need_an_upstream_gradient_proportional_to_them():
     hidden, weight, target, upstream = _problem(torch.float32, 1, gen)
     mask, _ = _token_weights(target, gen)
     h, w = hidden.requires_grad_(), weight.requires_grad_()
-    loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask, grads="forward")
+    loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3,
+                                         options=LinearCrossEntropyOptions(path=GradientPath("forward")),
+                                         trainer=TrainerInputs(token_weights=mask))
     with pytest.raises(RuntimeError, match="upstream gradient must be k"):
         (loss * upstream).sum().backward()
     # ignored tokens (loss 0, gradient 0) may get any upstream gradient
-    loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask, grads="forward")
+    loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3,
+                                         options=LinearCrossEntropyOptions(path=GradientPath("forward")),
+                                         trainer=TrainerInputs(token_weights=mask))
     g = torch.where(target == -100, 5.0, 0.37 * mask)
     (loss * g).sum().backward()
     exp = _float64(hidden.detach(), weight.detach(), target, 0.37 * mask, 1e-3, 0.0)
     assert relative_error(w.grad, exp[3]) < 1e-5 and relative_error(h.grad, exp[2]) < 1e-5
     with pytest.raises(ValueError, match="token_weights must be a tensor of target's shape"):
-        linear_cross_entropy_zloss(h, w, target, token_weights=mask[:-1], grads="forward")
+        linear_cross_entropy_zloss(h, w, target, options=LinearCrossEntropyOptions(path=GradientPath("forward")),
+                                   trainer=TrainerInputs(token_weights=mask[:-1]))
 
 
 def test_chunks_bound_the_logits_and_cover_every_vocab_row(monkeypatch):
@@ -366,7 +387,8 @@ def test_chunks_bound_the_logits_and_cover_every_vocab_row(monkeypatch):
     real_matmul = torch.matmul
     monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
     monkeypatch.setattr(torch, "matmul", spy_out)
-    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-2, chunk_cols=16)
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-2,
+                                         options=LinearCrossEntropyOptions(chunk_cols=16))
     (loss * upstream).sum().backward()
     monkeypatch.undo()
     logits_shapes = [s for s in shapes if s[0] == rows.shape[0] and s[1] != HIDDEN]
@@ -390,7 +412,8 @@ def test_gradient_accumulation_fusion_adds_into_main_grad(flag):
         weight.grad_added_to_main_grad = False
     if flag == "zero_out":
         weight.zero_out_wgrad = True
-    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3, weight_grad=main_grad_target(weight))
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3,
+                                         trainer=TrainerInputs(weight_grad=main_grad_target(weight)))
     (loss * upstream).sum().backward()
     _, _, _, exp_dw = _float64(hidden, weight.detach(), target, upstream, 1e-3, 0.0)
     assert relative_error(weight.main_grad - 0.5, exp_dw) < 2e-2
@@ -415,30 +438,35 @@ def test_weight_grad_target_without_megatron(grads):
     weight = weight.requires_grad_()
     into, calls = torch.full(weight.shape, 0.5), []
     given = torch.zeros(weight.shape)
-    kwargs = {} if grads == "recompute" else {"grads": "forward", "token_weights": mask, "grad_scale": K,
-                                              "row_block": 16}
-    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3,
-                                         weight_grad=WeightGradTarget(into, lambda: calls.append(1) or given),
-                                         **kwargs)
+    into_target = WeightGradTarget(into, lambda: calls.append(1) or given)
+    if grads == "recompute":
+        options, trainer = DEFAULT_OPTIONS, TrainerInputs(weight_grad=into_target)
+    else:
+        options = LinearCrossEntropyOptions(path=GradientPath("forward", row_block=16))
+        trainer = TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=into_target)
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3, options=options, trainer=trainer)
     (loss * upstream).sum().backward()
     _, _, _, exp_dw = _float64(hidden, weight.detach(), target, upstream, 1e-3, 0.0)
     assert relative_error(into - 0.5, exp_dw) < 1e-5
     assert calls == [1] and torch.equal(weight.grad, given) and set(vars(weight)) <= {"grad"}
     with pytest.raises(ValueError, match="WeightGradTarget.into .* must have the weight's shape"):
-        linear_cross_entropy_zloss(hidden, weight, target, weight_grad=WeightGradTarget(torch.zeros(3, 3)))
+        linear_cross_entropy_zloss(hidden, weight, target,
+                                   trainer=TrainerInputs(weight_grad=WeightGradTarget(torch.zeros(3, 3))))
 
 
 def test_a_removed_keyword_names_its_replacement():
     """``gradient_accumulation_fusion=`` is gone from the op (Megatron's ``main_grad`` is the patch layer's):
-    a TypeError naming ``weight_grad=WeightGradTarget``; an unknown keyword stays Python's TypeError."""
+    a TypeError naming ``trainer=TrainerInputs(weight_grad=WeightGradTarget(...))``; an unknown keyword stays
+    Python's TypeError."""
     gen = torch.Generator().manual_seed(8)
     hidden, weight, target, _ = _problem(torch.float32, 1, gen)
-    with pytest.raises(TypeError, match="no longer takes gradient_accumulation_fusion=: pass weight_grad=WeightGradTarget"):
+    with pytest.raises(TypeError, match="no longer takes gradient_accumulation_fusion=: pass "
+                                        "trainer=TrainerInputs\\(weight_grad=WeightGradTarget"):
         linear_cross_entropy_zloss(hidden, weight, target, gradient_accumulation_fusion=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'grad_accumulation'"):
         linear_cross_entropy_zloss(hidden, weight, target, grad_accumulation=True)
     with pytest.raises(TypeError, match="weight_grad must be a"):
-        linear_cross_entropy_zloss(hidden, weight, target, weight_grad=True)
+        linear_cross_entropy_zloss(hidden, weight, target, trainer=TrainerInputs(weight_grad=True))
 
 
 @pytest.mark.parametrize("grads", ["recompute", "forward", "forward, grad_scale"])
@@ -452,11 +480,11 @@ def test_a_16_bit_main_grad(dtype, grads):
     weight = weight.requires_grad_()
     weight.main_grad = torch.full(weight.shape, 0.25, dtype=dtype)
     weight.grad_added_to_main_grad = False
-    kwargs = {} if grads == "recompute" else {"grads": "forward", "token_weights": mask}
-    if grads == "forward, grad_scale":
-        kwargs["grad_scale"] = K
-    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3, weight_grad=main_grad_target(weight),
-                                         **kwargs)
+    path = GradientPath("recompute" if grads == "recompute" else "forward")
+    trainer = TrainerInputs(token_weights=None if grads == "recompute" else mask, weight_grad=main_grad_target(weight),
+                            grad_scale=K if grads == "forward, grad_scale" else None)
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3,
+                                         options=LinearCrossEntropyOptions(path=path), trainer=trainer)
     (loss * upstream).sum().backward()
     _, _, _, exp_dw = _float64(hidden, weight.detach(), target, upstream, 1e-3, 0.0)
     assert weight.main_grad.dtype == dtype and weight.grad_added_to_main_grad
@@ -502,9 +530,12 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="weight has no vocab rows"):
         linear_cross_entropy_zloss(h, w[:0], t)
     with pytest.raises(ValueError, match="logit_scale must be a finite number > 0"):
-        linear_cross_entropy_zloss(h, w, t, logit_scale=0.0)
+        linear_cross_entropy_zloss(h, w, t,
+                                   options=LinearCrossEntropyOptions(logit_transform=LogitTransform(scale=0.0)))
     with pytest.raises(ValueError, match="logit_softcap must be a finite number >= 0"):
-        linear_cross_entropy_zloss(h, w, t, logit_softcap=float("inf"), grads="forward", token_weights=t.float())
+        linear_cross_entropy_zloss(h, w, t, options=LinearCrossEntropyOptions(
+            logit_transform=LogitTransform(cap=float("inf")), path=GradientPath("forward")),
+            trainer=TrainerInputs(token_weights=t.float()))
 
 
 def _sp_shape_worker(rank, world_size):
@@ -521,10 +552,11 @@ def test_sequence_parallel_target_must_cover_the_gathered_sequence():
 def _unequal_weight_rows_worker(rank, world_size):
     h, target = torch.randn(6, 8), torch.randint(0, 10, (6,))
     w = torch.randn(5 + rank, 8)  # 5 and 6 vocab rows
-    for grads, extra in (("recompute", {}), ("forward", {"token_weights": torch.ones(6), "grad_scale": 1.0})):
+    for grads, trainer in (("recompute", None), ("forward", TrainerInputs(token_weights=torch.ones(6), grad_scale=1.0))):
         with pytest.raises(ValueError, match=r"weight: tensor-parallel ranks hold vocab shards of unequal width "
                                              r"\(from 5 to 6\).*pad the vocab"):
-            linear_cross_entropy_zloss(h.requires_grad_(), w, target, tp_group=dist.group.WORLD, grads=grads, **extra)
+            linear_cross_entropy_zloss(h.requires_grad_(), w, target, tp_group=dist.group.WORLD,
+                                       options=LinearCrossEntropyOptions(path=GradientPath(grads)), trainer=trainer)
 
 
 def test_unequal_weight_rows_are_refused_on_every_rank():
@@ -591,19 +623,28 @@ def test_linear_backend_choice_and_bad_names():
 
 
 def test_settings_are_arguments_and_bad_ones_name_theirs():
-    """The algorithm is the ``grads`` argument, not the presence of ``token_weights``."""
+    """The path is the options' ``GradientPath`` ("forward", the default, where the call has token weights; a
+    call without them takes the recompute path); bad settings name theirs when the options are made."""
     gen = torch.Generator().manual_seed(13)
     hidden, weight, target, _ = _problem(torch.float32, 1, gen)
     mask, _ = _token_weights(target, gen)
-    for kwargs, message in (({"grads": "forward"}, "grads='forward' needs token_weights"),
-                            ({"token_weights": mask}, "token_weights .*grads='forward'"),
-                            ({"grads": "backward"}, "grads must be one of"),
-                            ({"chunk_cols": 0}, "chunk_cols must be"),
-                            ({"row_block": 2.5}, "row_block must be"),
-                            ({"backend": "cuda"}, "unknown backend 'cuda'"),
-                            ({"linear_backend": "cublas"}, "unknown linear backend 'cublas'")):
+    h = hidden.requires_grad_()
+    assert GradientPath().grads == "forward" and DEFAULT_OPTIONS.path == GradientPath()
+    loss, _ = linear_cross_entropy_zloss(h, weight, target)  # no token weights: the recompute path
+    assert type(loss.grad_fn).__name__ == "LinearCrossEntropyZLossBackward"
+    loss, _ = linear_cross_entropy_zloss(h, weight, target, trainer=TrainerInputs(token_weights=mask))
+    assert type(loss.grad_fn).__name__ == "LinearCrossEntropyZLossForwardGradsBackward"
+    with pytest.raises(ValueError, match="token_weights .*GradientPath\\('forward'\\)"):
+        linear_cross_entropy_zloss(hidden, weight, target, options=LinearCrossEntropyOptions(path=RECOMPUTE),
+                                   trainer=TrainerInputs(token_weights=mask))
+    for make, message in ((lambda: GradientPath("backward"), "grads must be one of"),
+                          (lambda: LinearCrossEntropyOptions(chunk_cols=0), "chunk_cols must be"),
+                          (lambda: GradientPath(row_block=2.5), "row_block must be"),
+                          (lambda: LinearCrossEntropyOptions(backend="cuda"), "unknown backend 'cuda'"),
+                          (lambda: LinearCrossEntropyOptions(linear_backend="cublas"),
+                           "unknown linear backend 'cublas'")):
         with pytest.raises(ValueError, match=message):
-            linear_cross_entropy_zloss(hidden, weight, target, **kwargs)
+            make()
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         vocab_parallel_cross_entropy_zloss(hidden[..., :5], target.clamp(max=4), backend="cuda")
 
@@ -619,8 +660,9 @@ def _main_grad_problem(seed):
 
 
 def _forward_into_main_grad(h, w, target, mask):
-    return linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, token_weights=mask, grad_scale=K,
-                                      weight_grad=main_grad_target(w), grads="forward", row_block=16)
+    return linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3,
+                                      options=LinearCrossEntropyOptions(path=GradientPath("forward", row_block=16)),
+                                      trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w)))
 
 
 def test_no_grad_never_writes_main_grad():
@@ -649,7 +691,7 @@ def test_a_forward_without_its_backward_is_detected():
     h, w, target, mask, upstream = _main_grad_problem(15)
     loss, _ = _forward_into_main_grad(h, w, target, mask)
     del loss  # the graph goes without a backward
-    with pytest.raises(ForwardGradientError, match="freed without a backward.*torch.no_grad.*grads='recompute'"):
+    with pytest.raises(ForwardGradientError, match="freed without a backward.*torch.no_grad.*GradientPath\\('recompute'\\)"):
         _forward_into_main_grad(h, w, target, mask)
     check_forward_gradients()  # reported once
 
@@ -683,14 +725,18 @@ def test_the_mismatch_message_names_the_cause_and_the_fix(monkeypatch):
     h, w, target, mask, upstream = _main_grad_problem(16)
     loss, _ = _forward_into_main_grad(h, w, target, mask)
     with pytest.raises(RuntimeError, match="loss was weighted otherwise. For custom loss weighting run with "
-                                           "grads='recompute'"):
+                                           "GradientPath\\('recompute'\\)"):
         (loss * upstream * 2).sum().backward()
-    loss, _ = linear_cross_entropy_zloss(h, w, target, token_weights=mask, grads="forward")
-    with pytest.raises(RuntimeError, match="must be k \\* w .*grads='recompute'"):
+    loss, _ = linear_cross_entropy_zloss(h, w, target,
+                                         options=LinearCrossEntropyOptions(path=GradientPath("forward")),
+                                         trainer=TrainerInputs(token_weights=mask))
+    with pytest.raises(RuntimeError, match="must be k \\* w .*GradientPath\\('recompute'\\)"):
         (loss * torch.rand(mask.shape)).sum().backward()
     assert len(messages) == 2 and all(len(m) < 255 for m in messages), [len(m) for m in messages]
     remedy = "--lm-fused-output-layer recompute"  # what the adaptor passes: the flag, where the op has none
-    loss, _ = linear_cross_entropy_zloss(h, w, target, token_weights=mask, grads="forward", remedy=remedy)
+    loss, _ = linear_cross_entropy_zloss(h, w, target,
+                                         options=LinearCrossEntropyOptions(path=GradientPath("forward")),
+                                         trainer=TrainerInputs(token_weights=mask, remedy=remedy))
     with pytest.raises(RuntimeError, match="must be k \\* w .*run with --lm-fused-output-layer recompute$"):
         (loss * torch.rand(mask.shape)).sum().backward()
     assert len(messages) == 3 and len(messages[-1]) < 255, len(messages[-1])

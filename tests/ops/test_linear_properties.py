@@ -25,8 +25,9 @@ from support.backends import triton_runs_on_cpu  # noqa: E402
 from support.properties import ranks  # noqa: E402,F401 (a fixture: the module's pool of gloo ranks)
 from support.properties import (DTYPES, K, check_refusal, check_rows, examples, loss_arguments, row_magnitude,  # noqa: E402
                         targets, transformed_float64)
-from support import linear_loss_and_grads_float64  # noqa: E402
+from support import linear_loss_and_grads_float64, split_transform  # noqa: E402
 from mindspeed_cez import linear_cross_entropy_zloss  # noqa: E402
+from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, TrainerInputs  # noqa: E402
 from mindspeed_cez.patches.loss_wrappers import main_grad_target  # noqa: E402 (the adaptor's weight-gradient target)
 
 PATHS = ["recompute", "recompute-triton", "forward", "scaled", "main_grad"]
@@ -98,12 +99,16 @@ def _linear_on_rank(rank, tp, group, case):
         w.main_grad = main_grad[rows].clone()
     grads = "recompute" if path.startswith("recompute") else "forward"
     try:
-        loss, z_loss, lse = linear_cross_entropy_zloss(
-            h, w, case["target"], tp_group=group, sequence_parallel=case["sequence_parallel"],
-            weight_grad=main_grad_target(w) if main_grad is not None else None, token_weights=case["token_weights"],
-            grad_scale=case["grad_scale"], grads=grads, backend=case["backend"],
+        kwargs, logit_transform = split_transform(case["kwargs"])
+        options = LinearCrossEntropyOptions(
+            logit_transform, GradientPath(grads, row_block=case["options"].get("row_block")), backend=case["backend"],
             linear_backend="triton" if path == "recompute-triton" else "gemm" if grads == "recompute" else None,
-            return_lse=True, **case["kwargs"], **case["options"])
+            chunk_cols=case["options"].get("chunk_cols"), return_lse=True)
+        trainer = TrainerInputs(token_weights=case["token_weights"], grad_scale=case["grad_scale"],
+                                weight_grad=main_grad_target(w) if main_grad is not None else None)
+        loss, z_loss, lse = linear_cross_entropy_zloss(h, w, case["target"], tp_group=group,
+                                                       sequence_parallel=case["sequence_parallel"], options=options,
+                                                       trainer=trainer, **kwargs)
         loss.backward(case["upstream"])
     except (ValueError, TypeError) as err:
         return {"refused": (type(err).__name__, str(err))}

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from support.backends import DTYPES, GRAD_TOLERANCE, LOSS_TOLERANCE, backend_devices, backend_ids, random_logits
-from support import loss_and_grad_float64, relative_error
-from mindspeed_cez import vocab_parallel_cross_entropy_zloss
+from support import loss_and_grad_float64, relative_error, split_transform
+from mindspeed_cez import LogitTransform, vocab_parallel_cross_entropy_zloss
 
 PAIRS = backend_devices()
 
@@ -32,7 +32,8 @@ def _check(logits_shape, dtype, backend, device, z_loss_coeff, label_smoothing, 
     leaf = base.clone().requires_grad_(True)
     logits = leaf if as_leaf else leaf * 1  # a non-leaf gets its gradient written in place
     loss, z_loss = vocab_parallel_cross_entropy_zloss(
-        logits, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing, backend=backend, **transform
+        logits, target, z_loss_coeff=z_loss_coeff, label_smoothing=label_smoothing, backend=backend,
+        logit_transform=split_transform(transform)[1],
     )
     assert loss.dtype == torch.float32 and z_loss.dtype == torch.float32
     assert loss.shape == target.shape and z_loss.shape == target.shape
@@ -96,7 +97,7 @@ def test_transform_lse_and_custom_ignore_index(backend_device):
     target = target.to(device)
     transform = {"logit_scale": 0.8, "logit_softcap": 12.0}
     loss, z_loss, lse = vocab_parallel_cross_entropy_zloss(base, target, 1e-3, 0.1, 4, backend=backend, return_lse=True,
-                                                           **transform)
+                                                           logit_transform=LogitTransform(0.8, 12.0))
     exp_loss, exp_z, exp_lse = cross_entropy_zloss_float64(base, target, 1e-3, 0.1, 4, **transform)
     assert relative_error(lse, exp_lse) < LOSS_TOLERANCE and relative_error(loss, exp_loss) < LOSS_TOLERANCE
     assert relative_error(z_loss, exp_z) < LOSS_TOLERANCE and torch.count_nonzero(loss[::2, 0]) == 0
@@ -270,7 +271,8 @@ def test_soft_cap_gradient_within_liger_tolerance(backend_device, logit_softcap)
     transform = {"logit_softcap": logit_softcap, "logit_scale": 1.0}
     exp_loss, _, exp_grad = loss_and_grad_float64(base, target, upstream, z_loss_coeff=1e-4, **transform)
     logits = base.clone().requires_grad_(True)
-    loss, _ = vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=1e-4, backend=backend, **transform)
+    loss, _ = vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=1e-4, backend=backend,
+                                                 logit_transform=LogitTransform(cap=logit_softcap))
     (grad,) = torch.autograd.grad(loss, logits, upstream)
     assert relative_error(loss, exp_loss) < LOSS_TOLERANCE
     torch.testing.assert_close(grad.double(), exp_grad, rtol=1e-6, atol=1e-8)

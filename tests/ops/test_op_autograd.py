@@ -8,6 +8,7 @@ import torch
 
 from support.backends import backend_devices, backend_ids
 from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, TrainerInputs
 from mindspeed_cez.patches.loss_wrappers import main_grad_target  # the adaptor's weight-gradient target
 
 PAIRS = backend_devices()
@@ -35,19 +36,22 @@ def _linear_problem(device, seed=0, n=6, h=8, vocab=40):
 
 def _linear_loss(hidden, weight, target, mask, backend, path):
     """(loss, the upstream gradient the path serves)."""
-    kwargs = {"backend": backend}
     if path.startswith("recompute"):
-        kwargs.update(grads="recompute", linear_backend="triton" if path == "recompute-triton" else "gemm")
+        options = LinearCrossEntropyOptions(path=GradientPath("recompute"), backend=backend,
+                                            linear_backend="triton" if path == "recompute-triton" else "gemm")
+        trainer = None
         upstream = torch.rand(target.shape, generator=torch.Generator().manual_seed(1)).to(target.device)
     else:
-        kwargs.update(grads="forward", token_weights=mask)
+        options = LinearCrossEntropyOptions(path=GradientPath("forward"), backend=backend)
+        trainer = TrainerInputs(token_weights=mask)
         upstream = SCALE * mask
         if path == "main_grad":
             weight.main_grad = torch.zeros(weight.shape, device=weight.device)
-            kwargs.update(grad_scale=torch.tensor(SCALE, device=target.device), weight_grad=main_grad_target(weight))
+            trainer = TrainerInputs(token_weights=mask, grad_scale=torch.tensor(SCALE, device=target.device),
+                                    weight_grad=main_grad_target(weight))
         elif path == "scaled":
-            kwargs.update(grad_scale=SCALE)
-    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, 1e-3, 0.1, **kwargs)
+            trainer = TrainerInputs(token_weights=mask, grad_scale=SCALE)
+    loss, _ = linear_cross_entropy_zloss(hidden, weight, target, 1e-3, 0.1, options=options, trainer=trainer)
     return loss, upstream
 
 
@@ -116,8 +120,8 @@ def test_linear_op_second_backward_right_or_refused(backend, device, path):
         loss.backward(upstream)
         assert torch.allclose(hidden.grad, 2 * grads[0]) and torch.allclose(weight.grad, 2 * grads[1])
         return
-    with pytest.raises(RuntimeError, match="grads='forward'\\) made its gradients during the forward for one "
-                                           "backward.*grads='recompute'"):
+    with pytest.raises(RuntimeError, match="GradientPath\\('forward'\\)\\) made its gradients during the forward for one "
+                                           "backward.*GradientPath\\('recompute'\\)"):
         loss.backward(upstream)
     assert torch.equal(hidden.grad, grads[0])
     assert torch.equal(weight.main_grad if path == "main_grad" else weight.grad, grads[1])
@@ -143,6 +147,7 @@ def test_non_finite_grad_scale_tensor_is_refused(bad):
     weight.main_grad = torch.zeros(weight.shape)
     for grad_scale in (torch.tensor(bad), torch.tensor([bad], dtype=torch.float64), bad):
         with pytest.raises(ValueError, match="grad_scale must be (a )?finite"):
-            linear_cross_entropy_zloss(hidden, weight, target, token_weights=mask, grads="forward",
-                                       grad_scale=grad_scale, weight_grad=main_grad_target(weight))
+            linear_cross_entropy_zloss(hidden, weight, target,
+                                       options=LinearCrossEntropyOptions(path=GradientPath("forward")),
+                                       trainer=TrainerInputs(token_weights=mask, grad_scale=grad_scale, weight_grad=main_grad_target(weight)))
     assert not weight.main_grad.any()

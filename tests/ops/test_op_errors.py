@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez import LogitTransform
 
 
 def _inputs(n=6, vocab=20):
@@ -83,14 +84,14 @@ def test_kernels_turn_an_out_of_range_target_into_nan(backend):
 def test_bad_logit_scale(scale):
     logits, target = _inputs()
     with pytest.raises(ValueError, match="logit_scale must be a finite number > 0"):
-        vocab_parallel_cross_entropy_zloss(logits, target, logit_scale=scale)
+        vocab_parallel_cross_entropy_zloss(logits, target, logit_transform=LogitTransform(scale=scale))
 
 
 @pytest.mark.parametrize("cap", [-1.0, math.nan, math.inf, -math.inf, None])
 def test_bad_logit_softcap(cap):
     logits, target = _inputs()
     with pytest.raises(ValueError, match=r"logit_softcap must be a finite number >= 0 \(0: no cap\)"):
-        vocab_parallel_cross_entropy_zloss(logits, target, logit_softcap=cap, return_lse=True)
+        vocab_parallel_cross_entropy_zloss(logits, target, return_lse=True, logit_transform=LogitTransform(cap=cap))
 
 
 @pytest.mark.parametrize("value", [None, 1.5, "-100", True])

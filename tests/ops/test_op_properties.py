@@ -23,7 +23,7 @@ from support.backends import triton_runs_on_cpu  # noqa: E402
 from support.properties import ranks  # noqa: E402,F401 (a fixture: the module's pool of gloo ranks)
 from support.properties import (DTYPES, check_logits_grad, check_refusal, check_rows, examples, logits_values,  # noqa: E402
                         loss_arguments, row_magnitude, targets, transformed_float64)
-from support import loss_and_grad_float64, run_on_ranks  # noqa: E402
+from support import loss_and_grad_float64, run_on_ranks, split_transform  # noqa: E402
 from mindspeed_cez import vocab_parallel_cross_entropy_zloss  # noqa: E402
 
 LAYOUTS = ["rows", "slice", "transposed"]
@@ -69,9 +69,10 @@ def _op_on_rank(rank, tp, group, case):
     leaf, logits, grad = _laid_out(case["logits"], slice(rank * v_local, (rank + 1) * v_local), case["layout"],
                                    case["intermediate"])
     try:
+        kwargs, logit_transform = split_transform(case["kwargs"])
         loss, z_loss, lse = vocab_parallel_cross_entropy_zloss(logits, case["target"], tp_group=group,
                                                                backend=case["backend"], return_lse=True,
-                                                               **case["kwargs"])
+                                                               logit_transform=logit_transform, **kwargs)
         loss.backward(case["upstream"])
     except (ValueError, TypeError) as err:
         return {"refused": (type(err).__name__, str(err))}

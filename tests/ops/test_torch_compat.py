@@ -10,6 +10,7 @@ import torch
 from support.backends import backend_devices, backend_ids
 from support import cross_entropy_zloss_float64, relative_error
 from mindspeed_cez import fp32_accumulation as acc
+from mindspeed_cez import LinearCrossEntropyOptions
 from mindspeed_cez import linear_cross_entropy_zloss
 from mindspeed_cez._requirements import TORCH_MIN, check_torch
 
@@ -27,7 +28,8 @@ def test_int32_targets_through_the_fused_output_layer(backend_device):
     loss64, _, _ = cross_entropy_zloss_float64(h64 @ w64.t(), target, z_loss_coeff=1e-3)
     (loss64 * upstream.double()).sum().backward()
     h, w = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
-    loss, _ = linear_cross_entropy_zloss(h, w, target.int().to(device), z_loss_coeff=1e-3, backend=name)
+    loss, _ = linear_cross_entropy_zloss(h, w, target.int().to(device), z_loss_coeff=1e-3,
+                                         options=LinearCrossEntropyOptions(backend=name))
     (loss * upstream.to(device)).sum().backward()
     assert relative_error(loss.cpu(), loss64) < 1e-5
     assert relative_error(h.grad.cpu(), h64.grad) < 1e-5 and relative_error(w.grad.cpu(), w64.grad) < 1e-5

@@ -530,7 +530,7 @@ ROWS = [
     (PERF, "| Liger-Kernel {ver}'s CE with its z-loss {lo}-{hi}x the floor with {mem}x the logits in extra memory; "
      "Megatron's native / fused CE + a torch z-loss {mlo}-{mhi}x the floor with {mmem}x the logits |",
      R + "RESULTS.md", _peers),
-    (PERF, "| `logit_softcap=30`, 8192 x 151936 | {cap} ms forward+backward against {base} ms without (CUDA-graph "
+    (PERF, "| `LogitTransform(cap=30)`, 8192 x 151936 | {cap} ms forward+backward against {base} ms without (CUDA-graph "
      "replay) |", R + "2026-11-25_h100/softcap/dt_cap_1.md", _softcap),
     # docs/performance.md, "Fused output layer": the one-GPU table (device time) and what it shows
     (PERF, "`bench/linear_cross_entropy.py --peers --iters {ev}`", LAYER,
@@ -544,7 +544,7 @@ ROWS = [
     (PERF, "Every loss within {err} of fp32", LAYER, _loss_error),
     (PERF, "the unfused layer with a 16-bit weight gradient (the fused layer's kernels less the fp32 pass) came out at "
      "{lo}-{hi} of the reference, and the reference's events under its own kernel sum at {n} shapes", LAYER, _quiet_host),
-    (PERF, "`2026-11-28_4xh200/final/breakdown.md`) measured identical work (one block, default and `block_fraction=1.0`) "
+    (PERF, "`2026-11-28_4xh200/final/breakdown.md`) measured identical work (one block, default and `GradientPath(block_fraction=1.0)`) "
      "{pct} % apart between rounds", BREAKDOWN, _identical_work),
     # the breakdown: final/ (kernels, Triton passes) and call1_profile/ (the GEMMs alone)
     (PERF, "At one block it runs the unfused layer's kernels plus ~{n} small ones ({lo}-{hi} ms)", BREAKDOWN,

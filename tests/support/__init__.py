@@ -342,3 +342,12 @@ def recorded_grad_scales():
         yield scales
     finally:
         loss_wrappers.megatron_grad_scale = original
+
+
+def split_transform(kwargs):
+    """``(the rest, LogitTransform)`` of keywords written with the loss's loose ``logit_scale`` /
+    ``logit_softcap`` (the float64 references' names): the ops take the two as one ``logit_transform``."""
+    from mindspeed_cez import LogitTransform
+
+    rest = {k: v for k, v in kwargs.items() if k not in ("logit_scale", "logit_softcap")}
+    return rest, LogitTransform(kwargs.get("logit_scale", 1.0), kwargs.get("logit_softcap", 0.0))
