@@ -7,6 +7,7 @@
 # converted to Python scalars").
 #
 #   bash .ci/leg_ascend.sh              # venv in .venv_ascend/ (git-ignored), re-used if present
+#   bash .ci/leg_ascend.sh --prepare    # only the venv and its pins (.ci/run: in the background during leg 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
@@ -24,6 +25,7 @@ stamp "venv $VENV"
 stamp "install torch==$TORCH_VERSION, then triton-ascend==$TRITON_ASCEND_VERSION (its triton last), the package"
 "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION" "numpy<2" pytest
 "$VENV/bin/python" -m pip install -q "triton-ascend==$TRITON_ASCEND_VERSION" pybind11
+[ "${1:-}" = --prepare ] && { stamp "prepared"; exit 0; }
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 "$VENV/bin/python" - <<PY
 import triton, triton.backends.ascend  # noqa: F401

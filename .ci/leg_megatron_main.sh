@@ -16,7 +16,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 VENV="${VENV:-.venv312}"
-THIRD_PARTY="${CEZ_THIRD_PARTY:-../shared/third_party}"
+# shared/third_party beside the checkout, or, for a clone of a local checkout made elsewhere, beside the
+# checkout it was cloned from (as tests/support/mindspeed_llm_source.py finds it)
+origin=$(git config --get remote.origin.url 2>/dev/null || true); origin=${origin#file://}
+THIRD_PARTY=../shared/third_party
+[ -d "$THIRD_PARTY" ] || [ -z "$origin" ] || [ ! -d "$origin" ] || THIRD_PARTY="$(dirname "$(cd "$origin" && pwd)")/shared/third_party"
+THIRD_PARTY="${CEZ_THIRD_PARTY:-$THIRD_PARTY}"
 ARCHIVE="$THIRD_PARTY/megatron-lm-main-d98e8a64.tar.gz"
 SRC="${MEGATRON_MAIN_SRC:-$PWD/.megatron-main}"
 

@@ -7,6 +7,7 @@
 # layouts (tests/megatron_loop/test_e2e_layouts.py: PP, VPP, EP, DP, MTP, checkpoint resume).
 #
 #   bash .ci/leg_py312.sh              # venv in .venv312/ (git-ignored), re-used if present
+#   bash .ci/leg_py312.sh --prepare    # only the venv and its pins (.ci/run: in the background during leg 1)
 #   PY312=/path/to/python3.12 VENV=/tmp/v bash .ci/leg_py312.sh
 #
 # Budget: about 25 minutes on 2 cores (venv + torch install 2-3 min; the tests about 12 min).
@@ -35,6 +36,7 @@ stamp "install torch==$TORCH_VERSION megatron-core==$MEGATRON_CORE_VERSION, the 
 # einops: Megatron-FSDP imports it (tests/megatron_loop/test_megatron_features_cpu.py's Megatron-FSDP gradient against float64)
 "$VENV/bin/python" -m pip install -q "megatron-core==$MEGATRON_CORE_VERSION" pytest psutil tokenizers tensorboard matplotlib \
     einops
+[ "${1:-}" = --prepare ] && { stamp "prepared"; exit 0; }
 # --no-deps: the pins above stay as they are (the extras would re-resolve megatron-core)
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 "$VENV/bin/python" - <<EOF

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # CI leg "users": MindSpeed-LLM 26.x's stack, with the package installed from its built wheel.
 # Python 3.10, torch 2.7.1 (its PyPI build, run on the CPU), triton 3.3.1 (torch's pin: the Triton
-# kernels under the interpreter), megatron-core 0.12.1. Steps: build the wheel; install it (not
-# editable) into a fresh venv; from a folder outside the checkout import every public module, call
-# the op and import the adaptor; then, the same venv's package reinstalled editable (the suite's
-# subprocesses run from the checkout root, where the source folder comes first on sys.path and only an
-# editable install maps kernels/ and patches/ into it), the README's test suite and the main job's quick
-# mode; then
-# MindSpeed-LLM's real sources (../shared/third_party, CEZ_THIRD_PARTY to override): the suite ran
-# tests/mindspeed_stack/test_mindspeed_llm_source.py on the v26.0.0 triple (its default), and it runs again on the
-# master and v2.2.0 triples. Missing archives fail this leg (CI=true). Measured 2026-11-27 on this
-# 2-core machine under other load (wall, CPU): v26.0.0 258 s / 166 s, master 159 s, v2.2.0 92 s / 131 s;
-# the stand-in file it no longer runs here (nor on leg 1's 0.13-0.15 lines) 287 s / 152 s.
+# kernels under the interpreter), megatron-core 0.12.1. It runs what depends on that stack, and not leg 1's
+# stack-free tests (tests/package/ but test_cpu_mode.py, tests/examples/, tests/gpu/: see .ci/run's table).
+# Steps: build the wheel; install it (not editable) into a fresh venv; from a folder outside the checkout
+# import every public module, call the op and import the adaptor; from the checkout root the source folder
+# shadows it in one line; then, the same venv's package reinstalled editable (the tests' subprocesses run
+# from the checkout root, where the source folder comes first on sys.path and only an editable install maps
+# kernels/ and patches/ into it): the kernels and ops under torch 2.7.1 + triton 3.3.1, the adaptor, its
+# patch points and Megatron's schedule on megatron-core 0.12.1, MindSpeed's real source, MindSpeed-LLM's
+# real sources on the v26.0.0, master and v2.2.0 triples (../shared/third_party, CEZ_THIRD_PARTY to
+# override; missing archives fail this leg, CI=true), and the main job's quick mode. Measured 2026-11-27 on
+# this 2-core machine under other load (wall, CPU): MindSpeed-LLM v26.0.0 258 s / 166 s, master 159 s,
+# v2.2.0 92 s / 131 s.
 #
 #   bash .ci/leg_users.sh               # venv in .venv310/ (git-ignored), made anew
+#   bash .ci/leg_users.sh --prepare     # only the fresh venv with the stack (.ci/run: in the background
+#                                       # during leg 1); the next plain run in this checkout uses it once
 #   PY310=/path/to/python3.10 bash .ci/leg_users.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,10 +31,20 @@ MEGATRON_CORE_VERSION=0.12.1
 start=$SECONDS
 stamp() { echo "== leg users [$((SECONDS - start))s] $*"; }
 
-stamp "fresh venv $VENV from $PY310"
-rm -rf "$VENV" dist
-"$PY310" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
+STACK=("torch==$TORCH_VERSION" "triton==$TRITON_VERSION" "megatron-core==$MEGATRON_CORE_VERSION")
+PREPARED="$VENV/.ci-prepared"  # made by --prepare, used (and removed) by the next run
+if [ "${1:-}" = --prepare ] || [ "$(cat "$PREPARED" 2>/dev/null)" != "${STACK[*]}" ]; then
+    stamp "fresh venv $VENV from $PY310, with ${STACK[*]}"
+    rm -rf "$VENV"
+    "$PY310" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q "${STACK[@]}"
+    [ "${1:-}" = --prepare ] && { echo "${STACK[*]}" > "$PREPARED"; stamp "prepared"; exit 0; }
+else
+    stamp "the venv $VENV prepared fresh by --prepare, with ${STACK[*]}"
+fi
+rm -f "$PREPARED"
+rm -rf dist
 
 stamp "build the wheel"
 "$VENV/bin/python" -m pip wheel -q --no-deps -w dist .
@@ -40,9 +53,8 @@ wheel=$(ls dist/mindspeed_cez-*.whl)
 assert 'mindspeed_cez/kernels/triton_cross_entropy.py' in names and 'mindspeed_cez/patches/patch_points.py' in names, names
 assert not any(n.startswith('mindspeed_cez/kernels/variants') for n in names), names  # test-only code stays out" "$wheel"
 
-stamp "install $wheel[test,examples] with torch==$TORCH_VERSION triton==$TRITON_VERSION megatron-core==$MEGATRON_CORE_VERSION"
-"$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION" "triton==$TRITON_VERSION" \
-    "megatron-core==$MEGATRON_CORE_VERSION" "$PWD/$wheel[test,examples]"
+stamp "install $wheel[test,examples] with ${STACK[*]}"
+"$VENV/bin/python" -m pip install -q "${STACK[@]}" "$PWD/$wheel[test,examples]"
 
 stamp "the installed wheel, from outside the checkout"
 (cd "$(mktemp -d)" && "$OLDPWD/$VENV/bin/python" "$OLDPWD/.ci/wheel_check.py" --installed)
@@ -57,9 +69,14 @@ stamp "the package reinstalled editable, for the suite run from the checkout roo
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 
 export CI="${CI:-true}"  # real-source archives missing: an error here, not a skip
-stamp "pytest -q tests (the README's test command; MindSpeed-LLM v26.0.0's real sources among them)"
-# the stand-in of MindSpeed / MindSpeed-LLM is for the other megatron-core lines: here the real sources run
-"$VENV/bin/pytest" -q tests --ignore=tests/mindspeed_stack/test_mindspeed_llm_stand_in.py
+# What depends on this stack. Not here: tests/package/ (layering, module state, doc figures: stack-free;
+# its test_cpu_mode.py patches this torch and megatron-core, so it is here), tests/examples/ (the reports,
+# plans and divergence rule are plain Python; the main job runs below; the sweep needs megatron.training),
+# tests/gpu/ (CUDA, or fake loads), and the stand-in of MindSpeed-LLM (its real sources run here).
+tests=(tests/kernels tests/ops tests/adaptor tests/megatron_loop tests/mindspeed_stack/test_mindspeed_source.py
+       tests/mindspeed_stack/test_mindspeed_llm_source.py tests/package/test_cpu_mode.py)
+stamp "pytest ${tests[*]} (MindSpeed-LLM v26.0.0's real sources among them)"
+"$VENV/bin/pytest" -q "${tests[@]}"
 
 for triple in master v2.2.0; do
     stamp "MindSpeed-LLM $triple's real sources: tests/mindspeed_stack/test_mindspeed_llm_source.py"

@@ -16,7 +16,8 @@ TP vocab shards):
   Megatron's ``load_balancing_loss``; an eval forward (``model.eval()``, no grad) gives CE and
   records nothing.
 
-Runs on every megatron-core of CI leg 1 (0.12.1 to 0.16.1, see ``.ci/run``).
+Runs on every megatron-core line CI tests (``.ci/run``'s table): 0.12.1 (the users' leg), 0.16.1 (leg 1),
+0.19.2 (leg 2) and Megatron-LM main; on 0.13.1, 0.14.0 and 0.15.3 the TP=2 case only.
 """
 
 import pytest
