@@ -130,21 +130,10 @@ ROWS = [
     ("README.md", "and the main job {s} s", FRESH, lambda t: {"s": re.search(r"main job: (\d+) s", t).group(1)}),
     *[("README.md", "{line}", MAIN_JOB_LINES, lambda t, p=pattern: {"line": re.findall(p, t, re.M)[-1]})
       for pattern in (r"^ iteration +60/ +60 \|.*$", r"^c=0: final .*$", r"^c=0\.01: final .*$")],
-    # README: choosing the coefficient
-    ("README.md", "(at learning rate 0.3 every seed, every coefficient from 0 to {top})", LONG_STATS,
-     lambda s: {"top": f"{_every_seed(s, 0.3)['coeffs'][-1]:.0e}".replace("e-0", "e-")}),
-    ("README.md", "1e-3 cost about {cost:.2f} nats at a low learning rate", LONG_STATS,
-     lambda s: {"cost": _paired(s, 0.1, 0.001)["mean"]}),
-    ("README.md", "1e-4 changed the training loss by less than the seeds differ", LONG_STATS,
+    # README: choosing a mitigation (its study's rows: doc_figures_mitigations.py)
+    ("README.md", "the z-loss at 1e-4 cost no loss the seeds resolve", LONG_STATS,
      lambda s: {} if all(abs(_paired(s, lr, 1e-4)["mean"]) < _paired(s, lr, 1e-4)["ci95"] for lr in (0.1, 0.2))
      else {"missing": True}),
-    ("README.md", "(mean `lm_lse` about {c0:.1f} without, {c4:.1f} with, at learning rate 0.2)", CLAIMS,
-     lambda c: {"c0": c["lm_lse_iters_3901_4000_lr0.2"]["0.0"]["median"],
-                "c4": c["lm_lse_iters_3901_4000_lr0.2"]["0.0001"]["median"]}),
-    ("README.md", "`lm_lse` above 18 followed in {warned} of {of} and never fired in the {quiet} healthy runs",
-     CLAIMS, lambda c: c["lse_18"]["as_dated_by_rule"] if c["lse_18"]["as_dated_by_rule"]["false_alarms"] == 0
-     else {}),
-    ("README.md", "all healthy ones at learning rate {lr:g} or below", CLAIMS, lambda c: {"lr": c["quiet_runs_max_lr"]}),
     # docs/z_loss_training.md: the early-warning table, every row
     *[("docs/z_loss_training.md", f"| {label} | {{warned}} / {{diverged}} | {{median}} ({{lo}}-{{hi}}) | "
        f"{{false_alarms}} / {{not_diverged}} |", LONG_STATS, lambda s, k=key, t=t: _warning(s, k, t))
@@ -184,5 +173,6 @@ from doc_figures_performance import ROWS as _PERFORMANCE  # noqa: E402
 from doc_figures_layer import ROWS as _LAYER  # noqa: E402
 from doc_figures_integration import ROWS as _INTEGRATION  # noqa: E402
 from doc_figures_zloss import ROWS as _ZLOSS  # noqa: E402
+from doc_figures_mitigations import ROWS as _MITIGATIONS  # noqa: E402
 
-ROWS += _PERFORMANCE + _LAYER + _INTEGRATION + _ZLOSS
+ROWS += _PERFORMANCE + _LAYER + _INTEGRATION + _ZLOSS + _MITIGATIONS
