@@ -35,7 +35,7 @@ def _parse(argv):
         ([BLOCK, "0.25"], "none with --lm-fused-output-layer \\(off\\)"),
         # text that is no number or path: the parser keeps it, validation names the flag in one line
         (["--lm-z-loss-coeff", "abc"], "--lm-z-loss-coeff must be a finite number >= 0, got 'abc'"),
-        (["--lm-fused-output-layer", "sideways"], "--lm-fused-output-layer must be one of \\('recompute', 'forward'\\), "
+        (["--lm-fused-output-layer", "sideways"], "--lm-fused-output-layer must be one of \\('forward', 'recompute'\\), "
                                                   "got 'sideways'"),
         (["--lm-fused-output-layer", BLOCK, "half"], "-block-fraction takes .*got 'half'"),
         (["--lm-fused-output-layer", GIB, "0"], "-block-gib takes the most memory one block of logits may take, in "
