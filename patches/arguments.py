@@ -288,6 +288,12 @@ def _check_with_other_flags(args):
     """The flags against Megatron's and MindSpeed-LLM's own (none of which the command line check at the
     adaptor's import reads: they exist once Megatron parsed its arguments)."""
     mode = getattr(args, "lm_fused_output_layer", None)
+    tied = not getattr(args, "untie_embeddings_and_output_weights", True)
+    if getattr(args, "lm_mu_centering", False) and tied and (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        # the first stage's copy of the tied embedding is not reached (only the last stage's loss marks weights)
+        raise ValueError(f"{FLAG_MU_CENTERING} with tied embeddings serves one pipeline stage; with "
+                         "--pipeline-model-parallel-size > 1 use --untie-embeddings-and-output-weights or "
+                         f"{FLAG_MU_LOSS}")
     if mode:
         for dest, flag in (("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute"),
                            ("use_mup", "--use-mup")):

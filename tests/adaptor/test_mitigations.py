@@ -69,6 +69,17 @@ def test_bad_values_fail_in_one_line_naming_the_flag(argv, message):
     assert "\n" not in str(caught.value)
 
 
+def test_mu_centering_refuses_tied_embeddings_over_pipeline_stages():
+    args = _parse([CENTERING])
+    args.pipeline_model_parallel_size, args.untie_embeddings_and_output_weights = 2, False
+    with pytest.raises(ValueError, match="--lm-mu-centering with tied embeddings serves one pipeline stage"):
+        arguments.validate(args)
+    args.untie_embeddings_and_output_weights = True
+    assert arguments.validate(args).mu_centering
+    args.pipeline_model_parallel_size, args.untie_embeddings_and_output_weights = 1, False
+    assert arguments.validate(args).mu_centering
+
+
 def test_a_soft_cap_other_than_mindspeed_llms_own_is_refused():
     with pytest.raises(ValueError, match="--lm-logit-softcap=30 and the model's own soft cap 20 .*differ") as caught:
         arguments.validate(_parse([SOFTCAP, "30"], mindspeed_llm_cap=20.0))
