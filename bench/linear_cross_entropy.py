@@ -43,18 +43,19 @@ def with_main_grad(w):
 
 
 def into_main_grad(h, w, t, tp_group=None, sequence_parallel=False, token_weights=None, block_fraction=None,
-                   row_block=None):
+                   row_block=None, accumulation=None):
     """The gradients-in-forward path as Megatron runs it: the upstream gradient known in forward
     (``grad_scale``; here 1 per counted token, the benchmark's ``sum``), ``dweight`` added into an fp32
-    ``weight.main_grad`` (made once, counted with the inputs' gradients, as Megatron's grad buffer)."""
-    from mindspeed_cez import GradientPath, TrainerInputs
+    ``weight.main_grad`` (made once, counted with the inputs' gradients, as Megatron's grad buffer);
+    ``accumulation``: the fp32 accumulation's kind (None: this torch's choice)."""
+    from mindspeed_cez import ForwardGradientLedger, GradientPath, TrainerInputs
     from mindspeed_cez.patches.loss_wrappers import main_grad_target
 
     with_main_grad(w)
     trainer = TrainerInputs(token_weights=(t != -100).float() if token_weights is None else token_weights,
-                            grad_scale=1.0, weight_grad=main_grad_target(w))
+                            grad_scale=1.0, weight_grad=main_grad_target(w), ledger=ForwardGradientLedger())
     return fused_loss(h, w, t, tp_group, sequence_parallel, GradientPath("forward", block_fraction, row_block=row_block),
-                      trainer)
+                      trainer, accumulation=accumulation)
 
 
 def unfused(h, w, t, tp_group=None):
@@ -74,7 +75,7 @@ class _LinearIntoMainGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from mindspeed_cez.fp32_accumulation import Accumulator
+        from mindspeed_cez.linear_forward_grads import Accumulator
 
         x, w = ctx.saved_tensors
         Accumulator(g.device)(w.main_grad, g.t(), x)
@@ -102,7 +103,7 @@ class _SequenceParallelLinearIntoMainGrad(torch.autograd.Function):
     def backward(ctx, g):
         import torch.distributed as dist
 
-        from mindspeed_cez.fp32_accumulation import Accumulator
+        from mindspeed_cez.linear_forward_grads import Accumulator
 
         x, w = ctx.saved_tensors
         dx = g @ w
@@ -138,12 +139,11 @@ def implementations(args):
     impls = {"unfused: cuBLAS + cez op": unfused,
              "unfused, weight gradient into fp32 main_grad (Megatron's accumulation fusion)": unfused_into_main_grad}
     if args.accumulations:
-        from mindspeed_cez import fp32_accumulation as acc
+        from mindspeed_cez import linear_forward_grads as acc
 
         for kind in ("addmm_out_dtype", "triton", "gemm_add")[0 if acc.ADDMM_OUT_DTYPE else 1:]:
-            step = functools.partial(into_main_grad)
-            step.forced = kind  # stepper() runs it under fp32_accumulation.forced(kind)
-            impls[f"default path (blocks of at most 4 GiB of logits), {kind}"] = step
+            impls[f"default path (blocks of at most 4 GiB of logits), {kind}"] = functools.partial(
+                into_main_grad, accumulation=kind)
         for fraction in FRACTIONS:
             impls[f"dial: fraction {fraction}, {acc.kind_for(torch.device('cuda'))}"] = functools.partial(
                 into_main_grad, block_fraction=fraction)
@@ -178,13 +178,11 @@ def inputs(n, h, v, seed=0):
 
 
 def stepper(fn, h, w, t):
-    """One forward+backward of ``fn`` (under ``fp32_accumulation.forced(fn.forced)`` where it says)."""
-    from mindspeed_cez import fp32_accumulation as acc
+    """One forward+backward of ``fn``."""
 
     def step():
         h.grad = w.grad = None
-        with acc.forced(fn.forced) if getattr(fn, "forced", None) else contextlib.nullcontext():
-            fn(h, w, t).backward()
+        fn(h, w, t).backward()
     return step
 
 
@@ -559,7 +557,7 @@ TUNE_SHAPES = ["151936x4096x4096", "151936x4096x1024", "16160x7168x4096", "37984
 def tune_accumulate(args):
     """``main_grad [V, h] += dlogits.T @ x`` (``dlogits [rows, V]``) alone: the Triton kernel over tile
     settings beside torch's ``addmm(out_dtype)`` and its bf16 GEMM alone (no read of main_grad)."""
-    from mindspeed_cez import fp32_accumulation as acc
+    from mindspeed_cez import linear_forward_grads as acc
     from mindspeed_cez.kernels import triton_matmul_accumulate as tma
 
     lines = [f"Triton fp32 accumulation kernel; median of {args.iters} (CUDA events)", "",

@@ -294,7 +294,7 @@ def run_tp(args, device):
     from mindspeed_cez import vocab_parallel_cross_entropy_zloss as op
     from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
     from mindspeed_cez.kernels.partials import partials_numel
-    from mindspeed_cez.tensor_parallel import all_gather
+    from mindspeed_cez.cross_entropy_zloss import all_gather
 
     t_begin = time.time()
     rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD

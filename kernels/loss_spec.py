@@ -9,7 +9,7 @@ which the error then names. Every backend takes the spec whole; the Triton kerne
 
 ``VocabShard``: one call's vocab layout, this rank's ``[vocab_start, vocab_start + v_local)`` of
 ``global_vocab`` ids (``rank`` of ``world_size``), made by the ops' one prologue
-(``mindspeed_cez.tensor_parallel.vocab_shard``); :meth:`VocabShard.chunk` is a chunk of it.
+(``mindspeed_cez.cross_entropy_zloss.vocab_shard``); :meth:`VocabShard.chunk` is a chunk of it.
 """
 
 import dataclasses

@@ -3,7 +3,7 @@
 A flat fp32 tensor of ``partials_numel(n)`` elements for ``n`` token rows, written by every backend's
 ``shard_partials`` / ``linear_partials``, all-gathered over the tensor-parallel ranks in one
 collective and finished by the backend's ``loss_from_partials``
-(``mindspeed_cez.vocab_parallel.VocabParallel.merged_loss``):
+(``mindspeed_cez.cross_entropy_zloss.VocabParallel.merged_loss``):
 
 ``[LOCAL_LSE * n, +n)``    this slice's log-sum-exp per row: ``m + log(sum exp(z - m))``, -inf for a
                            row that is -inf across the slice (such a slice adds nothing to the row)

@@ -27,9 +27,10 @@ _check_torch()
 
 from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss  # noqa: E402
 from mindspeed_cez.kernels.logit_transform import LogitTransform  # noqa: E402
-from mindspeed_cez.linear_cross_entropy import (GradientPath, LinearCrossEntropyOptions,  # noqa: E402
-                                               TrainerInputs, WeightGradTarget, linear_cross_entropy_zloss)
+from mindspeed_cez.linear_cross_entropy import (ForwardGradientLedger, GradientPath,  # noqa: E402
+                                               LinearCrossEntropyOptions, TrainerInputs, WeightGradTarget,
+                                               linear_cross_entropy_zloss)
 
 __version__ = "0.1.0"
 __all__ = ["vocab_parallel_cross_entropy_zloss", "linear_cross_entropy_zloss", "LogitTransform", "GradientPath",
-           "LinearCrossEntropyOptions", "TrainerInputs", "WeightGradTarget", "__version__"]
+           "LinearCrossEntropyOptions", "TrainerInputs", "WeightGradTarget", "ForwardGradientLedger", "__version__"]

@@ -1,7 +1,7 @@
 """Output projection + vocab-parallel cross entropy + z-loss, without the logits tensor.
 
 ``loss = CE(hidden @ weight.T) + c * lse**2`` per token, for the per-row partials of
-``vocab_parallel_cross_entropy_zloss`` (merged across ranks by :mod:`mindspeed_cez.tensor_parallel`),
+``vocab_parallel_cross_entropy_zloss`` (merged across ranks by the tensor-parallel steps of :mod:`mindspeed_cez.cross_entropy_zloss`),
 of the logits scaled and soft-capped as the options' ``logit_transform`` says (by the backends, per
 tile or chunk). Two paths (:class:`GradientPath`):
 
@@ -38,14 +38,14 @@ from mindspeed_cez.cross_entropy_zloss import check_target, refusing_removed
 from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
 from mindspeed_cez.kernels.loss_spec import loss_spec
 from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
+from mindspeed_cez.cross_entropy_zloss import group_rank_and_size
 from mindspeed_cez.linear_forward_grads import (LEAN_BLOCK_FRACTION, ForwardGradsOptions,
-                                                LinearCrossEntropyZLossForwardGrads)
+                                                LinearCrossEntropyZLossForwardGrads, check_accumulation)
 # Re-exported: the adaptor and the tests import them from here (WeightGradTarget too).
-from mindspeed_cez.linear_forward_grads import (ForwardGradientError, check_forward_gradients,  # noqa: F401
+from mindspeed_cez.linear_forward_grads import (ForwardGradientError, ForwardGradientLedger,  # noqa: F401
                                                 default_row_block)
 from mindspeed_cez.linear_options import WeightGradTarget
 from mindspeed_cez.linear_recompute import LinearCrossEntropyZLoss, RecomputeOptions
-from mindspeed_cez.tensor_parallel import group_rank_and_size
 
 
 def _check(hidden, weight, target, tp_size, sequence_parallel):
@@ -217,6 +217,10 @@ class LinearCrossEntropyOptions:
             pass 2**26, not under 1024 unless a chunk would pass 4 GiB; ``kernels.chunked_linear.default_chunk_cols``).
         return_lse: also return the detached per-token log-sum-exp, as
             :func:`vocab_parallel_cross_entropy_zloss`'s ``return_lse``.
+        accumulation: how 16-bit GEMMs are added into fp32 (``dweight`` into its target, ``dhidden``'s sums):
+            one of ``linear_forward_grads.KINDS`` (``"addmm_out_dtype"``, ``"npu_matmul_add"``, ``"triton"``,
+            ``"gemm_add"``) where this process can run it; ``None`` (default): chosen per device type and torch
+            (docs/weight_gradient.md).
     """
 
     logit_transform: LogitTransform = IDENTITY
@@ -225,6 +229,7 @@ class LinearCrossEntropyOptions:
     linear_backend: Optional[str] = None
     chunk_cols: Optional[int] = None
     return_lse: bool = False
+    accumulation: Optional[str] = None
 
     def __post_init__(self):
         if not isinstance(self.logit_transform, LogitTransform):
@@ -242,6 +247,7 @@ class LinearCrossEntropyOptions:
         _check_count(self.chunk_cols, "chunk_cols", "the default width")
         if not isinstance(self.return_lse, bool):
             raise TypeError(f"return_lse must be True or False, got {self.return_lse!r}")
+        check_accumulation(self.accumulation)
 
 
 DEFAULT_OPTIONS = LinearCrossEntropyOptions()
@@ -261,20 +267,25 @@ class TrainerInputs:
             float or a one-element tensor; Megatron: its loss scale over the micro-batch's token count and the
             number of micro-batches). Each block's gradient is then made for it: ``dhidden`` as the unfused
             path makes it, ``dweight`` added into ``weight_grad``'s target during the forward (no buffer; the
-            forward must be followed by its backward: :func:`check_forward_gradients` raises otherwise; under
-            ``torch.no_grad()`` nothing is added). Backward checks the gradient on the device.
+            forward must be followed by its backward: ``ledger`` records it; under ``torch.no_grad()`` nothing
+            is added). Backward checks the gradient on the device.
         weight_grad: a :class:`WeightGradTarget`: add ``dweight`` into ``weight_grad.into`` (fp32, or 16-bit,
             which takes the GEMMs in its dtype) instead of returning it; autograd gets what
             ``weight_grad.added()`` returns for ``weight``. None (default): ``dweight`` through autograd.
         remedy: the fix that errors of ``grads="forward"`` raised after the forward (in backward, or on the
             device, where no caller can re-word them) name; None: ``"GradientPath('recompute')"``. The adaptor
             passes its flag's.
+        ledger: a :class:`ForwardGradientLedger`, one per training loop, needed with ``grad_scale`` and
+            ``weight_grad``: a forward that adds into the target records there the backward it owes; the op checks
+            it at each such forward, the loop with ``ledger.check()`` before it uses the gradients (the adaptor:
+            before Megatron's gradient sync).
     """
 
     token_weights: Optional[torch.Tensor] = None
     grad_scale: Optional[Union[float, torch.Tensor]] = None
     weight_grad: Optional[WeightGradTarget] = None
     remedy: Optional[str] = None
+    ledger: Optional[ForwardGradientLedger] = None
 
     def __post_init__(self):
         if self.weight_grad is not None and not isinstance(self.weight_grad, WeightGradTarget):
@@ -287,6 +298,13 @@ class TrainerInputs:
                              "(the gradients made during the forward), or neither for the recompute path")
         if self.remedy is not None and not isinstance(self.remedy, str):
             raise TypeError(f"remedy must be a str or None, got {self.remedy!r}")
+        if self.ledger is not None and not isinstance(self.ledger, ForwardGradientLedger):
+            raise TypeError(f"ledger must be a mindspeed_cez.ForwardGradientLedger or None, got "
+                            f"{type(self.ledger).__name__}")
+        if self.grad_scale is not None and self.weight_grad is not None and self.ledger is None:
+            raise ValueError("grad_scale with weight_grad adds the weight gradient into its target during the forward: "
+                             "pass ledger=mindspeed_cez.ForwardGradientLedger() (one per training loop; call its "
+                             "check() before the gradients are used), so a forward without its backward is found")
 
 
 NO_TRAINER_INPUTS = TrainerInputs()
@@ -358,7 +376,8 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
     _check_trainer_inputs(trainer, target, path, weight)
     spec = loss_spec(ignore_index, z_loss_coeff, label_smoothing, options.logit_transform)
     common = dict(spec=spec, tp_group=tp_group, sequence_parallel=bool(sequence_parallel),
-                  weight_grad=trainer.weight_grad, backend=kernels.backend_for(hidden.device, options.backend))
+                  weight_grad=trainer.weight_grad, backend=kernels.backend_for(hidden.device, options.backend),
+                  accumulation=options.accumulation)
     forward = (path.grads == "forward" and trainer.token_weights is not None and torch.is_grad_enabled()
                and (hidden.requires_grad or weight.requires_grad))  # else the loss alone, or any upstream gradient
     if not forward:
@@ -370,7 +389,7 @@ def linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=0.0, label_s
         if isinstance(grad_scale, torch.Tensor):
             grad_scale = grad_scale.detach().reshape(()).float()
         forward_grads = ForwardGradsOptions(**common, row_block=path.row_block, block_fraction=path.block_fraction,
-                                            block_bytes=path.block_bytes,
+                                            block_bytes=path.block_bytes, ledger=trainer.ledger,
                                             **({} if trainer.remedy is None else {"remedy": trainer.remedy}))
         total, z_loss, lse = LinearCrossEntropyZLossForwardGrads.apply(
             hidden, weight, target, trainer.token_weights.detach(), grad_scale, forward_grads)

@@ -1,11 +1,43 @@
-"""The fused output layer's gradients-in-forward path (``grads="forward"``) and its bookkeeping.
+"""The fused output layer's gradients-in-forward path (``grads="forward"``), its ledger, and the fp32
+accumulation both paths add their GEMMs with.
 
 Blocks of token rows with the whole vocab slice, three GEMMs; with ``grad_scale`` (the upstream
 gradient known in forward) and a weight-gradient target, ``dweight`` goes into the target during the
 forward, else an fp32 ``dweight`` is kept until backward. A forward that added into its target owes
-its backward: :func:`check_forward_gradients` raises :class:`ForwardGradientError` where one never came.
+its backward: the caller's :class:`ForwardGradientLedger` raises :class:`ForwardGradientError` where
+one never came.
+
+The fp32 accumulation (:class:`Accumulator`), ``out += a @ b`` into an fp32 ``out`` from 16-bit ``a``,
+``b`` without fp32 copies of the operands, serves both paths' weight gradient (added into an fp32
+weight-gradient target) and fp32 ``dhidden`` sums. One way per device type and torch, chosen once
+(:func:`kind_for`; ``LinearCrossEntropyOptions(accumulation=...)`` picks one by hand):
+
+``"addmm_out_dtype"``
+    CUDA with torch >= 2.8: ``torch.addmm(out, a, b, out_dtype=torch.float32, out=out)``, one
+    cuBLAS GEMM with an fp32 output.
+``"npu_matmul_add"``
+    Ascend with MindSpeed importable: ``mindspeed.ops.npu_matmul_add.npu_matmul_add_fp32``, the op
+    Megatron's own gradient-accumulation fusion calls there. Its contract
+    (``mindspeed/ops/npu_matmul_add.py`` and its callers in ``mindspeed/core/``):
+    ``npu_matmul_add_fp32(total_input [t, k], grad_output [t, m], grad)`` adds
+    ``grad_output.T @ total_input`` into the fp32 ``grad [m, k]``, 2-D 16-bit inputs; here
+    ``grad_output = a.T`` and ``total_input = b``, taken when both are contiguous (else as below).
+``"triton"``
+    CUDA without ``out_dtype`` (torch < 2.8): this package's kernel, the product accumulated into
+    fp32 in its epilogue (``kernels/triton_matmul_accumulate.py``).
+``"gemm_add"``
+    Anywhere else (CPU, NPUs without MindSpeed, other devices): a 16-bit GEMM into a scratch
+    buffer reused across the calls of one op, then an fp32 add (the product rounded once to 16
+    bits, as the unfused layer's 16-bit weight gradient is).
+
+fp32 operands take ``out.addmm_(a, b)``; a 16-bit ``out`` (a 16-bit weight-gradient target, as
+Megatron keeps without fp32 gradient accumulation) one GEMM in its dtype, as Megatron's own
+accumulation does there.
+docs/weight_gradient.md says which runs where and what each costs.
 """
 
+import functools
+import importlib
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -13,12 +45,116 @@ from typing import Optional
 import torch
 
 from mindspeed_cez.first_order import first_order_only
-from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
 from mindspeed_cez.linear_options import LinearLossOptions
-from mindspeed_cez.tensor_parallel import reduce_dhidden, start_reduce_dhidden
-from mindspeed_cez.vocab_parallel import VocabParallel
+from mindspeed_cez.cross_entropy_zloss import VocabParallel, reduce_dhidden, start_reduce_dhidden
 
+
+# ----------------------------------------------------------------------------------------------
+# the fp32 accumulation: out += a @ b into fp32 from 16-bit operands
+# ----------------------------------------------------------------------------------------------
+
+KINDS = ("addmm_out_dtype", "npu_matmul_add", "triton", "gemm_add")
+MINDSPEED_OP = "mindspeed.ops.npu_matmul_add"
+
+
+def _addmm_has_out_dtype():
+    """Whether ``torch.addmm`` takes ``out_dtype`` (a 16-bit GEMM into an fp32 output; torch 2.8 on)."""
+    schemas = torch._C._jit_get_schemas_for_operator("aten::addmm")
+    return any(arg.name == "out_dtype" for schema in schemas for arg in schema.arguments)
+
+
+ADDMM_OUT_DTYPE = _addmm_has_out_dtype()
+
+
+def _npu_matmul_add():
+    """MindSpeed's ``npu_matmul_add_fp32``, or None where MindSpeed (or torch_npu under it) does not import."""
+    try:
+        return importlib.import_module(MINDSPEED_OP).npu_matmul_add_fp32
+    except Exception:  # noqa: BLE001 - any import failure: MindSpeed is not usable here
+        return None
+
+
+def _triton_kernel():
+    try:
+        from mindspeed_cez.kernels import triton_matmul_accumulate
+    except ImportError:  # no triton
+        return None
+    return triton_matmul_accumulate.matmul_accumulate
+
+
+@functools.lru_cache(maxsize=None)
+def _chosen(device_type):
+    if device_type == "cuda":
+        if ADDMM_OUT_DTYPE:
+            return "addmm_out_dtype"
+        return "triton" if _triton_kernel() is not None else "gemm_add"
+    if device_type == "npu" and _npu_matmul_add() is not None:
+        return "npu_matmul_add"
+    return "gemm_add"
+
+
+def check_accumulation(kind, name="accumulation"):
+    """``kind`` is None (automatic) or one of :data:`KINDS` this process can run, else a ``ValueError`` naming
+    what it needs."""
+    if kind is None:
+        return
+    if kind not in KINDS:
+        raise ValueError(f"{name} must be None (automatic) or one of {KINDS}, got {kind!r}")
+    if kind == "addmm_out_dtype" and not ADDMM_OUT_DTYPE:
+        raise ValueError(f"{name}='addmm_out_dtype' needs torch >= 2.8 (torch.addmm's out_dtype)")
+    if kind == "npu_matmul_add" and _npu_matmul_add() is None:
+        raise ValueError(f"{name}='npu_matmul_add' needs MindSpeed ({MINDSPEED_OP}) importable")
+    if kind == "triton" and _triton_kernel() is None:
+        raise ValueError(f"{name}='triton' needs triton")
+
+
+def kind_for(device, kind=None):
+    """The accumulation for ``device`` (a ``torch.device`` or anything with ``.type``): ``kind`` where given
+    (checked by :func:`check_accumulation`), else chosen once per device type in this process."""
+    return kind or _chosen(device.type)
+
+
+def chosen_cache_clear():
+    """Choose again (after MindSpeed became importable, in tests)."""
+    _chosen.cache_clear()
+
+
+class Accumulator:
+    """``acc(out, a, b)``: ``out += a @ b`` the way :func:`kind_for` chose for ``device`` (``kind``: one of
+    :data:`KINDS` by hand, None: automatic). One per op call: ``"gemm_add"`` keeps its 16-bit scratch buffer
+    (the largest product so far) across calls."""
+
+    def __init__(self, device, kind=None):
+        self.kind = kind_for(device, kind)
+        self._scratch = None
+
+    def _product(self, a, b):
+        numel = a.shape[0] * b.shape[1]
+        if self._scratch is None or self._scratch.numel() < numel or self._scratch.dtype != a.dtype:
+            self._scratch = torch.empty(numel, dtype=a.dtype, device=a.device)
+        return torch.matmul(a, b, out=self._scratch[:numel].view(a.shape[0], b.shape[1]))
+
+    def __call__(self, out, a, b):
+        if out.dtype != torch.float32:
+            out.addmm_(a.to(out.dtype), b.to(out.dtype))
+        elif a.dtype == torch.float32:
+            out.addmm_(a, b.float())
+        elif self.kind == "addmm_out_dtype":
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        elif self.kind == "triton" and out.stride(-1) == 1:
+            _triton_kernel()(out, a, b)
+        elif self.kind == "npu_matmul_add" and a.t().is_contiguous() and b.is_contiguous():
+            if a.numel() and b.numel():
+                _npu_matmul_add()(b, a.t(), out)
+        else:
+            out.add_(self._product(a, b))
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the gradients-in-forward path and its ledger
+# ----------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, eq=False)
 class ForwardGradsOptions(LinearLossOptions):
@@ -28,6 +164,7 @@ class ForwardGradsOptions(LinearLossOptions):
     block_fraction: Optional[float] = None
     block_bytes: Optional[int] = None
     remedy: str = "GradientPath('recompute')"  # the fix that errors raised after the forward name
+    ledger: Optional["ForwardGradientLedger"] = None  # where a forward that adds into the target owes its backward
 
 
 RECOMPUTE_FIX = ForwardGradsOptions.remedy
@@ -41,69 +178,64 @@ class _OwedBackward:
     """Made by a forward that added ``weight``'s gradient into its target; its backward marks it
     paid. Held by the autograd graph only: freed unpaid means the graph went without a backward."""
 
-    __slots__ = ("what", "paid", "__weakref__")
+    __slots__ = ("what", "paid", "ledger", "__weakref__")
 
-    def __init__(self, what):
-        self.what, self.paid = what, False
-        _LEDGER.owed.add(self)
+    def __init__(self, what, ledger):
+        self.what, self.paid, self.ledger = what, False, ledger
+        ledger.owed.add(self)
 
     def __del__(self):
         if not self.paid:
-            _LEDGER.dropped.append(self.what)
+            self.ledger.dropped.append(self.what)
 
 
-class _Ledger:
-    """The forwards that owe a backward: ``owed``, those whose graph is alive and backward not yet run;
-    ``dropped``, those whose graph was freed without one."""
+class ForwardGradientLedger:
+    """The forwards of one training loop that added a weight gradient into its target and owe a backward:
+    ``owed``, those whose graph is alive and backward not yet run; ``dropped``, those whose graph was freed
+    without one. The loop keeps one (the adaptor: its runtime's), hands it to every call
+    (``TrainerInputs(ledger=...)``) and calls :meth:`check` before the gradients are used."""
 
     __slots__ = ("owed", "dropped")
 
     def __init__(self):
         self.owed, self.dropped = weakref.WeakSet(), []
 
+    def owe(self, what):
+        """A forward's debt (held by its graph, paid by its backward)."""
+        return _OwedBackward(what, self)
+
+    def check(self, backward_pending_ok=False):
+        """Raise :class:`ForwardGradientError` where a forward of ``grads="forward"`` added a weight
+        gradient into its target whose backward never came: its graph freed without one (an extra
+        forward with autograd on, output discarded), or, unless ``backward_pending_ok``, not run yet.
+        The op's forwards call it (pending backwards are fine there: pipelined micro-batches), and the
+        training loop before its gradient sync, so such a gradient never reaches the optimizer. No
+        device work."""
+        dropped = list(self.dropped)
+        pending = [] if backward_pending_ok else [t.what for t in self.owed if not t.paid]
+        self.dropped.clear()
+        if dropped:
+            raise ForwardGradientError(
+                f"linear_cross_entropy_zloss(GradientPath('forward')) added the weight gradient of {dropped[0]} into "
+                f"its target during a forward ({len(dropped)} such forward(s)) whose output was freed without a "
+                "backward: the target now holds a gradient no loss asked for. An extra forward with autograd on (e.g. "
+                "a metric computed in training mode) must run under torch.no_grad(); or run with " + RECOMPUTE_FIX +
+                ", which adds nothing in forward.")
+        if pending:
+            for token in list(self.owed):
+                token.paid = True  # reported once
+            raise ForwardGradientError(
+                f"linear_cross_entropy_zloss(GradientPath('forward')) added the weight gradient of {pending[0]} into "
+                f"its target during a forward whose backward has not run ({len(pending)} such forward(s)) before the "
+                "gradients are used (the gradient sync): every training forward of the loss needs its backward. Run "
+                "other forwards under torch.no_grad(), or run with " + RECOMPUTE_FIX + ".")
+
     def forget(self):
-        """Every forward counted as paid, none as dropped."""
+        """Every forward counted as paid, none as dropped: for a training loop that throws the step away and
+        zeroes the target itself (an in-process restart after a fault). No device work."""
         for token in list(self.owed):
             token.paid = True
         self.dropped.clear()
-
-
-# Global: Megatron's gradient sync (finish_grad_sync) asks without a handle to the forwards that owe.
-_LEDGER = _Ledger()
-
-
-def check_forward_gradients(backward_pending_ok=False):
-    """Raise :class:`ForwardGradientError` where a forward of ``grads="forward"`` added a weight
-    gradient into its target whose backward never came: its graph freed without one (an extra
-    forward with autograd on, output discarded), or, unless ``backward_pending_ok``, not run yet.
-    Called by the op's forwards (pending backwards are fine there: pipelined micro-batches) and by
-    the adaptor before the training loop's gradient sync, so such a gradient never
-    reaches the optimizer. No device work."""
-    dropped = list(_LEDGER.dropped)
-    pending = [] if backward_pending_ok else [t.what for t in _LEDGER.owed if not t.paid]
-    _LEDGER.dropped.clear()
-    if dropped:
-        raise ForwardGradientError(
-            f"linear_cross_entropy_zloss(GradientPath('forward')) added the weight gradient of {dropped[0]} into its target "
-            f"during a forward ({len(dropped)} such forward(s)) whose output was freed without a backward: the target "
-            "now holds a gradient no loss asked for. An extra forward with autograd on (e.g. a metric computed in "
-            "training mode) must run under torch.no_grad(); or run with " + RECOMPUTE_FIX + ", which adds nothing "
-            "in forward.")
-    if pending:
-        for token in list(_LEDGER.owed):
-            token.paid = True  # reported once
-        raise ForwardGradientError(
-            f"linear_cross_entropy_zloss(GradientPath('forward')) added the weight gradient of {pending[0]} into its target "
-            f"during a forward whose backward has not run ({len(pending)} such forward(s)) before the gradients are "
-            "used (the gradient sync): every training forward of the loss needs its backward. Run other "
-            "forwards under torch.no_grad(), or run with " + RECOMPUTE_FIX + ".")
-
-
-def forget_forward_gradients():
-    """Forget every forward that added into its weight-gradient target (their graphs alive or freed): for a
-    training loop that throws the step away and zeroes the target itself (an in-process restart after a fault), so
-    :func:`check_forward_gradients` does not report the abandoned step's forwards. No device work."""
-    _LEDGER.forget()
 
 
 ROW_BLOCK_MIN = 1024
@@ -156,7 +288,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
 
     Either way anything else trips a device-side assert in backward (no host sync), never a silent
     number; and a forward that adds into the target must be followed by its backward (checked:
-    :func:`check_forward_gradients`). Under ``torch.no_grad()`` the op takes the recompute path's
+    its ledger). Under ``torch.no_grad()`` the op takes the recompute path's
     forward instead: the loss alone, nothing into the target."""
 
     @staticmethod
@@ -174,7 +306,8 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         upstream_known = grad_scale is not None  # the upstream gradient is grad_scale * weights
         upstream = weights * grad_scale if upstream_known else torch.ones(n, dtype=torch.float32, device=rows.device)
         into_target = upstream_known and options.weight_grad is not None
-        check_forward_gradients(backward_pending_ok=True)
+        if options.ledger is not None:
+            options.ledger.check(backward_pending_ok=True)
         out = torch.empty((3, n), dtype=torch.float32, device=rows.device)
         drows = torch.empty(rows.shape, dtype=rows.dtype if upstream_known else torch.float32, device=rows.device)
         dweight = options.weight_grad.into if into_target else torch.zeros(weight.shape, dtype=torch.float32,
@@ -182,7 +315,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         step = options.row_block or default_row_block(n, v_local, options.block_fraction, rows.element_size(),
                                                       options.block_bytes)
         block = rows.new_empty((min(step, n), v_local))  # one block's logits, then their gradient
-        accumulate = Accumulator(rows.device)
+        accumulate = Accumulator(rows.device, options.accumulation)
         deferred = None  # the last block's gradient and rows: its two GEMMs run in backward
         for r in range(0, n, step):
             x, t = rows[r:r + step], flat_target[r:r + step]
@@ -212,7 +345,7 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
         ctx.options, ctx.tp_size, ctx.upstream_known, ctx.into_target = options, tp_size, upstream_known, into_target
         ctx.full_shape, ctx.input_dtype = full.shape, hidden.dtype
         # owed: a block before the last added its weight gradient into the target during this forward
-        ctx.owed = _OwedBackward(f"weight {tuple(weight.shape)}") if into_target and step < n else None
+        ctx.owed = options.ledger.owe(f"weight {tuple(weight.shape)}") if into_target and step < n else None
         ctx.backward_done = False
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(z_loss, lse)
@@ -260,7 +393,8 @@ class LinearCrossEntropyZLossForwardGrads(torch.autograd.Function):
             torch.matmul(dlogits, weight, out=drows[r:])
             reduction = start_reduce_dhidden(drows.view(ctx.full_shape), options.tp_group, ctx.tp_size,
                                              options.sequence_parallel)
-            Accumulator(dlogits.device)(options.weight_grad.into if ctx.into_target else dweight_sum, dlogits.t(), x)
+            into = options.weight_grad.into if ctx.into_target else dweight_sum
+            Accumulator(dlogits.device, options.accumulation)(into, dlogits.t(), x)
             del dlogits, x, drows
             # held only by what is returned, dhidden becomes the input's gradient without a copy by autograd
             dhidden = reduction.wait()

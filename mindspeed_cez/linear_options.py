@@ -47,3 +47,4 @@ class LinearLossOptions(CallOptions):
 
     sequence_parallel: bool = False
     weight_grad: Optional[WeightGradTarget] = None
+    accumulation: Optional[str] = None  # the fp32 accumulation's kind (linear_forward_grads.KINDS), None: automatic

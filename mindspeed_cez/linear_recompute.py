@@ -13,12 +13,11 @@ from typing import Optional
 import torch
 
 from mindspeed_cez.first_order import first_order_only
-from mindspeed_cez.fp32_accumulation import Accumulator
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.kernels.backends import LinearBackend
+from mindspeed_cez.linear_forward_grads import Accumulator
 from mindspeed_cez.linear_options import LinearLossOptions
-from mindspeed_cez.tensor_parallel import start_reduce_dhidden
-from mindspeed_cez.vocab_parallel import VocabParallel
+from mindspeed_cez.cross_entropy_zloss import VocabParallel, start_reduce_dhidden
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,7 +64,7 @@ class LinearCrossEntropyZLoss(torch.autograd.Function):
         n, v_local = rows.shape[0], weight.shape[0]
         step = chunked_linear.chunk_width(options.chunk_cols, n, v_local, rows.element_size())
         chunk = rows.new_empty((rows.shape[0], step))
-        accumulate = Accumulator(rows.device)
+        accumulate = Accumulator(rows.device, options.accumulation)
         for c in range(0, weight.shape[0], step):
             w = weight[c:c + step]
             dlogits = options.linear.linear_grad(rows, w, chunk[:, :w.shape[0]], flat_target, lse, grad_loss,

@@ -32,6 +32,7 @@ This folder holds everything about Megatron / MindSpeed / MindSpeed-LLM, one job
 It builds on the ops of :mod:`mindspeed_cez`, never the other way round.
 """
 
+from mindspeed_cez.linear_forward_grads import ForwardGradientLedger
 from mindspeed_cez.patches import patch_points, runtime
 from mindspeed_cez.patches.activation import activate, active_settings, apply, remove
 from mindspeed_cez.patches.import_hook import PatchRegistry, PatchTargetError
@@ -39,7 +40,7 @@ from mindspeed_cez.patches.reporting import IterationMetrics, report
 from mindspeed_cez.patches.settings import Settings
 
 if runtime.current() is None:  # the process's runtime, off: its patch registry holds the one table
-    runtime.replace(runtime.Runtime(PatchRegistry(patch_points.TARGETS), IterationMetrics()))
+    runtime.replace(runtime.Runtime(PatchRegistry(patch_points.TARGETS), IterationMetrics(), ForwardGradientLedger()))
 
 __all__ = ["apply", "activate", "remove", "active_settings", "report", "installed_targets", "patch_targets",
            "Settings", "PatchTargetError"]

@@ -227,7 +227,7 @@ def decide(state, settings, args):
 
 def _set_active(state, settings):
     runtime.set_active(settings)
-    reporting.report_names(settings.metric_names() if settings is not None else [])
+    reporting.report_names(settings.metrics if settings is not None else ())
     state.patches.strict = settings is not None  # active: a required patch point missing at its import fails there
     if settings is not None and settings != state.announced:
         state.announced = settings

@@ -23,8 +23,10 @@ Patched (the table: :data:`.patch_points.TARGETS`):
   that added the output weight's gradient into ``main_grad`` got its backward.
 
 The models' forwards and ``ColumnParallelLinear.forward`` (the loss mask, the main head's call) are
-:mod:`.model_context`'s; the metrics :mod:`.reporting`'s. Models that pass no loss mask (BERT, T5):
-their metric averages every token, with a one-time warning.
+:mod:`.model_context`'s: the loss reads what they hand it here (:func:`check_loss_input`, :func:`unwrap`);
+the metrics go into the runtime's buffers (:class:`.reporting.IterationMetrics`). Models that pass no loss
+mask (BERT, T5): their metric averages every token, with a one-time warning. Each replacement gets the
+:class:`.runtime.Runtime` (:func:`.runtime.while_active`) and reads its settings as plain attributes.
 
 With ``--lm-fused-output-layer`` the loss of the deferred output layer call (:func:`linear_loss`)
 hands the flag's path and, where the loss mask is known, the token weights to
@@ -37,15 +39,15 @@ import warnings
 
 import torch
 
-from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
-from mindspeed_cez.kernels.logit_transform import IDENTITY
+from mindspeed_cez.cross_entropy_zloss import group_rank_and_size, vocab_parallel_cross_entropy_zloss
+from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
 from mindspeed_cez.linear_cross_entropy import (ForwardGradientError, LinearCrossEntropyOptions, TrainerInputs,
-                                               WeightGradTarget, check_forward_gradients, linear_cross_entropy_zloss)
-from mindspeed_cez.patches import mean_embedding, megatron_state, model_context, reporting, runtime
-from mindspeed_cez.patches.model_context import FLAG, DeferredLogits
+                                               WeightGradTarget, linear_cross_entropy_zloss)
+from mindspeed_cez.patches import mean_embedding, megatron_state, model_context
+from mindspeed_cez.patches.model_context import (FLAG, TRANSFORM_FLAGS, DeferredLogits, FusedOutputLayerError,
+                                                 LogitTransformError, TransformedLogits)
 from mindspeed_cez.patches.runtime import while_active
 from mindspeed_cez.patches.settings import LM_LSE, LM_MU_NORM, LM_Z_LOSS
-from mindspeed_cez.tensor_parallel import group_rank_and_size
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,9 +64,6 @@ def megatron_to_torch_smoothing(label_smoothing, global_vocab):
     if not label_smoothing:
         return 0.0
     return float(label_smoothing) * global_vocab / (global_vocab - 1)
-
-
-_module_tp_group = model_context.module_tp_group
 
 
 def call_loss_spec(spec, global_vocab, label_smoothing_megatron, main_head=True, transform=IDENTITY):
@@ -109,19 +108,67 @@ def with_mu_loss(loss, weight, tp_group, coeff, training):
     return loss, mu.detach().norm()
 
 
-def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context, mu_norm=None):
-    names = settings.metric_names()
+def _record(runtime, module, z_loss_bs, lse_bs, loss_mask, has_context, mu_norm=None):
+    """One micro-batch of the main head's loss into the runtime's metric buffers (training forwards only)."""
+    names = runtime.settings.metrics
     if not names or not module.training or not torch.is_grad_enabled():
         return
-    if not has_context and runtime.current().warn_once_for(module):
+    if not has_context and runtime.warn_once_for(module):
         warnings.warn(f"mindspeed_cez: {type(module).__name__} hands no loss mask to its LM loss; lm_z_loss and "
                       "lm_lse average over every token of its micro-batches", stacklevel=3)
-    reporting.record_lm_z_loss(
-        z_loss_bs if LM_Z_LOSS in names else None,
-        loss_mask,
-        lse_per_token=lse_bs if LM_LSE in names else None,
-        mu_norm=mu_norm if LM_MU_NORM in names else None,
-    )
+    runtime.metrics.record(z_loss_bs if LM_Z_LOSS in names else None, loss_mask,
+                           lse_bs if LM_LSE in names else None, mu_norm if LM_MU_NORM in names else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# what the model's forward handed its loss (model_context), checked
+# ----------------------------------------------------------------------------------------------
+
+
+def loss_context_of(model):
+    """The :class:`.model_context.LossContext` open on ``model``, or None (no forward with labels of this model
+    around)."""
+    return getattr(model, "__dict__", {}).get(model_context.ATTRIBUTE)
+
+
+def check_loss_input(module, logits, is_main, context):
+    """What a language-model loss of ``module`` got, as the model handed it over: the main head's loss
+    gets what its forward's output layer call handed out (:class:`.model_context.DeferredLogits`, or the logits in
+    :class:`.model_context.TransformedLogits`) wherever it handed one out; an MTP head's never gets deferred logits."""
+    if is_main and context is not None and context.main_head_call is not None \
+            and not isinstance(logits, (DeferredLogits, TransformedLogits)):
+        raise FusedOutputLayerError(
+            f"mindspeed_cez ({FLAG} or the logit transform): the LM loss got a tensor, not the output layer call "
+            f"the adaptor handed out (output layer {type(getattr(module, 'output_layer', None)).__name__}); this "
+            "model's forward is not served")
+    if not is_main and isinstance(logits, DeferredLogits):
+        raise FusedOutputLayerError(f"{FLAG}: an MTP head's loss got the main head's deferred output layer call")
+
+
+
+
+def unwrap(logits, is_main, expected):
+    """``(logits, transform)`` of what a language-model loss got: the tensor (or deferred output layer
+    call) inside :class:`.model_context.TransformedLogits` and the transform the model applied to it, checked against
+    ``expected`` (the flags'); anything else as it is, with the identity."""
+    if not isinstance(logits, TransformedLogits):
+        return logits, IDENTITY
+    if not is_main:
+        raise LogitTransformError("mindspeed_cez: an MTP head's loss got the main head's transformed logits")
+    transform = logits.transform()
+    if transform != expected:
+        raise LogitTransformError(
+            f"mindspeed_cez: the model applied {transform} to the logits, but its flags set {expected} ({TRANSFORM_FLAGS}); "
+            "the fused loss computes only the latter")
+    return logits.logits, transform
+
+
+def main_head_transform(model_transform, logit_softcap):
+    """The transform the main head's loss is of: the model's own (``model_transform``, recorded from its
+    forward) with this run's soft cap (``--lm-logit-softcap``, 0: none) where the model applies none."""
+    if not logit_softcap or model_transform.cap:
+        return model_transform
+    return LogitTransform(model_transform.scale, logit_softcap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,24 +179,24 @@ def _record(module, z_loss_bs, lse_bs, loss_mask, settings, has_context, mu_norm
 def compute_language_model_loss_wrapper(fn):
     """Every CE path of ``compute_language_model_loss`` becomes the fused CE + z-loss op."""
 
-    def compute_language_model_loss(settings, self, labels, logits):
-        context = model_context.loss_context_of(self)  # None: no model forward that passes a loss mask around us
+    def compute_language_model_loss(runtime, self, labels, logits):
+        settings = runtime.settings
+        context = loss_context_of(self)  # None: no model forward that passes a loss mask around us
         is_main = context is None or context.labels is labels  # an MTP head's labels are rolled copies
         loss_mask = context.loss_mask if context is not None else None
         smoothing = settings.label_smoothing
         if smoothing is None:
             smoothing = getattr(self.config, "label_smoothing", 0.0) or 0.0
-        model_context.check_loss_input(self, logits, is_main, context)
-        logits, transform = model_context.unwrap(logits, is_main, settings.logit_transform)
+        check_loss_input(self, logits, is_main, context)
+        logits, transform = unwrap(logits, is_main, settings.logit_transform)
         if is_main:
-            transform = settings.main_head_transform(transform)  # --lm-logit-softcap
+            transform = main_head_transform(transform, settings.logit_softcap)
         target = labels.transpose(0, 1).contiguous()  # [b s] => [s b], as Megatron does
-        tp_group = _module_tp_group(self)
+        tp_group = megatron_state.module_tp_group(self)
         if isinstance(logits, DeferredLogits):
             spec = call_loss_spec(settings.loss, logits.weight.shape[0] * _tp_world_size(tp_group), smoothing, is_main,
-                             transform)
-            loss, z_loss, lse = linear_loss(logits, target, spec, tp_group, settings, loss_mask,
-                                                         self.config)
+                                  transform)
+            loss, z_loss, lse = linear_loss(logits, target, spec, tp_group, runtime, loss_mask, self.config)
             loss = in_megatron_convention(loss, z_loss, spec)
         else:
             loss, z_loss, lse = megatron_cross_entropy(settings, logits, target, tp_group, smoothing, is_main, transform)
@@ -158,7 +205,7 @@ def compute_language_model_loss_wrapper(fn):
             weight = logits.weight if isinstance(logits, DeferredLogits) else mean_embedding.output_weight(self)
             loss, mu_norm = with_mu_loss(loss, weight, tp_group, settings.mu_loss_coeff, self.training)
         if is_main:
-            _record(self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, settings, context is not None,
+            _record(runtime, self, z_loss.transpose(0, 1), lse.transpose(0, 1), loss_mask, context is not None,
                     mu_norm)
         # [s b] => [b s]: Megatron's per-token layout, so loss_mask handling is unchanged
         return loss.transpose(0, 1).contiguous()
@@ -174,8 +221,8 @@ def compute_language_model_loss_wrapper(fn):
 def vocab_parallel_cross_entropy_wrapper(fn):
     """``tensor_parallel.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.0[, tp_group])``."""
 
-    def vocab_parallel_cross_entropy(settings, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
-        return megatron_cross_entropy(settings, vocab_parallel_logits, target, tp_group, label_smoothing)[0]
+    def vocab_parallel_cross_entropy(runtime, vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
+        return megatron_cross_entropy(runtime.settings, vocab_parallel_logits, target, tp_group, label_smoothing)[0]
 
     return while_active(fn, vocab_parallel_cross_entropy)
 
@@ -183,8 +230,8 @@ def vocab_parallel_cross_entropy_wrapper(fn):
 def fused_vocab_parallel_cross_entropy_wrapper(fn):
     """``fused_vocab_parallel_cross_entropy(logits, target, tp_group)`` (Megatron's 'native' impl)."""
 
-    def fused_vocab_parallel_cross_entropy(settings, vocab_parallel_logits, target, tp_group=None):
-        return megatron_cross_entropy(settings, vocab_parallel_logits, target, tp_group, 0.0)[0]
+    def fused_vocab_parallel_cross_entropy(runtime, vocab_parallel_logits, target, tp_group=None):
+        return megatron_cross_entropy(runtime.settings, vocab_parallel_logits, target, tp_group, 0.0)[0]
 
     return while_active(fn, fused_vocab_parallel_cross_entropy)
 
@@ -200,8 +247,8 @@ def te_parallel_cross_entropy_wrapper(fn):
     then keeps Megatron's error while inactive and serves the 'te' selection while active.
     """
 
-    def te_parallel_cross_entropy(settings, logits, labels, tp_group=None, is_cg_capturable=False):
-        return megatron_cross_entropy(settings, logits, labels, tp_group, 0.0)[0]
+    def te_parallel_cross_entropy(runtime, logits, labels, tp_group=None, is_cg_capturable=False):
+        return megatron_cross_entropy(runtime.settings, logits, labels, tp_group, 0.0)[0]
 
     return while_active(fn, te_parallel_cross_entropy, inactive=fn or _transformer_engine_absent)
 
@@ -231,7 +278,7 @@ def _num_microbatches():
     try:
         return megatron_state.num_microbatches()
     except megatron_state.MegatronStateMissing as error:
-        raise model_context.FusedOutputLayerError(
+        raise FusedOutputLayerError(
             f"{FLAG} (forward, the default) reads Megatron's micro-batch count from "
             "megatron.core.num_microbatches_calculator, which this megatron-core does not keep there; "
             f"run with {FLAG} recompute") from error
@@ -287,15 +334,16 @@ def linear_options_cache(logit_transform, path, backend, linear_backend):
                                      linear_backend=linear_backend, return_lse=True)
 
 
-def linear_loss(deferred, target, loss, tp_group, settings, loss_mask, config):
+def linear_loss(deferred, target, loss, tp_group, runtime, loss_mask, config):
     """``(loss, z_loss, lse)`` of the deferred output layer call, ``[s, b]``, as the op returns them
-    (``loss = CE + c*lse**2``) for the ``LossSpec`` ``loss``, with the backends of ``settings``.
+    (``loss = CE + c*lse**2``) for the ``LossSpec`` ``loss``, with the backends of the ``runtime``'s settings
+    and its ledger.
     The path: ``settings.gradient_path``; ``"forward"`` where the ``loss_mask`` ``[b, s]`` is known makes
     the gradients for the upstream gradient Megatron's schedule sends (the mask as token weights, scaled by
     :func:`megatron_grad_scale` of ``config``, the weight gradient into ``main_grad`` during the forward);
     without a loss mask the op gets no token weights and takes the recompute path, as it does where no
     backward will come."""
-    layer, weight = deferred.layer, deferred.weight
+    layer, weight, settings = deferred.layer, deferred.weight, runtime.settings
     path = settings.gradient_path
     forward = path.grads == "forward" and loss_mask is not None
     # Megatron's DDP gives the weight an fp32 main_grad and reads grad_added_to_main_grad: the op adds
@@ -308,7 +356,7 @@ def linear_loss(deferred, target, loss, tp_group, settings, loss_mask, config):
     trainer = TrainerInputs(
         token_weights=loss_mask.transpose(0, 1).to(torch.float32) if forward else None,  # [b s] => [s b]
         grad_scale=grad_scale, weight_grad=main_grad_target(weight) if into_main_grad else None,
-        remedy=f"{FLAG} recompute")
+        remedy=f"{FLAG} recompute", ledger=runtime.ledger)
     options = linear_options_cache(loss.logit_transform, path, settings.backend, settings.linear_backend)
     try:
         return linear_cross_entropy_zloss(
@@ -321,12 +369,12 @@ def linear_loss(deferred, target, loss, tp_group, settings, loss_mask, config):
 def finish_grad_sync_wrapper(fn):
     """``DistributedDataParallel.finish_grad_sync`` (``finalize_model_grads``, before the optimizer
     reads ``main_grad``): with the flag on, first checks that every forward that added the output
-    weight's gradient into ``main_grad`` got its backward (:func:`check_forward_gradients`)."""
+    weight's gradient into ``main_grad`` got its backward (the runtime's ledger)."""
 
-    def finish_grad_sync(settings, *args, **kwargs):
-        if settings.fused_output_layer:
+    def finish_grad_sync(runtime, *args, **kwargs):
+        if runtime.settings.fused_output_layer:
             try:
-                check_forward_gradients()
+                runtime.ledger.check()
             except ForwardGradientError as error:
                 raise _naming_the_flag(error) from error
         return fn(*args, **kwargs)

@@ -16,7 +16,7 @@ the optimizers' hooks (:mod:`.optimizer_hooks`) center what was marked.
 import torch
 import torch.distributed as dist
 
-from mindspeed_cez.tensor_parallel import group_rank_and_size
+from mindspeed_cez.cross_entropy_zloss import group_rank_and_size
 
 # The attribute a weight to center carries: its tensor-parallel group (None: not sharded). It rides on the
 # weight: Megatron's optimizers (their copy of the main params, the distributed optimizer's step) meet the

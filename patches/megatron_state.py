@@ -40,6 +40,14 @@ def tensor_parallel_group():
     return None if parallel_state is None else parallel_state.get_tensor_model_parallel_group()
 
 
+def module_tp_group(module):
+    """The tensor-parallel group of a Megatron module (its ``tp_group`` / ``pg_collection.tp``, else Megatron's)."""
+    group = getattr(module, "tp_group", None)
+    if group is None:
+        group = getattr(getattr(module, "pg_collection", None), "tp", None)
+    return tensor_parallel_group() if group is None else group
+
+
 def reduction_groups():
     """``(data-parallel group with context parallelism, pipeline group)`` of Megatron's set-up groups, or
     None without them (or without torch.distributed). The metrics are reduced over these.

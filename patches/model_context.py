@@ -18,7 +18,7 @@ the main head's output layer call.
   around its result. The latter records MindSpeed-LLM's scaling and soft cap
   (``--output-multiplier-scale``, ``--output-logit-softcapping``: ``x * s``, then ``x / C``, ``tanh``,
   ``x * C``) for the loss kernels instead of computing them.
-* The patched loss checks what it got (:func:`check_loss_input`, :func:`unwrap`). Anything unexpected
+* The patched loss (:mod:`.loss_wrappers`) reads the context and checks what it got. Anything unexpected
   fails loudly, naming the flag: deferred logits reaching anything but the main loss, a main loss that
   got real logits, an output layer the op cannot stand in for (bias, gathered output, deferred
   embedding wgrad), any other op on the transformed logits.
@@ -32,7 +32,7 @@ import numbers
 
 import torch
 
-from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
+from mindspeed_cez.kernels.logit_transform import LogitTransform
 from mindspeed_cez.patches import mean_embedding, megatron_state
 from mindspeed_cez.patches.runtime import while_active
 
@@ -66,14 +66,6 @@ class LossContext:
 
     def __init__(self, labels, loss_mask, main_head_call):
         self.labels, self.loss_mask, self.main_head_call = labels, loss_mask, main_head_call
-
-
-def module_tp_group(module):
-    """The tensor-parallel group of a Megatron module (its ``tp_group`` / ``pg_collection.tp``, else Megatron's)."""
-    group = getattr(module, "tp_group", None)
-    if group is None:
-        group = getattr(getattr(module, "pg_collection", None), "tp", None)
-    return megatron_state.tensor_parallel_group() if group is None else group
 
 
 @contextlib.contextmanager
@@ -115,10 +107,11 @@ def loss_context_wrapper(fn):
     signature = inspect.signature(fn)
     mtp_switch = "compute_mtp_loss" in signature.parameters  # Megatron main's HybridModel.forward
 
-    def with_loss_context(settings, self, *args, **kwargs):
+    def with_loss_context(runtime, self, *args, **kwargs):
+        settings = runtime.settings
         bound = signature.bind(self, *args, **kwargs).arguments
         if settings.mu_centering and self.training:
-            mean_embedding.mark_output_weights(self, module_tp_group(self))
+            mean_embedding.mark_output_weights(self, megatron_state.module_tp_group(self))
         main_head = main_head_call(self, bound, settings, mtp_switch)
         context = LossContext(bound.get("labels"), bound.get("loss_mask"), main_head)
         with opened_on(self, context), handed(main_head):
@@ -245,20 +238,6 @@ def column_parallel_forward_wrapper(fn):
     return forward
 
 
-def check_loss_input(module, logits, is_main, context):
-    """What a language-model loss of ``module`` got, as the model handed it over: the main head's loss
-    gets what its forward's output layer call handed out (:class:`DeferredLogits`, or the logits in
-    :class:`TransformedLogits`) wherever it handed one out; an MTP head's never gets deferred logits."""
-    if is_main and context is not None and context.main_head_call is not None \
-            and not isinstance(logits, (DeferredLogits, TransformedLogits)):
-        raise FusedOutputLayerError(
-            f"mindspeed_cez ({FLAG} or the logit transform): the LM loss got a tensor, not the output layer call "
-            f"the adaptor handed out (output layer {type(getattr(module, 'output_layer', None)).__name__}); this "
-            "model's forward is not served")
-    if not is_main and isinstance(logits, DeferredLogits):
-        raise FusedOutputLayerError(f"{FLAG}: an MTP head's loss got the main head's deferred output layer call")
-
-
 # ---------------------------------------------------------------------------------------------
 # MindSpeed-LLM's scaling and soft cap of the logits, recorded for the loss kernels
 # ---------------------------------------------------------------------------------------------
@@ -323,19 +302,3 @@ class TransformedLogits:
         if self._divisor is not None or self._tanh:
             self._refuse("an unfinished soft cap")
         return LogitTransform(self.scale, self.cap)
-
-
-def unwrap(logits, is_main, expected):
-    """``(logits, transform)`` of what a language-model loss got: the tensor (or deferred output layer
-    call) inside :class:`TransformedLogits` and the transform the model applied to it, checked against
-    ``expected`` (the flags'); anything else as it is, with the identity."""
-    if not isinstance(logits, TransformedLogits):
-        return logits, IDENTITY
-    if not is_main:
-        raise LogitTransformError("mindspeed_cez: an MTP head's loss got the main head's transformed logits")
-    transform = logits.transform()
-    if transform != expected:
-        raise LogitTransformError(
-            f"mindspeed_cez: the model applied {transform} to the logits, but its flags set {expected} ({TRANSFORM_FLAGS}); "
-            "the fused loss computes only the latter")
-    return logits.logits, transform

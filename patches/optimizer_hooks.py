@@ -13,8 +13,8 @@ def copy_main_params_to_model_params_wrapper(fn):
     (right after the inner optimizer's step): with mu-centering on, the marked weights' master copies are
     centered first, so the model's weights get the centered values."""
 
-    def copy_main_params_to_model_params(settings, self, *args, **kwargs):
-        if settings.mu_centering and not getattr(self, "is_stub_optimizer", False):
+    def copy_main_params_to_model_params(runtime, self, *args, **kwargs):
+        if runtime.settings.mu_centering and not getattr(self, "is_stub_optimizer", False):
             center_main_params(self)
         return fn(self, *args, **kwargs)
 
@@ -24,9 +24,9 @@ def copy_main_params_to_model_params_wrapper(fn):
 def fp32_step_with_ready_grads_wrapper(fn):
     """``FP32Optimizer.step_with_ready_grads``: with mu-centering on, the marked weights after the step."""
 
-    def step_with_ready_grads(settings, self, *args, **kwargs):
+    def step_with_ready_grads(runtime, self, *args, **kwargs):
         stepped = fn(self, *args, **kwargs)
-        if settings.mu_centering and not getattr(self, "is_stub_optimizer", False):
+        if runtime.settings.mu_centering and not getattr(self, "is_stub_optimizer", False):
             with torch.no_grad():
                 center_fp32_params(self)
         return stepped

@@ -41,7 +41,7 @@ Megatron's MoE report has two API generations, told apart here alone (:func:`use
 0.16 adds ``pg_collection``). Both take ``iteration``, ``writer``, ``wandb_writer`` and
 ``total_loss_dict`` by keyword, which is all the adaptor reads from a call.
 
-Which metrics are reported is the adaptor's choice (``Settings.metric_names``): it hands the
+Which metrics are reported is the adaptor's choice (``Settings.metrics``): it hands the
 names to :func:`report_names` whenever its settings change. An in-process restart drops the
 interrupted step's state (:func:`destroy_global_state_wrapper`).
 """
@@ -55,7 +55,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from mindspeed_cez.linear_forward_grads import forget_forward_gradients
 from mindspeed_cez.patches import megatron_state
 from mindspeed_cez.patches import runtime
 from mindspeed_cez.patches.import_hook import module_exists
@@ -360,7 +359,7 @@ def training_log_wrapper(fn):
     # the interval maximum needs Megatron's running sums and the skipped flag (feature-detected)
     can_hold_max = {"total_loss_dict", "skipped_iter"} <= set(signature.parameters)
 
-    def training_log(settings, *args, **kwargs):
+    def training_log(_runtime, *args, **kwargs):
         with report_iteration() as values:
             if values is None:  # an outer wrapper added our values (the same function wrapped under two
                 return fn(*args, **kwargs)  # names: MindSpeed-LLM 2.2.0 re-exports Megatron's training_log)
@@ -393,14 +392,14 @@ def reset_iteration_state():
     """Forget the interrupted step: this iteration's metric sums and the fused layer's forwards that owe a
     backward. Local; no collective, no device sync."""
     reduce_iteration([])  # clears the sums, reports nothing
-    forget_forward_gradients()
+    runtime.current().ledger.forget()
 
 
 def destroy_global_state_wrapper(fn):
     """``megatron.training.training.destroy_global_state`` (called by Megatron's in-process restart between a
     fault and the next attempt): :func:`reset_iteration_state` first."""
 
-    def destroy_global_state(settings, *args, **kwargs):
+    def destroy_global_state(_runtime, *args, **kwargs):
         reset_iteration_state()
         return fn(*args, **kwargs)
 

@@ -28,6 +28,8 @@ class Runtime:
     patches: the :class:`~.import_hook.PatchRegistry`: the table, what is installed, watched, failed;
         the post-import hook.
     metrics: the iteration's metric buffers (:class:`~.reporting.IterationMetrics`).
+    ledger: the fused output layer's forwards that owe a backward
+        (:class:`~mindspeed_cez.linear_forward_grads.ForwardGradientLedger`), checked before Megatron's gradient sync.
     chosen: ``{route: Settings or None}``: what ``apply()`` (``"apply"``) and the parsed flags
         (``"flags"``, None: the fused loss off) chose; :func:`.activation.decide` reconciles them.
     announced: the settings whose startup line was printed.
@@ -37,13 +39,14 @@ class Runtime:
         the adaptor import's mode, the command line's validation at that import.
     """
 
-    __slots__ = ("settings", "patches", "metrics", "chosen", "announced", "warned", "warned_models", "feature",
+    __slots__ = ("settings", "patches", "metrics", "ledger", "chosen", "announced", "warned", "warned_models", "feature",
                  "adaptor_mode", "command_line")
 
-    def __init__(self, patches, metrics):
+    def __init__(self, patches, metrics, ledger):
         self.settings = None
         self.patches = patches
         self.metrics = metrics
+        self.ledger = ledger
         self.chosen = {}
         self.announced = None
         self.warned = set()
@@ -54,8 +57,8 @@ class Runtime:
 
     def successor(self):
         """A fresh, off runtime for after ``remove()``: the same patch registry (uninstalled by then),
-        new metric buffers, no choices; the registrations and the warnings given carried over."""
-        fresh = Runtime(self.patches, type(self.metrics)())
+        new metric buffers and ledger, no choices; the registrations and the warnings given carried over."""
+        fresh = Runtime(self.patches, type(self.metrics)(), type(self.ledger)())
         fresh.warned, fresh.warned_models = self.warned, self.warned_models
         fresh.feature, fresh.adaptor_mode, fresh.command_line = self.feature, self.adaptor_mode, self.command_line
         return fresh
@@ -104,7 +107,7 @@ def get_active():
 
 
 def while_active(fn, active, inactive=None):
-    """The replacement of ``fn``: ``active(settings, *args, **kwargs)`` while the runtime has settings,
+    """The replacement of ``fn``: ``active(runtime, *args, **kwargs)`` while the runtime has settings,
     else ``inactive(*args, **kwargs)`` (default ``fn``, unchanged). ``inactive`` serves a name Megatron
     binds to None (e.g. ``te_parallel_cross_entropy`` without Transformer Engine). ``__cez_wraps__``
     holds ``fn``, for the patch manager to restore it."""
@@ -112,10 +115,9 @@ def while_active(fn, active, inactive=None):
 
     def replacement(*args, **kwargs):
         runtime = RUNTIME
-        settings = None if runtime is None else runtime.settings
-        if settings is None:
+        if runtime is None or runtime.settings is None:
             return inactive(*args, **kwargs)
-        return active(settings, *args, **kwargs)
+        return active(runtime, *args, **kwargs)
 
     if fn is not None:
         functools.update_wrapper(replacement, fn)

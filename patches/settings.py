@@ -70,18 +70,23 @@ class Settings:
     names: the caller's name per field for errors (the flags' names, :func:`.arguments.validate`);
         by default the fields' own.
 
-    What it holds (read-only), each value in one place:
+    What it holds (read-only):
     loss: the :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` of the main head: the coefficient,
-        label smoothing (0 for None) and logit transform live here and nowhere else (``z_loss_coeff``,
-        ``label_smoothing`` and ``logit_transform`` read it); the patched loss derives each call's with
+        label smoothing (0 for None) and logit transform; the patched loss derives each call's with
         :meth:`LossSpec.replace`.
     gradient_path: the :class:`~mindspeed_cez.linear_cross_entropy.GradientPath` of ``grads`` and
         ``block_bytes`` / ``block_fraction`` (which read it), the fused output layer's ``path``.
     label_smoothing_from_config, log_z_loss, log_lse, fused_output_layer, backend, linear_backend.
+    Derived once from those, read by the patched loss on every call (plain attributes: no code runs):
+    ``z_loss_coeff``, ``label_smoothing`` (Megatron's convention; None: the model config's),
+    ``logit_transform`` (the model's, None for none), ``mean_embedding_metrics`` (``lm_mu_norm`` reported:
+    mu-centering or mu-loss on) and ``metrics`` (the tracker names this run reports, identical on every rank:
+    collectives depend on it).
     """
 
-    __slots__ = ("loss", "gradient_path", "label_smoothing_from_config", "log_z_loss", "log_lse",
-                 "fused_output_layer", "backend", "linear_backend", "logit_softcap", "mu_centering", "mu_loss_coeff")
+    FIELDS = ("loss", "gradient_path", "label_smoothing_from_config", "log_z_loss", "log_lse", "fused_output_layer",
+              "backend", "linear_backend", "logit_softcap", "mu_centering", "mu_loss_coeff")
+    __slots__ = FIELDS + ("z_loss_coeff", "label_smoothing", "logit_transform", "mean_embedding_metrics", "metrics")
 
     def __init__(self, z_loss_coeff=0.0, label_smoothing=None, log_z_loss=True, log_lse=False,
                  fused_output_layer=False, grads="forward", block_fraction=None, logit_transform=None,
@@ -123,38 +128,15 @@ class Settings:
                   "log_lse": bool(log_lse), "fused_output_layer": bool(fused_output_layer), "backend": backend,
                   "linear_backend": linear_backend, "logit_softcap": float(logit_softcap),
                   "mu_centering": mu_centering, "mu_loss_coeff": float(mu_loss_coeff)}
+        values.update(z_loss_coeff=loss.z_loss_coeff, label_smoothing=None if label_smoothing is None else loss.label_smoothing,
+                      logit_transform=None if loss.logit_transform.is_identity else loss.logit_transform,
+                      mean_embedding_metrics=mu_centering or mu_loss_coeff > 0)
+        values["metrics"] = _metrics(values)
         for slot, value in values.items():
             object.__setattr__(self, slot, value)
 
     def __setattr__(self, name, value):
         raise AttributeError(f"Settings are frozen: make new ones (settings.replace({name}=...))")
-
-    @property
-    def z_loss_coeff(self):
-        return self.loss.z_loss_coeff
-
-    @property
-    def label_smoothing(self):
-        """Megatron's convention; None: the model config's."""
-        return None if self.label_smoothing_from_config else self.loss.label_smoothing
-
-    @property
-    def logit_transform(self):
-        """The model's logit transform, None for none."""
-        transform = self.loss.logit_transform
-        return None if transform.is_identity else transform
-
-    def main_head_transform(self, model_transform):
-        """The transform the main head's loss is of: the model's own (``model_transform``, recorded from its
-        forward) with this run's soft cap where the model applies none."""
-        if not self.logit_softcap or model_transform.cap:
-            return model_transform
-        return LogitTransform(model_transform.scale, self.logit_softcap)
-
-    @property
-    def mean_embedding_metrics(self):
-        """Whether ``lm_mu_norm`` is reported (mu-centering or mu-loss on)."""
-        return self.mu_centering or self.mu_loss_coeff > 0
 
     @property
     def grads(self):
@@ -181,7 +163,7 @@ class Settings:
         return Settings(**{**self._arguments(), **changes})
 
     def _key(self):
-        return tuple(getattr(self, slot) for slot in self.__slots__)
+        return tuple(getattr(self, field) for field in self.FIELDS)
 
     def __eq__(self, other):
         return isinstance(other, Settings) and self._key() == other._key()
@@ -212,19 +194,19 @@ class Settings:
             parts.append("mu-centering")
         if self.mu_loss_coeff:
             parts.append(f"mu-loss coefficient {self.mu_loss_coeff:g}")
-        logged = self.metric_names()
-        return ", ".join(parts) + (f"; logs {' '.join(logged)}" if logged else "")
+        return ", ".join(parts) + (f"; logs {' '.join(self.metrics)}" if self.metrics else "")
 
-    def metric_names(self):
-        """The tracker names this run reports; identical on every rank (collectives depend on it)."""
-        names = []
-        if self.log_z_loss and self.z_loss_coeff > 0:
-            names.append(LM_Z_LOSS)
-        if self.log_lse or self.logit_softcap:  # the soft cap bounds the lse: shown by lm_lse / lm_lse_max
-            names += [LM_LSE, LM_LSE_MAX]
-        if self.mean_embedding_metrics:
-            names.append(LM_MU_NORM)
-        return names
+
+def _metrics(values):
+    """The tracker names settings of these ``values`` report, as a tuple."""
+    names = []
+    if values["log_z_loss"] and values["z_loss_coeff"] > 0:
+        names.append(LM_Z_LOSS)
+    if values["log_lse"] or values["logit_softcap"]:  # the soft cap bounds the lse: shown by lm_lse / lm_lse_max
+        names += [LM_LSE, LM_LSE_MAX]
+    if values["mean_embedding_metrics"]:
+        names.append(LM_MU_NORM)
+    return tuple(names)
 
 
 def _finite(value):

@@ -91,9 +91,9 @@ def test_settings_from_flags():
     assert arguments.validate(_parse([])) is None
     assert arguments.validate(_parse(["--no-lm-fused-ce"])) is None
     s = arguments.validate(_parse(["--lm-fused-ce"]))
-    assert s is not None and s.z_loss_coeff == 0.0 and s.metric_names() == []
+    assert s is not None and s.z_loss_coeff == 0.0 and s.metrics == ()
     s = arguments.validate(_parse(["--lm-z-loss-coeff", "3e-4", "--lm-z-loss-log-lse"]))
-    assert math.isclose(s.z_loss_coeff, 3e-4) and s.metric_names() == ["lm_z_loss", "lm_lse", "lm_lse_max"]
+    assert math.isclose(s.z_loss_coeff, 3e-4) and s.metrics == ("lm_z_loss", "lm_lse", "lm_lse_max")
     s = arguments.validate(_parse(["--lm-fused-output-layer"]))
     assert s is not None and s.fused_output_layer and s.z_loss_coeff == 0.0
     assert s.grads == "forward" and s.block_fraction is None and s.block_bytes is None
@@ -102,7 +102,7 @@ def test_settings_from_flags():
     s = arguments.validate(_parse(["--lm-fused-output-layer", GIB, "1.5"]))
     assert s.block_bytes == 3 << 29 and s.block_fraction is None and s.gradient_path.block_bytes == 3 << 29
     s = arguments.validate(_parse(["--lm-fused-output-layer", "recompute", "--lm-z-loss-coeff", "1e-4"]))
-    assert s.fused_output_layer and s.grads == "recompute" and s.metric_names() == ["lm_z_loss"]
+    assert s.fused_output_layer and s.grads == "recompute" and s.metrics == ("lm_z_loss",)
     s = arguments.validate(_parse(["--lm-z-loss-coeff", "1e-4"]))
     assert not s.fused_output_layer
     for dest, flag in (("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute"), ("use_mup", "--use-mup")):

@@ -43,7 +43,7 @@ def test_each_flag_sets_its_field_turns_the_kernel_on_and_logs(argv, field, valu
     settings = arguments.validate(_parse(argv))
     assert settings is not None, "the flag must turn the fused kernel on"
     assert getattr(settings, field) == value
-    assert metric in settings.metric_names()
+    assert metric in settings.metrics
     assert settings.z_loss_coeff == 0
     combined = arguments.validate(_parse(argv + ["--lm-z-loss-coeff", "1e-4"]))
     assert getattr(combined, field) == value and combined.z_loss_coeff == 1e-4
@@ -90,12 +90,13 @@ def test_a_soft_cap_other_than_mindspeed_llms_own_is_refused():
 
 def test_the_main_heads_transform_adds_the_cap_where_the_model_applies_none():
     from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
+    from mindspeed_cez.patches.loss_wrappers import main_head_transform
 
-    settings = Settings(logit_softcap=30.0)
-    assert settings.main_head_transform(IDENTITY) == LogitTransform(1.0, 30.0)
-    assert settings.main_head_transform(LogitTransform(2.0, 0.0)) == LogitTransform(2.0, 30.0)
-    assert settings.main_head_transform(LogitTransform(2.0, 30.0)) == LogitTransform(2.0, 30.0)
-    assert Settings().main_head_transform(LogitTransform(2.0, 0.0)) == LogitTransform(2.0, 0.0)
+    cap = Settings(logit_softcap=30.0).logit_softcap
+    assert main_head_transform(IDENTITY, cap) == LogitTransform(1.0, 30.0)
+    assert main_head_transform(LogitTransform(2.0, 0.0), cap) == LogitTransform(2.0, 30.0)
+    assert main_head_transform(LogitTransform(2.0, 30.0), cap) == LogitTransform(2.0, 30.0)
+    assert main_head_transform(LogitTransform(2.0, 0.0), Settings().logit_softcap) == LogitTransform(2.0, 0.0)
     with pytest.raises(ValueError, match="cann"):
         Settings(logit_softcap=30.0, backend="cann")
 

@@ -12,6 +12,9 @@ from support import capture_cuda_graph, linear_loss_and_grads_float64, relative_
 from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
 from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, TrainerInputs
 from mindspeed_cez.patches.loss_wrappers import main_grad_target  # the adaptor's weight-gradient target
+from mindspeed_cez import ForwardGradientLedger  # noqa: E402
+
+LEDGER = ForwardGradientLedger()  # the forwards of these tests that owe a backward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -61,7 +64,7 @@ def _compare_at_a_real_size(path, dtype, label_smoothing, **transform):
                                         linear_backend=None if forward_grads else path)
     trainer = TrainerInputs(token_weights=mask if forward_grads else None,
                             grad_scale=1 / mask.sum() if into_main_grad else None,
-                            weight_grad=main_grad_target(w) if into_main_grad else None)
+                            weight_grad=main_grad_target(w) if into_main_grad else None, ledger=LEDGER)
     loss, _ = linear_cross_entropy_zloss(h, w, target, Z, label_smoothing, options=options, trainer=trainer)
     (loss * upstream).sum().backward()
     dweight = w.main_grad if into_main_grad else w.grad
@@ -112,7 +115,7 @@ def test_each_cuda_accumulation_matches_float64(kind):
     """``out += a @ b`` into fp32 through each CUDA way, forced in turn, at a weight gradient's shape
     (``a`` the transposed view ``dlogits.T``), against float64: fp32 sums where the product is not
     rounded (out_dtype, the Triton kernel's epilogue), one bf16 rounding of it (gemm_add)."""
-    from mindspeed_cez import fp32_accumulation as acc
+    from mindspeed_cez import linear_forward_grads as acc
 
     if kind == "addmm_out_dtype" and not acc.ADDMM_OUT_DTYPE:
         pytest.skip("torch.addmm has no out_dtype before torch 2.8")
@@ -122,8 +125,7 @@ def test_each_cuda_accumulation_matches_float64(kind):
         x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
         out = torch.randn(v, h, device="cuda", generator=g)
         expected = out.double() + dlogits.double().t() @ x.double()
-        with acc.forced(kind):
-            acc.Accumulator(out.device)(out, dlogits.t(), x)
+        acc.Accumulator(out.device, kind)(out, dlogits.t(), x)
         assert relative_error(out, expected) < (5e-3 if kind == "gemm_add" else 1e-5), (kind, n, v, h)
 
 
@@ -132,7 +134,7 @@ def test_each_cuda_accumulation_matches_float64(kind):
 def test_the_op_on_each_cuda_accumulation(kind, path):
     """The fused op's weight gradient into fp32 main_grad with each CUDA accumulation forced (the
     torch < 2.8 path on this torch: ``triton``), against float64 and the unfused path."""
-    from mindspeed_cez import fp32_accumulation as acc
+    from mindspeed_cez import linear_forward_grads as acc
 
     if kind == "addmm_out_dtype" and not acc.ADDMM_OUT_DTYPE:
         pytest.skip("torch.addmm has no out_dtype before torch 2.8")
@@ -146,11 +148,11 @@ def test_the_op_on_each_cuda_accumulation(kind, path):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     w.main_grad = torch.zeros(w.shape, device="cuda")
     forward = path == "main_grad"
-    with acc.forced(kind):
-        loss, _ = linear_cross_entropy_zloss(h, w, target, Z,
-                                             options=LinearCrossEntropyOptions(path=GradientPath("forward" if forward else "recompute")),
-                                             trainer=TrainerInputs(token_weights=mask if forward else None, grad_scale=1 / mask.sum() if forward else None, weight_grad=main_grad_target(w)))
-        (loss * upstream).sum().backward()
+    loss, _ = linear_cross_entropy_zloss(h, w, target, Z,
+                                         options=LinearCrossEntropyOptions(path=GradientPath("forward" if forward else "recompute"),
+                                                                           accumulation=kind),
+                                         trainer=TrainerInputs(token_weights=mask if forward else None, grad_scale=1 / mask.sum() if forward else None, weight_grad=main_grad_target(w), ledger=LEDGER))
+    (loss * upstream).sum().backward()
     hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lu, _ = vocab_parallel_cross_entropy_zloss(hu @ wu.t(), target, Z)
     (lu * upstream).sum().backward()
@@ -201,7 +203,7 @@ def test_a_non_finite_grad_scale_tensor_is_a_device_assert():
           "w.main_grad = torch.zeros(100, 32, device='cuda')\n"
           "s = torch.tensor(float('nan'), device='cuda')\n"
           "loss, _ = linear_cross_entropy_zloss(h, w, t, trainer=TrainerInputs(token_weights=m, grad_scale=s,\n"
-          "                                     weight_grad=WeightGradTarget(w.main_grad)))\n"
+          "                                     weight_grad=WeightGradTarget(w.main_grad), ledger=LEDGER))\n"
           "torch.cuda.synchronize()\n")
     assert "grad_scale must be finite" in output, output[-3000:]
 
@@ -225,7 +227,7 @@ def _sequence_parallel_over_nccl(rank, world_size, grads):
         ws.main_grad = torch.zeros(ws.shape, device="cuda")
     loss, _ = linear_cross_entropy_zloss(hs, ws, target, Z, tp_group=dist.group.WORLD, sequence_parallel=True,
                                          options=LinearCrossEntropyOptions(path=GradientPath("recompute" if grads == "recompute" else "forward")),
-                                         trainer=TrainerInputs(token_weights=None if grads == "recompute" else mask, grad_scale=1 / mask.sum() if grads == "main_grad" else None, weight_grad=main_grad_target(ws) if grads == "main_grad" else None))
+                                         trainer=TrainerInputs(token_weights=None if grads == "recompute" else mask, grad_scale=1 / mask.sum() if grads == "main_grad" else None, weight_grad=main_grad_target(ws) if grads == "main_grad" else None, ledger=LEDGER))
     (loss * upstream).sum().backward()
     dweight = ws.main_grad if grads == "main_grad" else ws.grad
     hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()  # the unfused path on one rank
@@ -268,7 +270,7 @@ def test_the_output_layer_holds_at_most_its_block_of_logits(budget_mib):
     before = torch.cuda.memory_allocated()
     loss, _ = linear_cross_entropy_zloss(hidden, weight, target, Z,
                                          options=LinearCrossEntropyOptions(path=GradientPath("forward", block_bytes=None if budget_mib is None else budget)),
-                                         trainer=TrainerInputs(token_weights=mask, grad_scale=1 / n, weight_grad=main_grad_target(weight)))
+                                         trainer=TrainerInputs(token_weights=mask, grad_scale=1 / n, weight_grad=main_grad_target(weight), ledger=LEDGER))
     (loss * mask / n).sum().backward()
     torch.cuda.synchronize()
     beyond = torch.cuda.max_memory_allocated() - before

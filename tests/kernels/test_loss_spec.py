@@ -16,7 +16,7 @@ from mindspeed_cez.kernels.logit_transform import SOFTCAP, LogitTransform
 from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard, loss_spec
 from mindspeed_cez.patches import arguments
 from mindspeed_cez.patches.settings import Settings
-from mindspeed_cez.tensor_parallel import vocab_shard
+from mindspeed_cez.cross_entropy_zloss import vocab_shard
 
 BAD = [("z_loss_coeff", -1e-4, ValueError, "must be a finite number >= 0"),
        ("z_loss_coeff", float("nan"), ValueError, "must be a finite number >= 0"),

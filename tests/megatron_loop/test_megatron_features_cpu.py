@@ -170,19 +170,20 @@ def test_inprocess_restart_forgets_the_interrupted_step():
     step that recorded metric sums and dropped a fused-layer forward: the next step starts clean."""
     from megatron.training import inprocess_restart
 
-    from mindspeed_cez import linear_forward_grads as lfg
     from mindspeed_cez import patches
     from mindspeed_cez.patches import reporting as metrics
+    from mindspeed_cez.patches import runtime
 
     patches.apply(z_loss_coeff=1e-2, log_lse=True, fused_output_layer=True)
     try:
+        ledger = runtime.current().ledger  # the adaptor's: the fused layer's forwards that owe a backward
         metrics.record_lm_z_loss(torch.full((4,), 2.0), torch.ones(4), lse_per_token=torch.full((4,), 7.0))
-        alive = lfg._OwedBackward("output_layer.weight (alive)")  # a forward whose backward was pending
-        lfg._OwedBackward("output_layer.weight (freed)")  # one whose graph went without a backward
+        alive = ledger.owe("output_layer.weight (alive)")  # a forward whose backward was pending
+        ledger.owe("output_layer.weight (freed)")  # one whose graph went without a backward
         inprocess_restart.destroy_state()
-        lfg.check_forward_gradients()  # nothing owed, nothing dropped: no ForwardGradientError
+        ledger.check()  # nothing owed, nothing dropped: no ForwardGradientError
         del alive
-        lfg.check_forward_gradients()
+        ledger.check()
         metrics.record_lm_z_loss(torch.full((2,), 1.0), torch.ones(2), lse_per_token=torch.full((2,), 3.0))
         values = metrics.reduce_iteration()  # no parallel state: this rank's values
         assert {k: float(v) for k, v in values.items()} == {"lm_z_loss": 1.0, "lm_lse": 3.0, "lm_lse_max": 3.0}

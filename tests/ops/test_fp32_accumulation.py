@@ -14,10 +14,13 @@ import torch
 
 from support import STAND_INS, relative_error
 from support.backends import triton_runs_on_cpu
-from mindspeed_cez import fp32_accumulation as acc
+from mindspeed_cez import linear_forward_grads as acc
 from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, TrainerInputs
 from mindspeed_cez import linear_cross_entropy_zloss
 from mindspeed_cez.patches.loss_wrappers import main_grad_target  # the adaptor's weight-gradient target
+from mindspeed_cez import ForwardGradientLedger  # noqa: E402
+
+LEDGER = ForwardGradientLedger()  # the forwards of these tests that owe a backward
 
 NPU = types.SimpleNamespace(type="npu")  # torch.device("npu") needs torch_npu
 needs_interpreter = pytest.mark.skipif(not triton_runs_on_cpu(),
@@ -53,12 +56,13 @@ def test_each_device_and_torch_gets_its_accumulation():
     with mindspeed_stand_in():
         assert acc.kind_for(NPU) == "npu_matmul_add" and acc.kind_for(torch.device("cpu")) == "gemm_add"
     assert acc.kind_for(NPU) == "gemm_add"
-    with acc.forced("gemm_add"):
-        assert acc.kind_for(torch.device("cuda")) == "gemm_add"
-    for kind, message in (("cublas", "kind must be one of"), ("npu_matmul_add", "needs MindSpeed")):
+    assert acc.kind_for(torch.device("cuda"), "gemm_add") == "gemm_add"
+    for kind, message in (("cublas", "accumulation must be None .automatic. or one of"),
+                          ("npu_matmul_add", "needs MindSpeed")):
         with pytest.raises(ValueError, match=message):
-            with acc.forced(kind):
-                pass
+            acc.check_accumulation(kind)
+        with pytest.raises(ValueError, match=message):
+            LinearCrossEntropyOptions(accumulation=kind)
 
 
 def _operands(dtype, m, k, n, gen, transposed_a):
@@ -82,8 +86,9 @@ def test_each_accumulation_matches_float64(kind, dtype, transposed_a):
         pytest.skip("the Triton kernel takes CPU tensors only under TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(21)
     stand_in = mindspeed_stand_in() if kind == "npu_matmul_add" else contextlib.nullcontext([])
-    with stand_in as calls, acc.forced(kind):
-        accumulate = acc.Accumulator(torch.device("cpu"))
+    with stand_in as calls:
+        acc.check_accumulation(kind)
+        accumulate = acc.Accumulator(torch.device("cpu"), kind)
         for m, k, n in ((37, 70, 45), (20, 33, 17)):
             a, b, out, expected = _operands(dtype, m, k, n, gen, transposed_a)
             accumulate(out, a, b)
@@ -147,13 +152,14 @@ def test_the_op_on_each_accumulation(kind, path):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     w.main_grad = torch.full(w.shape, 0.5)
     w.grad_added_to_main_grad = False
-    options = LinearCrossEntropyOptions(path=GradientPath("recompute" if path == "recompute" else "forward",
-                                                          row_block=16), chunk_cols=32)
+    options = dict(path=GradientPath("recompute" if path == "recompute" else "forward", row_block=16), chunk_cols=32,
+                   accumulation=kind)
     trainer = TrainerInputs(token_weights=None if path == "recompute" else mask, weight_grad=main_grad_target(w),
-                            grad_scale=scale if path == "forward, grad_scale" else None)
+                            grad_scale=scale if path == "forward, grad_scale" else None, ledger=LEDGER)
     stand_in = mindspeed_stand_in() if kind == "npu_matmul_add" else contextlib.nullcontext([])
-    with stand_in as calls, acc.forced(kind):
-        loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3, options=options, trainer=trainer)
+    with stand_in as calls:
+        loss, _ = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3,
+                                             options=LinearCrossEntropyOptions(**options), trainer=trainer)
         (loss * scale * mask).sum().backward()
     assert relative_error(w.main_grad.double() - 0.5, w64.grad) < 1e-2
     assert relative_error(h.grad, h64.grad) < 1e-2

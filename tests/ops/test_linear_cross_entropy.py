@@ -18,6 +18,9 @@ from mindspeed_cez.linear_cross_entropy import DEFAULT_OPTIONS, RECOMPUTE
 from mindspeed_cez.kernels import chunked_linear
 from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
 from mindspeed_cez.patches.loss_wrappers import main_grad_target  # the adaptor's weight-gradient target
+from mindspeed_cez import ForwardGradientLedger  # noqa: E402
+
+LEDGER = ForwardGradientLedger()  # the forwards of these tests that owe a backward
 
 SEQ, BATCH, HIDDEN, V_PER_RANK = 13, 3, 24, 53  # 39 tokens; chunks of 16 rows do not divide them
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -75,7 +78,7 @@ def _worker(rank, world_size, dtype, z, a, sequence_parallel, backend, forward_g
                                         backend=backend, linear_backend=linear or None, chunk_cols=16)
     trainer = TrainerInputs(token_weights=token_weights, weight_grad=main_grad_target(w) if main_grad else None,
                             grad_scale=torch.tensor(K) if forward_grads == "main_grad" else
-                            K if forward_grads == "scaled" else None)
+                            K if forward_grads == "scaled" else None, ledger=LEDGER)
     loss, z_loss = linear_cross_entropy_zloss(h, w, target, z_loss_coeff=z, label_smoothing=a, tp_group=group,
                                               sequence_parallel=sequence_parallel, options=options, trainer=trainer)
     if main_grad:  # the blocks before the last added during the forward, the last one in backward
@@ -180,7 +183,7 @@ def test_grad_scale_needs_that_upstream_gradient():
     w.main_grad = torch.zeros(w.shape)
     loss, _ = linear_cross_entropy_zloss(h, w, target,
                                          options=LinearCrossEntropyOptions(path=GradientPath("forward", row_block=16)),
-                                         trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w)))
+                                         trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w), ledger=LEDGER))
     assert w.main_grad.abs().sum() > 0  # the blocks before the last added during the forward
     with pytest.raises(RuntimeError, match="upstream gradient must be s \\* token_weights"):
         (loss * upstream * 1.01).sum().backward()
@@ -202,7 +205,7 @@ def test_forward_grads_dhidden_taken_without_a_copy():
     w.main_grad = torch.zeros(w.shape)
     loss = linear_cross_entropy_zloss(h, w, target, 1e-3,
                                       options=LinearCrossEntropyOptions(path=GradientPath("forward")),
-                                      trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w)))[0]
+                                      trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w), ledger=LEDGER))[0]
     made = {}
     loss.grad_fn.register_hook(lambda grad_inputs, _: made.update(ptr=grad_inputs[0].data_ptr()))
     (loss * mask).sum().mul(K).backward()
@@ -217,7 +220,6 @@ def test_one_block_makes_its_gradient_gemms_in_backward():
     """One block (the default at small logits): the forward adds nothing into main_grad (its two GEMMs
     run in backward, as the unfused layer's do), so a forward dropped without its backward leaves
     main_grad as it was and owes nothing; with its backward main_grad gets the float64 gradient."""
-    from mindspeed_cez.linear_cross_entropy import check_forward_gradients
 
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     hidden, weight, target, _ = _problem(torch.float32, 1, gen)
@@ -228,19 +230,19 @@ def test_one_block_makes_its_gradient_gemms_in_backward():
     def forward():
         return linear_cross_entropy_zloss(h, w, target, 1e-3,
                                           options=LinearCrossEntropyOptions(path=GradientPath("forward")),
-                                          trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w)))[0]
+                                          trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w), ledger=LEDGER))[0]
 
     dropped = forward()
     assert torch.equal(w.main_grad, torch.full(w.shape, 0.25))
     del dropped
-    check_forward_gradients()  # nothing was added, nothing is owed
+    LEDGER.check()  # nothing was added, nothing is owed
     loss = forward()
     assert torch.equal(w.main_grad, torch.full(w.shape, 0.25))
     (loss * upstream).sum().backward()
     _, _, ref_dh, ref_dw = _float64(hidden, weight, target, upstream, 1e-3, 0.0)
     torch.testing.assert_close((w.main_grad - 0.25).double(), ref_dw, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(h.grad.double(), ref_dh, rtol=1e-4, atol=1e-6)
-    check_forward_gradients()
+    LEDGER.check()
 
 
 def test_default_row_block():
@@ -325,7 +327,7 @@ def test_block_bytes_splits_the_tokens_and_keeps_the_float64_gradients():
     try:
         loss, _ = linear_cross_entropy_zloss(x, w, target, 1e-3,
                                              options=LinearCrossEntropyOptions(path=GradientPath("forward", block_bytes=budget)),
-                                             trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w)))
+                                             trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w), ledger=LEDGER))
     finally:
         torch.matmul = matmul
     assert blocks == [1024, 1024, 952] and all(r * v * 4 <= budget for r in blocks)
@@ -334,8 +336,7 @@ def test_block_bytes_splits_the_tokens_and_keeps_the_float64_gradients():
     torch.testing.assert_close(loss.double(), exp_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad.double(), exp_dh, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(w.main_grad.double(), exp_dw, rtol=1e-4, atol=1e-6)
-    from mindspeed_cez.linear_cross_entropy import check_forward_gradients
-    check_forward_gradients()  # the backward paid what the forward added
+    LEDGER.check()  # the backward paid what the forward added
 
 
 def test_token_weights_need_an_upstream_gradient_proportional_to_them():
@@ -443,7 +444,7 @@ def test_weight_grad_target_without_megatron(grads):
         options, trainer = DEFAULT_OPTIONS, TrainerInputs(weight_grad=into_target)
     else:
         options = LinearCrossEntropyOptions(path=GradientPath("forward", row_block=16))
-        trainer = TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=into_target)
+        trainer = TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=into_target, ledger=LEDGER)
     loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3, options=options, trainer=trainer)
     (loss * upstream).sum().backward()
     _, _, _, exp_dw = _float64(hidden, weight.detach(), target, upstream, 1e-3, 0.0)
@@ -482,7 +483,7 @@ def test_a_16_bit_main_grad(dtype, grads):
     weight.grad_added_to_main_grad = False
     path = GradientPath("recompute" if grads == "recompute" else "forward")
     trainer = TrainerInputs(token_weights=None if grads == "recompute" else mask, weight_grad=main_grad_target(weight),
-                            grad_scale=K if grads == "forward, grad_scale" else None)
+                            grad_scale=K if grads == "forward, grad_scale" else None, ledger=LEDGER)
     loss, _ = linear_cross_entropy_zloss(hidden, weight, target, z_loss_coeff=1e-3,
                                          options=LinearCrossEntropyOptions(path=path), trainer=trainer)
     (loss * upstream).sum().backward()
@@ -662,13 +663,12 @@ def _main_grad_problem(seed):
 def _forward_into_main_grad(h, w, target, mask):
     return linear_cross_entropy_zloss(h, w, target, z_loss_coeff=1e-3,
                                       options=LinearCrossEntropyOptions(path=GradientPath("forward", row_block=16)),
-                                      trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w)))
+                                      trainer=TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w), ledger=LEDGER))
 
 
 def test_no_grad_never_writes_main_grad():
     """grads='forward' with grad_scale under torch.no_grad() (or with no input needing a gradient):
     the loss alone, as the recompute path's forward makes it; main_grad untouched."""
-    from mindspeed_cez.linear_cross_entropy import check_forward_gradients
 
     h, w, target, mask, _ = _main_grad_problem(14)
     exp_loss = _float64(h.detach(), w.detach(), target, torch.ones(target.shape), 1e-3, 0.0)[0]
@@ -678,7 +678,7 @@ def test_no_grad_never_writes_main_grad():
     assert relative_error(loss, exp_loss) < 1e-5
     loss, _ = _forward_into_main_grad(h.detach(), w.detach(), target, mask)
     assert torch.equal(w.main_grad, torch.full(w.shape, 0.25))
-    check_forward_gradients()  # nothing owed
+    LEDGER.check()  # nothing owed
 
 
 def test_a_forward_without_its_backward_is_detected():
@@ -686,30 +686,30 @@ def test_a_forward_without_its_backward_is_detected():
     extra forward with autograd on) fails at the op's next forward and at the check Megatron's
     gradient sync runs, naming the cause and the fix; one whose backward has not run yet fails only
     at that check (pipelined micro-batches run forwards ahead of backwards)."""
-    from mindspeed_cez.linear_cross_entropy import ForwardGradientError, check_forward_gradients
+    from mindspeed_cez.linear_cross_entropy import ForwardGradientError
 
     h, w, target, mask, upstream = _main_grad_problem(15)
     loss, _ = _forward_into_main_grad(h, w, target, mask)
     del loss  # the graph goes without a backward
     with pytest.raises(ForwardGradientError, match="freed without a backward.*torch.no_grad.*GradientPath\\('recompute'\\)"):
         _forward_into_main_grad(h, w, target, mask)
-    check_forward_gradients()  # reported once
+    LEDGER.check()  # reported once
 
     first, _ = _forward_into_main_grad(h, w, target, mask)
     second, _ = _forward_into_main_grad(h, w, target, mask)  # a backward pending is fine here
     with pytest.raises(ForwardGradientError, match="backward has not run \\(2 such"):
-        check_forward_gradients()
+        LEDGER.check()
     (first * upstream).sum().backward()
     (second * upstream).sum().backward()
-    check_forward_gradients()
+    LEDGER.check()
 
     loss, _ = _forward_into_main_grad(h, w, target, mask)
     (loss * upstream).sum().backward()  # the normal case: nothing to report
-    check_forward_gradients()
+    LEDGER.check()
     loss, _ = _forward_into_main_grad(h, w, target, mask)
     del loss
     with pytest.raises(ForwardGradientError, match="weight \\(53, 24\\)"):
-        check_forward_gradients()
+        LEDGER.check()
 
 
 def test_the_mismatch_message_names_the_cause_and_the_fix(monkeypatch):

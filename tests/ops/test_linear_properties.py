@@ -29,6 +29,9 @@ from support import linear_loss_and_grads_float64, split_transform  # noqa: E402
 from mindspeed_cez import linear_cross_entropy_zloss  # noqa: E402
 from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, TrainerInputs  # noqa: E402
 from mindspeed_cez.patches.loss_wrappers import main_grad_target  # noqa: E402 (the adaptor's weight-gradient target)
+from mindspeed_cez import ForwardGradientLedger  # noqa: E402
+
+LEDGER = ForwardGradientLedger()  # the forwards of these tests that owe a backward
 
 PATHS = ["recompute", "recompute-triton", "forward", "scaled", "main_grad"]
 # examples per (backend, TP size) and path of the ci profile (the Triton interpreter is ~100x slower)
@@ -105,7 +108,7 @@ def _linear_on_rank(rank, tp, group, case):
             linear_backend="triton" if path == "recompute-triton" else "gemm" if grads == "recompute" else None,
             chunk_cols=case["options"].get("chunk_cols"), return_lse=True)
         trainer = TrainerInputs(token_weights=case["token_weights"], grad_scale=case["grad_scale"],
-                                weight_grad=main_grad_target(w) if main_grad is not None else None)
+                                weight_grad=main_grad_target(w) if main_grad is not None else None, ledger=LEDGER)
         loss, z_loss, lse = linear_cross_entropy_zloss(h, w, case["target"], tp_group=group,
                                                        sequence_parallel=case["sequence_parallel"], options=options,
                                                        trainer=trainer, **kwargs)

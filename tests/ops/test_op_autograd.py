@@ -10,6 +10,9 @@ from support.backends import backend_devices, backend_ids
 from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
 from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, TrainerInputs
 from mindspeed_cez.patches.loss_wrappers import main_grad_target  # the adaptor's weight-gradient target
+from mindspeed_cez import ForwardGradientLedger  # noqa: E402
+
+LEDGER = ForwardGradientLedger()  # the forwards of these tests that owe a backward
 
 PAIRS = backend_devices()
 # the fused layer's paths: recompute (GEMM chunks or the Triton tl.dot kernels), gradients in forward with
@@ -48,7 +51,7 @@ def _linear_loss(hidden, weight, target, mask, backend, path):
         if path == "main_grad":
             weight.main_grad = torch.zeros(weight.shape, device=weight.device)
             trainer = TrainerInputs(token_weights=mask, grad_scale=torch.tensor(SCALE, device=target.device),
-                                    weight_grad=main_grad_target(weight))
+                                    weight_grad=main_grad_target(weight), ledger=LEDGER)
         elif path == "scaled":
             trainer = TrainerInputs(token_weights=mask, grad_scale=SCALE)
     loss, _ = linear_cross_entropy_zloss(hidden, weight, target, 1e-3, 0.1, options=options, trainer=trainer)
@@ -149,5 +152,5 @@ def test_non_finite_grad_scale_tensor_is_refused(bad):
         with pytest.raises(ValueError, match="grad_scale must be (a )?finite"):
             linear_cross_entropy_zloss(hidden, weight, target,
                                        options=LinearCrossEntropyOptions(path=GradientPath("forward")),
-                                       trainer=TrainerInputs(token_weights=mask, grad_scale=grad_scale, weight_grad=main_grad_target(weight)))
+                                       trainer=TrainerInputs(token_weights=mask, grad_scale=grad_scale, weight_grad=main_grad_target(weight), ledger=LEDGER))
     assert not weight.main_grad.any()

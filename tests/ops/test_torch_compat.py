@@ -9,7 +9,7 @@ import torch
 
 from support.backends import backend_devices, backend_ids
 from support import cross_entropy_zloss_float64, relative_error
-from mindspeed_cez import fp32_accumulation as acc
+from mindspeed_cez import linear_forward_grads as acc
 from mindspeed_cez import LinearCrossEntropyOptions
 from mindspeed_cez import linear_cross_entropy_zloss
 from mindspeed_cez._requirements import TORCH_MIN, check_torch
@@ -48,11 +48,9 @@ def test_the_out_dtype_branch_takes_its_arguments_on_this_torch(dtype):
     meta = torch.empty(33, 17, device="meta")
     if not acc.ADDMM_OUT_DTYPE:
         with pytest.raises(ValueError, match="needs torch >= 2.8"):
-            with acc.forced("addmm_out_dtype"):
-                pass
+            acc.check_accumulation("addmm_out_dtype")
         return
-    with acc.forced("addmm_out_dtype"):
-        acc.Accumulator(meta.device)(meta, a, b)
+    acc.Accumulator(meta.device, "addmm_out_dtype")(meta, a, b)
     assert meta.dtype == torch.float32 and meta.shape == (33, 17)
 
 

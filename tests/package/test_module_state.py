@@ -15,14 +15,11 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = ("mindspeed_cez", "kernels", "patches")
 
-# The module-level state the package keeps, each name with its # Global: line: the adaptor's one runtime slot
-# (patches/runtime.py: Megatron's patched functions read it without a handle), and the ops' and kernels'
-# per-process state that works without the adaptor (the fused layer's forward-gradient ledger, the
-# accumulation and launch settings a test forces). A new name fails; caches keyed by immutable values
-# (functools.lru_cache, each kernel's Launcher) are not state.
-KNOWN_STATE = {"patches/runtime.py:RUNTIME", "mindspeed_cez/linear_forward_grads.py:_LEDGER",
-               "mindspeed_cez/fp32_accumulation.py:_FORCED", "kernels/device_cores.py:_LAUNCH_AS"}
-MAX_GLOBALS = 4  # len(KNOWN_STATE)
+# The module-level state the package keeps, with its # Global: line: the adaptor's one runtime slot
+# (patches/runtime.py: Megatron's patched functions read it without a handle). A new name fails; caches keyed
+# by immutable values (functools.lru_cache, each kernel's Launcher) are not state.
+KNOWN_STATE = {"patches/runtime.py:RUNTIME"}
+MAX_GLOBALS = 1  # len(KNOWN_STATE)
 
 MUTABLE_CALLS = {"list", "dict", "set", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "defaultdict",
                  "deque", "OrderedDict", "Counter", "ContextVar"}
@@ -157,10 +154,11 @@ def test_the_adaptor_state_lives_in_one_runtime():
 
     before = runtime.current()
     assert isinstance(before, runtime.Runtime) and before.settings is None
-    for field in ("settings", "patches", "metrics", "chosen", "announced", "warned", "feature", "adaptor_mode",
+    for field in ("settings", "patches", "metrics", "ledger", "chosen", "announced", "warned", "feature", "adaptor_mode",
                   "command_line"):
         assert hasattr(before, field), field
     patches.remove()
     after = runtime.current()
     assert after is not before and after.patches is before.patches and after.metrics is not before.metrics
+    assert after.ledger is not before.ledger
     assert after.chosen == {} and after.announced is None
