@@ -712,6 +712,24 @@ def test_a_forward_without_its_backward_is_detected():
         LEDGER.check()
 
 
+def test_adding_into_the_target_in_forward_needs_a_ledger_and_ledgers_are_apart():
+    """``grad_scale`` with ``weight_grad`` (the weight gradient added during the forward) without a ledger is
+    refused naming the fix; a forward's debt is its own ledger's, never another's."""
+    from mindspeed_cez.linear_cross_entropy import ForwardGradientError
+
+    h, w, target, mask, upstream = _main_grad_problem(16)
+    with pytest.raises(ValueError, match="pass ledger=mindspeed_cez.ForwardGradientLedger\(\)"):
+        TrainerInputs(token_weights=mask, grad_scale=K, weight_grad=main_grad_target(w))
+    with pytest.raises(TypeError, match="ledger must be a mindspeed_cez.ForwardGradientLedger"):
+        TrainerInputs(ledger=object())
+    other = ForwardGradientLedger()
+    loss, _ = _forward_into_main_grad(h, w, target, mask)
+    del loss  # LEDGER's forward goes without a backward
+    other.check()  # not other's
+    with pytest.raises(ForwardGradientError, match="freed without a backward"):
+        LEDGER.check()
+
+
 def test_the_mismatch_message_names_the_cause_and_the_fix(monkeypatch):
     """On the CPU an exception, on CUDA the device-side assert's text (under 255 characters, CUDA's
     limit on assert messages; tests/gpu/test_linear_cross_entropy_gpu.py checks the device side)."""
