@@ -52,8 +52,8 @@ fi
 grep -E "iteration +20/" "$log"
 grep -qE "iteration +20/.*lm_z_loss: [0-9.E+-]+" "$log" || { echo "leg megatron main: no lm_z_loss on the last log line" >&2; exit 1; }
 
-adaptor_tests=(tests/adaptor/test_adaptor_gpt.py tests/adaptor/test_adaptor_output_layer.py
-               tests/adaptor/test_adaptor_patches.py tests/adaptor/test_arguments.py ${CEZ_EXTRA_TESTS:-tests/adaptor/test_patch_points.py})
-stamp "pytest ${adaptor_tests[*]} tests/megatron_loop/test_e2e_layouts.py"
-"$VENV/bin/python" -m pytest -q -rs "${adaptor_tests[@]}" tests/megatron_loop/test_e2e_layouts.py
+adaptor_tests=(tests/patches/test_loss_wrappers_gpt.py tests/patches/test_model_context_output_layer.py
+               tests/patches/test_patches_apply.py tests/patches/test_arguments.py ${CEZ_EXTRA_TESTS:-tests/patches/test_patch_points.py})
+stamp "pytest ${adaptor_tests[*]} tests/environments/megatron_loop/test_e2e_layouts.py"
+"$VENV/bin/python" -m pytest -q -rs "${adaptor_tests[@]}" tests/environments/megatron_loop/test_e2e_layouts.py
 stamp "done"

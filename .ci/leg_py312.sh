@@ -3,8 +3,8 @@
 # initialize, pretrain, training_log). From scratch on a fresh machine with only pip:
 # a venv, pinned torch, megatron-core, this package (editable) and pytest, then the tests that
 # need megatron.training, among them the end-to-end run of Megatron's own training loop
-# (tests/megatron_loop/test_e2e_megatron_training.py: torchrun, 2 ranks, TP=2, gloo, mock data) and its parallel
-# layouts (tests/megatron_loop/test_e2e_layouts.py: PP, VPP, EP, DP, MTP, checkpoint resume).
+# (tests/environments/megatron_loop/test_e2e_megatron_training.py: torchrun, 2 ranks, TP=2, gloo, mock data) and its parallel
+# layouts (tests/environments/megatron_loop/test_e2e_layouts.py: PP, VPP, EP, DP, MTP, checkpoint resume).
 #
 #   bash .ci/leg_py312.sh              # venv in .venv312/ (git-ignored), re-used if present
 #   bash .ci/leg_py312.sh --prepare    # only the venv and its pins (.ci/run: in the background during leg 1)
@@ -32,8 +32,8 @@ stamp "venv $VENV from $PY312"
 stamp "install torch==$TORCH_VERSION megatron-core==$MEGATRON_CORE_VERSION, the package, pytest"
 "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
 # psutil: Megatron's torch_dist checkpoint save starts a worker that needs it
-# tokenizers, tensorboard, matplotlib: the z-loss sweep's CPU smoke run (tests/examples/test_zloss_sweep.py, about 2 min)
-# einops: Megatron-FSDP imports it (tests/megatron_loop/test_megatron_features_cpu.py's Megatron-FSDP gradient against float64)
+# tokenizers, tensorboard, matplotlib: the z-loss sweep's CPU smoke run (tests/examples/test_zloss_lr_sweep.py, about 2 min)
+# einops: Megatron-FSDP imports it (tests/environments/megatron_loop/test_megatron_features_cpu.py's Megatron-FSDP gradient against float64)
 "$VENV/bin/python" -m pip install -q "megatron-core==$MEGATRON_CORE_VERSION" pytest psutil tokenizers tensorboard matplotlib \
     einops
 [ "${1:-}" = --prepare ] && { stamp "prepared"; exit 0; }
@@ -50,8 +50,8 @@ EOF
 
 # The tests that need megatron.training (they skip cleanly on leg 1's megatron-core 0.16.1), and
 # the megatron-core GPT tests once more on this line (its MoE schedule-plan node among them).
-tests=(tests/megatron_loop/test_e2e_megatron_training.py tests/megatron_loop/test_e2e_layouts.py tests/adaptor/test_adaptor_gpt.py)
-for f in $(grep -l "megatron\.training" tests/*/test_*.py); do
+tests=(tests/environments/megatron_loop/test_e2e_megatron_training.py tests/environments/megatron_loop/test_e2e_layouts.py tests/patches/test_loss_wrappers_gpt.py)
+for f in $(grep -rl --include="test_*.py" "megatron\.training" tests | sort); do
     [[ " ${tests[*]} " == *" $f "* ]] || tests+=("$f")
 done
 stamp "pytest ${tests[*]}"

@@ -2,7 +2,7 @@
 # CI leg "users": MindSpeed-LLM 26.x's stack, with the package installed from its built wheel.
 # Python 3.10, torch 2.7.1 (its PyPI build, run on the CPU), triton 3.3.1 (torch's pin: the Triton
 # kernels under the interpreter), megatron-core 0.12.1. It runs what depends on that stack, and not leg 1's
-# stack-free tests (tests/package/ but test_cpu_mode.py, tests/examples/, tests/gpu/: see .ci/run's table).
+# stack-free tests (tests/package/, tests/bench/, tests/examples/, tests/environments/gpu/: see .ci/run's table).
 # Steps: build the wheel; install it (not editable) into a fresh venv; from a folder outside the checkout
 # import every public module, call the op and import the adaptor; from the checkout root the source folder
 # shadows it in one line; then, the same venv's package reinstalled editable (the tests' subprocesses run
@@ -69,18 +69,19 @@ stamp "the package reinstalled editable, for the suite run from the checkout roo
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 
 export CI="${CI:-true}"  # real-source archives missing: an error here, not a skip
-# What depends on this stack. Not here: tests/package/ (layering, module state, doc figures: stack-free;
-# its test_cpu_mode.py patches this torch and megatron-core, so it is here), tests/examples/ (the reports,
+# What depends on this stack. Not here: tests/package/ and tests/bench/ (layering, module state, doc figures, the
+# benchmarks' estimates: stack-free; tests/patches/test_cpu_mode.py patches this torch and megatron-core, so it
+# is here with tests/patches/), tests/examples/ (the reports,
 # plans and divergence rule are plain Python; the main job runs below; the sweep needs megatron.training),
-# tests/gpu/ (CUDA, or fake loads), and the stand-in of MindSpeed-LLM (its real sources run here).
-tests=(tests/kernels tests/ops tests/adaptor tests/megatron_loop tests/mindspeed_stack/test_mindspeed_source.py
-       tests/mindspeed_stack/test_mindspeed_llm_source.py tests/package/test_cpu_mode.py)
+# tests/environments/gpu/ (CUDA, or fake loads), and the stand-in of MindSpeed-LLM (its real sources run here).
+tests=(tests/kernels tests/ops tests/patches tests/environments/megatron_loop tests/environments/mindspeed_stack/test_mindspeed_source.py
+       tests/environments/mindspeed_stack/test_mindspeed_llm_source.py)
 stamp "pytest ${tests[*]} (MindSpeed-LLM v26.0.0's real sources among them)"
 "$VENV/bin/pytest" -q "${tests[@]}"
 
 for triple in master v2.2.0; do
-    stamp "MindSpeed-LLM $triple's real sources: tests/mindspeed_stack/test_mindspeed_llm_source.py"
-    CEZ_MINDSPEED_LLM_TRIPLE=$triple "$VENV/bin/pytest" -q -rs tests/mindspeed_stack/test_mindspeed_llm_source.py
+    stamp "MindSpeed-LLM $triple's real sources: tests/environments/mindspeed_stack/test_mindspeed_llm_source.py"
+    CEZ_MINDSPEED_LLM_TRIPLE=$triple "$VENV/bin/pytest" -q -rs tests/environments/mindspeed_stack/test_mindspeed_llm_source.py
 done
 
 stamp "the main job, quick mode"

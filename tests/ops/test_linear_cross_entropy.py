@@ -714,7 +714,7 @@ def test_a_forward_without_its_backward_is_detected():
 
 def test_the_mismatch_message_names_the_cause_and_the_fix(monkeypatch):
     """On the CPU an exception, on CUDA the device-side assert's text (under 255 characters, CUDA's
-    limit on assert messages; tests/gpu/test_linear_cross_entropy_gpu.py checks the device side)."""
+    limit on assert messages; tests/environments/gpu/test_linear_cross_entropy_gpu.py checks the device side)."""
     messages, real_assert = [], torch._assert_async
 
     def recording(condition, message):
