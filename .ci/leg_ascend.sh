@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI leg "ascend": lower every Triton kernel through triton-ascend's compiler front end and adapter
-# (tests/kernels/test_ascend_lowering.py) on this CPU, then execute every variant under triton-ascend's
-# interpreter with the NPU launch settings against float64 (tests/kernels/test_ascend_interpreter.py).
+# (tests/kernels/test_kernels_ascend_lowering.py) on this CPU, then execute every variant under triton-ascend's
+# interpreter with the NPU launch settings against float64 (tests/kernels/test_kernels_ascend_interpreter.py).
 # triton-ascend ships its own `triton` package, so it gets a venv of its own, apart from the CUDA
 # `triton` of leg 1. Its interpreter needs numpy<2 (numpy 2: "only 0-dimensional arrays can be
 # converted to Python scalars").
@@ -33,8 +33,8 @@ from importlib.metadata import version
 assert version("triton-ascend") == "$TRITON_ASCEND_VERSION", version("triton-ascend")
 print("triton", triton.__version__, "| triton-ascend", version("triton-ascend"))
 PY
-stamp "pytest tests/kernels/test_ascend_lowering.py"
-"$VENV/bin/python" -m pytest -q -rs tests/kernels/test_ascend_lowering.py
-stamp "pytest tests/kernels/test_ascend_interpreter.py (TRITON_INTERPRET=1, NPU launch settings)"
-TRITON_INTERPRET=1 "$VENV/bin/python" -m pytest -q -rs -p no:warnings tests/kernels/test_ascend_interpreter.py
+stamp "pytest tests/kernels/test_kernels_ascend_lowering.py"
+"$VENV/bin/python" -m pytest -q -rs tests/kernels/test_kernels_ascend_lowering.py
+stamp "pytest tests/kernels/test_kernels_ascend_interpreter.py (TRITON_INTERPRET=1, NPU launch settings)"
+TRITON_INTERPRET=1 "$VENV/bin/python" -m pytest -q -rs -p no:warnings tests/kernels/test_kernels_ascend_interpreter.py
 stamp "done"

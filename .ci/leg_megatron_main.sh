@@ -4,14 +4,18 @@
 # CEZ_THIRD_PARTY to override). Re-uses leg 2's venv (.venv312: Python 3.12, torch, megatron-core 0.19.2,
 # the package editable); only the path differs: the checkout's megatron.core / megatron.training come
 # first (megatron is a namespace package in both). Steps: the Megatron-LM launch with the flag
-# (examples/run_megatron_lm_moe.sh), the adaptor's tests, the megatron_loop layouts (mtp-dp2 skips,
-# naming Megatron main's own MTP bug without Transformer Engine: see test_e2e_layouts.megatron_mtp_bug).
+# (examples/run_megatron_lm_moe.sh: main's own training loop, TP=2 MoE, lm_z_loss on its log line), then what
+# the other megatron-core lines run (.ci/run's LINE_TESTS: the patch points, apply/remove, the parser, the
+# GPTModel cases) and Megatron main's new knobs, feature-detected (only main has them). Not the parallel
+# layouts (tests/environments/megatron_loop/test_e2e_layouts.py): leg 2 runs them on 0.19.2, 3m50s here.
 #
-#   bash .ci/leg_megatron_main.sh      # after .ci/leg_py312.sh (its venv; psutil for the checkpoint test)
+#   bash .ci/leg_megatron_main.sh      # after .ci/leg_py312.sh (its venv)
+#   CEZ_EXTRA_TESTS="tests/environments/megatron_loop/test_e2e_layouts.py" bash .ci/leg_megatron_main.sh
+#                                      # more test files on main, e.g. the layouts (mtp-dp2 skips, naming Megatron
+#                                      # main's own MTP bug without Transformer Engine: test_e2e_layouts.megatron_mtp_bug)
 #
-# Measured 2026-12-06 on the 2-core machine, nice'd, under other agents' load: 8 min 42 s wall (launch 27 s,
-# pytest 8 min 4 s: 70 passed, 4 skipped) with the checkpoint layout failing fast for want of psutil in that
-# venv (leg 2's has it; re-run alone with it: 2 passed in 92 s): about 10 min in CI.
+# CI 2026-12-07: 5m28s (launch 20 s, 81 tests in 4m59s, the layouts among them); without the layouts about
+# 1m45s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -52,8 +56,10 @@ fi
 grep -E "iteration +20/" "$log"
 grep -qE "iteration +20/.*lm_z_loss: [0-9.E+-]+" "$log" || { echo "leg megatron main: no lm_z_loss on the last log line" >&2; exit 1; }
 
-adaptor_tests=(tests/adaptor/test_adaptor_gpt.py tests/adaptor/test_adaptor_output_layer.py
-               tests/adaptor/test_adaptor_patches.py tests/adaptor/test_arguments.py ${CEZ_EXTRA_TESTS:-tests/adaptor/test_patch_points.py})
-stamp "pytest ${adaptor_tests[*]} tests/megatron_loop/test_e2e_layouts.py"
-"$VENV/bin/python" -m pytest -q -rs "${adaptor_tests[@]}" tests/megatron_loop/test_e2e_layouts.py
+# shellcheck disable=SC2206  # CEZ_EXTRA_TESTS: paths split on spaces
+main_tests=(tests/patches/test_loss_wrappers_gpt.py tests/patches/test_model_context_output_layer.py
+            tests/patches/test_patches_apply.py tests/patches/test_arguments.py tests/patches/test_patch_points.py
+            tests/patches/test_arguments_megatron_main_knobs.py ${CEZ_EXTRA_TESTS:-})
+stamp "pytest ${main_tests[*]}"
+"$VENV/bin/python" -m pytest -q -rs "${main_tests[@]}"
 stamp "done"

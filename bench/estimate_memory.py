@@ -30,7 +30,7 @@ with sequence parallelism), L layers:
 The peak is the larger of two moments: at the loss (every layer's input kept, the logits' part alive)
 and in backward while one layer is recomputed. Out of memory above ``USABLE`` of the card (95 %: the CUDA
 context, NCCL's buffers and fragmentation take the rest). Checked against the measured runs
-(tests/package/test_estimate_memory.py, within 10 %); docs/performance.md#what-it-buys-for-your-model.
+(tests/bench/test_estimate_memory.py, within 10 %); docs/performance.md#what-it-buys-for-your-model.
 """
 import argparse
 import os

@@ -613,7 +613,7 @@ def sweep_tp(args):
     op; dhidden's reduce-scatter beside the weight gradient's GEMM into main_grad: what Megatron runs,
     the reference), the same with a 16-bit weight gradient, the fused layer's default and
     each ``--fractions`` block fraction, Liger's TP form where it runs; rank 0's time and peak (the float64
-    checks of TP + SP: tests/test_linear_cross_entropy*.py)."""
+    checks of TP + SP: tests/ops/test_linear_cross_entropy*.py)."""
     import torch.distributed as dist
     from torch.distributed.nn.functional import all_gather
 

@@ -205,7 +205,7 @@ def run_single(args, device):
               "floor: forward = 1 pass over the logits, forward+backward = 3 passes (read, read + write)",
               "- implementations: " + "; ".join(f"{name} ({note or 'ok'})" if fn else f"{name}: unavailable ({note})"
                                                 for name, fn, note in impls)]
-    report += ["", "### Time (median ms) and memory beyond the inputs (error against float64: tests/ops/test_op.py)", "",
+    report += ["", "### Time (median ms) and memory beyond the inputs (error against float64: tests/ops/test_cross_entropy_zloss.py)", "",
                "| N x V | impl | fwd ms | fwd / floor | fwd+bwd ms | fwd+bwd / floor | fwd+bwd graph replay ms (/ floor) "
                "| held after fwd GiB (x logits) | peak fwd+bwd GiB (x logits) | peak bytes / token |",
                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -30,8 +30,9 @@ step_env() {
     cat "$OUT/env.txt"
 }
 step_tests() {  # the op's and the fused layer's GPU tests (tests/run_gpu_checks.sh runs every GPU check)
-    (cd tests && timeout 420 $PY -m pytest -q -p no:cacheprovider ops/test_op.py ops/test_op_errors.py ops/test_op_autograd.py \
-        gpu/test_gpu.py gpu/test_linear_cross_entropy_gpu.py kernels/test_launch_configs.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -4
+    (cd tests && timeout 420 $PY -m pytest -q -p no:cacheprovider ops/test_cross_entropy_zloss.py ops/test_cross_entropy_zloss_errors.py \
+        ops/test_first_order.py environments/gpu/test_gpu.py environments/gpu/test_linear_cross_entropy_gpu.py \
+        kernels/test_triton_cross_entropy_launch_configs.py 2>&1) | tee "$OUT/gpu_tests.log" | tail -4
 }
 step_peers() { timeout 400 $PY bench/op.py --budget-s 300 --out "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -20; }
 step_peers-tp() {  # op.py --tp at world size 1, 2, 4, 8 while the GPUs found allow: bench_tp<N>.md

@@ -11,8 +11,8 @@ Triton kernels get its two fp32 numbers and the ``TRANSFORM`` constexpr
 
 A new transform touches this module (fields, :attr:`kind`, :meth:`apply`, :meth:`slope`), the
 kernels that switch on ``TRANSFORM`` (``triton_loss_steps.transform_logits`` /
-``transform_logits_with_slope``, used by both Triton kernel files), ``tests/kernels/kernel_variants.py``'s compiled
-list, and the tests (``tests/ops/test_op.py``'s transforms, ``tests/kernels/test_logit_transform.py``).
+``transform_logits_with_slope``, used by both Triton kernel files), ``tests/support/kernel_variants.py``'s compiled
+list, and the tests (``tests/ops/test_cross_entropy_zloss.py``'s transforms, ``tests/kernels/test_kernels_logit_transform.py``).
 """
 
 import math

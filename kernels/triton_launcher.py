@@ -11,7 +11,7 @@ The key holds, per argument, what Triton specializes on (Triton's ``specialize_i
 ``BaseBackend.get_*_specialization``): a tensor's dtype and whether its address is a multiple
 of 16; an integer's value when it is 1, whether it is a multiple of 16 and its width class
 (i32 / i64 / u64); constexprs by value; plus the device and the launch options. So two calls
-with equal keys get the same compiled kernel from Triton too (``tests/kernels/test_triton_launcher.py`` checks
+with equal keys get the same compiled kernel from Triton too (``tests/kernels/test_triton_cross_entropy_launcher.py`` checks
 this against Triton's own binder). The direct launch runs on CUDA with Triton's launch
 convention of Triton 3.4 to 3.6 (``triton.knobs``; ``CompiledKernel.run(grid, stream, function,
 packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``; checked on GPUs with 3.6) while

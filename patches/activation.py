@@ -29,7 +29,7 @@ Megatron or MindSpeed:
 * **In a MindSpeed process** (once MindSpeed loads ``mindspeed.features_manager``): our feature joins
   MindSpeed's feature list; MindSpeed adds our flags to Megatron's parser, calls our validation, and
   its patch manager applies the wrappers. The MindSpeed API it uses (MindSpeed master and
-  26.0.0_core_r0.12.1; ``tests/mindspeed_stack/test_mindspeed_source.py`` checks it on their real
+  26.0.0_core_r0.12.1; ``tests/environments/mindspeed_stack/test_mindspeed_source.py`` checks it on their real
   files):
   ``MindSpeedFeature(feature_name, optimization_level)`` with ``register_args(parser)``,
   ``validate_args(args)`` (also called with a ``TransformerConfig``, so objects without our flags

@@ -23,8 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = """
 import json, sys, warnings
 warnings.filterwarnings("ignore")
-sys.path.insert(0, "tests/kernels")
-from kernel_resources import report
+sys.path.insert(0, "tests")
+from support.kernel_resources import report
 print(json.dumps(report(sys.argv[1], arch=90, n_cols=int(sys.argv[2]))))
 """
 

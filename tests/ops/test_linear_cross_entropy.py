@@ -732,7 +732,7 @@ def test_adding_into_the_target_in_forward_needs_a_ledger_and_ledgers_are_apart(
 
 def test_the_mismatch_message_names_the_cause_and_the_fix(monkeypatch):
     """On the CPU an exception, on CUDA the device-side assert's text (under 255 characters, CUDA's
-    limit on assert messages; tests/gpu/test_linear_cross_entropy_gpu.py checks the device side)."""
+    limit on assert messages; tests/environments/gpu/test_linear_cross_entropy_gpu.py checks the device side)."""
     messages, real_assert = [], torch._assert_async
 
     def recording(condition, message):

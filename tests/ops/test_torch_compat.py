@@ -42,7 +42,7 @@ def test_addmm_out_dtype_is_detected_from_the_operator_schema():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_out_dtype_branch_takes_its_arguments_on_this_torch(dtype):
-    """Meta tensors (the CPU has no kernel for it; GPUs run it in tests/gpu/test_linear_cross_entropy_gpu.py);
+    """Meta tensors (the CPU has no kernel for it; GPUs run it in tests/environments/gpu/test_linear_cross_entropy_gpu.py);
     on a torch without it (2.7.1), forcing it is an error naming the version it needs."""
     a, b = torch.empty(33, 20, dtype=dtype, device="meta"), torch.empty(20, 17, dtype=dtype, device="meta")
     meta = torch.empty(33, 17, device="meta")

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from doc_figures import ROWS
-from results_files import ROOT, load
+from support.doc_figures import ROWS
+from support.doc_figures.results_files import ROOT, load
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 

@@ -6,7 +6,7 @@ Causal self-attention of this rank's share of the sequence (Megatron's split: ``
 gathered from the context-parallel group (their gradients reduce-scattered back), in torch's
 ``scaled_dot_product_attention`` with the causal mask of the tokens' positions in the sequence. Not
 fast (every rank holds every key and value); the loss path around it is what the tests exercise.
-``tests/megatron_loop/test_context_parallel_attention.py`` checks it against causal attention of the whole sequence.
+``tests/environments/megatron_loop/test_context_parallel_attention.py`` checks it against causal attention of the whole sequence.
 """
 
 import torch

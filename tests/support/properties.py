@@ -1,4 +1,4 @@
-"""What the property tests of both ops share (tests/ops/test_op_properties.py, tests/ops/test_linear_properties.py):
+"""What the property tests of both ops share (tests/ops/test_cross_entropy_zloss_properties.py, tests/ops/test_linear_cross_entropy_properties.py):
 hypothesis settings, strategies for the arguments both ops take, and the contract check written once:
 an input is either within tolerance of the float64 reference (tests/support/) or refused with a
 ``ValueError`` / ``TypeError`` that names the argument it is about; a valid input is never refused.

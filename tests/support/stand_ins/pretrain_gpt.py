@@ -1,7 +1,7 @@
 """Stand-in of MindSpeed-LLM's ``pretrain_gpt.py``, which sits beside its ``mindspeed_llm`` package and
 starts with MindSpeed-LLM's adaptor: here its own loop trains one iteration of a tiny MoE GPT
 (``torchrun --nproc-per-node 2``, gloo). Launched unchanged through ``python -m mindspeed_cez.launch``
-by tests/mindspeed_stack/test_mindspeed_llm_stand_in.py."""
+by tests/environments/mindspeed_stack/test_mindspeed_llm_stand_in.py."""
 
 from mindspeed_llm import megatron_adaptor  # noqa: F401  (MindSpeed-LLM's first line)
 
