@@ -292,8 +292,7 @@ def run_tp(args, device):
     device), host time (enqueueing it) and device time (profiler kernel sums)."""
     from mindspeed_cez import kernels as cez_kernels
     from mindspeed_cez import vocab_parallel_cross_entropy_zloss as op
-    from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
-    from mindspeed_cez.kernels.partials import partials_numel
+    from mindspeed_cez.kernels import LossSpec, VocabShard, partials_numel
     from mindspeed_cez.tensor_parallel import all_gather
 
     t_begin = time.time()

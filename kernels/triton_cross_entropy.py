@@ -14,7 +14,7 @@ reduction: the slots are merged once per row. On CUDA a slot is 16 contiguous va
 by one thread; on Ascend there is one slot per tile (whole-tile vector reductions). The target
 logit is a single load issued one row ahead, so no dependent load sits at the end of a row.
 With one rank the same kernel finishes the loss; with several it writes this slice's partials
-(its lse, target term and width, :mod:`.partials`), which the op all-gathers; one small kernel
+(its lse, target term and width: the layout in ``kernels/__init__.py``), which the op all-gathers; one small kernel
 then combines every rank's into the loss and checks that the widths agree. On CUDA the forward
 also asserts each row's target is in range (a device-side assert, no host sync); elsewhere an
 out-of-range target gives a NaN loss.
@@ -23,8 +23,8 @@ Backward reads the logits once more and writes the gradient, in place when the c
 the logits' own buffer as ``grad``; each row's lse, upstream gradient and target are loaded
 one row ahead.
 
-A logit scale or soft cap is a ``TRANSFORM`` constexpr (``LogitTransform.kind``,
-:mod:`.logit_transform`; ``NO_TRANSFORM`` compiles to the kernels without one): forward transforms
+A logit scale or soft cap is a ``TRANSFORM`` constexpr (``LogitTransform.kind``;
+``NO_TRANSFORM`` compiles to the kernels without one): forward transforms
 each fp32 tile in registers before the online softmax, the smoothing sum and the target logit (the
 soft cap's padding columns put back to -inf); backward recomputes z from x per element and
 multiplies by its slope. The transform, the online softmax, the partials' and the loss's stores and
@@ -40,9 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import partials, torch_reference
+from .. import kernels  # this package's interface: the loss and the partials layout
+from . import torch_reference
 from .device_cores import launch_type
-from .loss_spec import VocabShard
 from .triton_loss_steps import (SOFTCAP, grad_coefficients, grad_tile, load_grad_row_inputs, load_partials,
                                 load_width, lse_of, softmax_lse, softmax_slots, softmax_tile, store_loss,
                                 store_partials, store_width, target_term, transform_logits, transform_logits_with_slope)
@@ -78,7 +78,7 @@ def _forward_kernel(
     logits_ptr,
     row_stride,
     target_ptr,
-    out_ptr,  # fp32 [3, n_rows] (loss, z-loss, lse) when FINISH, else the partials layout (.partials)
+    out_ptr,  # fp32 [3, n_rows] (loss, z-loss, lse) when FINISH, else the partials layout
     n_rows,
     n_cols,
     rows_per_program,
@@ -90,7 +90,7 @@ def _forward_kernel(
     smoothing_per_col,  # label_smoothing / global_vocab
     logit_scale,
     logit_softcap,
-    width_hi,  # this slice's width words (partials.width_words), written when not FINISH
+    width_hi,  # this slice's width words (kernels.width_words), written when not FINISH
     width_lo,
     SLOTS: tl.constexpr,
     SLOT_WIDTH: tl.constexpr,
@@ -173,7 +173,7 @@ def _loss_from_partials_kernel(partials_ptr, rank_stride, n_ranks, target_ptr, o
         term += rank_term
         rank_hi, rank_lo = load_width(part, n_rows)
         unequal += tl.abs(rank_hi - width_hi) + tl.abs(rank_lo - width_lo)
-    if CHECK_WIDTHS:  # partials.UNEQUAL_WIDTHS
+    if CHECK_WIDTHS:  # kernels.UNEQUAL_WIDTHS
         tl.device_assert(unequal == 0, "vocab shards of unequal width across tensor-parallel ranks: "
                                        "pad the vocab to a multiple of the TP size")
     target = tl.load(target_ptr + rows, mask=mask, other=ignore_index)
@@ -254,7 +254,7 @@ def _forward(logits, target, out, spec, shard, finish):
         return out
     grid, rows_per_program, constexprs, options = _plan(logits.device, n_rows, n_cols, "fwd",
                                                         launch_type(logits.device))
-    width_hi, width_lo = partials.width_words(n_cols)
+    width_hi, width_lo = kernels.width_words(n_cols)
     args = _launch_forward.bind(
         spec.kernel_args(shard.global_vocab), **constexprs, logits_ptr=logits, row_stride=logits.stride(0),
         target_ptr=target, out_ptr=out, n_rows=n_rows, n_cols=n_cols, rows_per_program=rows_per_program,
@@ -265,21 +265,21 @@ def _forward(logits, target, out, spec, shard, finish):
 
 def fused_loss(logits, target, spec):
     """One rank holds the whole vocab: fp32 [3, n] rows (loss, z-loss, lse) in one pass, of the loss
-    ``spec`` (a :class:`.loss_spec.LossSpec`)."""
+    ``spec`` (a :class:`.LossSpec`)."""
     out = torch.empty(3, logits.shape[0], dtype=torch.float32, device=logits.device)
-    return _forward(logits, target, out, spec, VocabShard.whole(logits.shape[1]), True)
+    return _forward(logits, target, out, spec, kernels.VocabShard.whole(logits.shape[1]), True)
 
 
 def shard_partials(logits, target, spec, shard):
-    """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`, of the logits of ``shard``."""
-    out = torch.empty(partials.partials_numel(logits.shape[0]), dtype=torch.float32, device=logits.device)
+    """fp32 ``[partials_numel(n)]`` (the partials layout, ``kernels/__init__.py``) of the logits of ``shard``."""
+    out = torch.empty(kernels.partials_numel(logits.shape[0]), dtype=torch.float32, device=logits.device)
     return _forward(logits, target, out, spec, shard, False)
 
 
 def loss_from_partials(gathered, target, spec, out=None):
     """fp32 ``[3, n]`` (loss, z-loss, lse), into ``out`` when given (unit column stride), from
     ``[ranks, numel]`` partials; on CUDA several ranks' widths are asserted equal on the device."""
-    ranks, n_rows = gathered.shape[0], partials.rows_of(gathered.shape[1])
+    ranks, n_rows = gathered.shape[0], kernels.rows_of(gathered.shape[1])
     if out is None:
         out = torch.empty(3, n_rows, dtype=torch.float32, device=gathered.device)
     if n_rows or ranks > 1:  # no tokens: the widths are still checked

@@ -2,13 +2,13 @@
 a kernel built from them compiles to what it would with the steps written out).
 
 - The logit transform: ``z`` of fp32 logits under the ``TRANSFORM`` constexpr
-  (:mod:`.logit_transform`'s kinds) and its slope. tanh comes from ``exp2``, and from its
+  (``LogitTransform``'s kinds) and its slope. tanh comes from ``exp2``, and from its
   series near zero (:func:`tanh_and_slope`): ``tl.math.tanh`` does not lower on triton-ascend.
 - The online softmax: a running max and a sum of ``exp(z - max)`` per row, rescaled when a tile
   (:func:`softmax_tile`) or another slice's lse (:func:`softmax_lse`) raises the max; exponentials
   are ``exp2`` of log2-scaled values, and a row that is -inf so far rescales by nothing (no
   ``-inf - -inf``).
-- The partials (:mod:`.partials`): a row's target term, the store of lse and target term, the
+- The partials (their layout: ``kernels/__init__.py``): a row's target term, the store of lse and target term, the
   slice's width words.
 - The finish: (loss, z-loss, lse) rows from lse and target term.
 - The gradient ``g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)`` of a tile, times the
@@ -24,18 +24,18 @@ stores without a mask.
 import triton
 import triton.language as tl
 
-from . import logit_transform, partials
+from .. import kernels  # this package's interface: the loss and the partials layout
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
-# The partials layout (:mod:`.partials`) and the TRANSFORM constexpr (:mod:`.logit_transform`).
-LOCAL_LSE = tl.constexpr(partials.LOCAL_LSE)
-TARGET_TERM = tl.constexpr(partials.TARGET_TERM)
-WIDTH = tl.constexpr(partials.WIDTH)
-PARTIAL_ROWS = tl.constexpr(partials.PARTIAL_ROWS)
-NO_TRANSFORM = tl.constexpr(logit_transform.NO_TRANSFORM)
-SCALE = tl.constexpr(logit_transform.SCALE)
-SOFTCAP = tl.constexpr(logit_transform.SOFTCAP)
+# The partials layout and the TRANSFORM constexpr (``kernels/__init__.py``).
+LOCAL_LSE = tl.constexpr(kernels.LOCAL_LSE)
+TARGET_TERM = tl.constexpr(kernels.TARGET_TERM)
+WIDTH = tl.constexpr(kernels.WIDTH)
+PARTIAL_ROWS = tl.constexpr(kernels.PARTIAL_ROWS)
+NO_TRANSFORM = tl.constexpr(kernels.NO_TRANSFORM)
+SCALE = tl.constexpr(kernels.SCALE)
+SOFTCAP = tl.constexpr(kernels.SOFTCAP)
 
 
 # --------------------------------------------------------------------------- the logit transform
@@ -43,12 +43,12 @@ SOFTCAP = tl.constexpr(logit_transform.SOFTCAP)
 # tanh's Taylor series below |u| < TANH_SERIES_BELOW, through u**9 (the next term, 1382/155925 u**11, is
 # < 1e-8 of tanh there; stopping at u**7 left 3.6e-7 near 0.25): 1 - e loses u's digits when
 # e = exp(-2|u|) nears 1, the series does not.
-# The numbers are :mod:`.logit_transform`'s, which the torch reference uses.
-TANH_SERIES_BELOW = tl.constexpr(logit_transform.TANH_SERIES_BELOW)
-TANH_C3 = tl.constexpr(logit_transform.TANH_SERIES[0])
-TANH_C5 = tl.constexpr(logit_transform.TANH_SERIES[1])
-TANH_C7 = tl.constexpr(logit_transform.TANH_SERIES[2])
-TANH_C9 = tl.constexpr(logit_transform.TANH_SERIES[3])
+# The numbers are ``LogitTransform``'s, which the torch reference uses.
+TANH_SERIES_BELOW = tl.constexpr(kernels.TANH_SERIES_BELOW)
+TANH_C3 = tl.constexpr(kernels.TANH_SERIES[0])
+TANH_C5 = tl.constexpr(kernels.TANH_SERIES[1])
+TANH_C7 = tl.constexpr(kernels.TANH_SERIES[2])
+TANH_C9 = tl.constexpr(kernels.TANH_SERIES[3])
 
 
 @triton.jit
@@ -173,7 +173,7 @@ def load_width(ptr, n_rows):
 
 @triton.jit
 def store_width(out_ptr, n_rows, width_hi, width_lo):
-    """The slice's width words (:func:`.partials.width_words`), by program 0."""
+    """The slice's width words (``kernels.width_words``), by program 0."""
     if tl.program_id(0) == 0:
         tl.store(out_ptr + WIDTH * n_rows, width_hi)
         tl.store(out_ptr + WIDTH * n_rows + 1, width_lo)

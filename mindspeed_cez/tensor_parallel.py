@@ -6,7 +6,7 @@ Every rank holds a slice of the vocab (and, with sequence parallelism, a chunk o
 
 * :func:`vocab_shard`: one call's vocab layout (this rank's slice of the global vocab), and
   :func:`check_targets_on_host`: the targets within that vocab or ignored (a CPU tensor's check);
-* :func:`gather_partials`: every rank's partials (``kernels/partials.py``) in one all-gather, their
+* :func:`gather_partials`: every rank's partials (their layout: ``kernels/__init__.py``) in one all-gather, their
   widths compared on the CPU (a ``ValueError``; on CUDA the backend's merge asserts on the device);
 * :func:`gather_sequence` / :func:`reduce_dhidden` (:func:`start_reduce_dhidden`: asynchronous):
   ``ColumnParallelLinear``'s input all-gather along the sequence and its ``dhidden`` reduction
@@ -15,8 +15,8 @@ Every rank holds a slice of the vocab (and, with sequence parallelism, a chunk o
 
 import torch.distributed as dist
 
-from mindspeed_cez.kernels import partials as layout
-from mindspeed_cez.kernels.loss_spec import VocabShard
+from mindspeed_cez import kernels
+from mindspeed_cez.kernels import VocabShard
 
 # Ranks' tensors concatenated along dim 0 (torch 2.13 renames all_gather_into_tensor, now deprecated).
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -48,7 +48,7 @@ def check_targets_on_host(target, shard, ignore_index):
 def check_equal_widths(gathered, shard_name):
     """On the CPU (host memory: no sync): every rank's slice has the same width, else the same
     ``ValueError`` on every rank, naming ``shard_name``, the tensor whose last dim is the slice."""
-    widths = layout.widths(gathered)
+    widths = kernels.widths(gathered)
     if min(widths) != max(widths):
         raise ValueError(
             f"{shard_name}: tensor-parallel ranks hold vocab shards of unequal width (from {min(widths)} to "

@@ -1,6 +1,6 @@
 """One op call's vocab-parallel steps, the same in each of the ops' autograd Functions.
 
-:class:`VocabParallel` holds where this rank's vocab columns lie (:class:`~mindspeed_cez.kernels.loss_spec.VocabShard`),
+:class:`VocabParallel` holds where this rank's vocab columns lie (:class:`~mindspeed_cez.kernels.VocabShard`),
 the loss, and the backends the call uses, and gives the steps every Function repeats: the rows,
 the sequence gathered (sequence parallelism), the partials merged into the loss over the global vocab
 (the collective of :mod:`mindspeed_cez.tensor_parallel`, then the backend's ``loss_from_partials``),
@@ -8,7 +8,7 @@ and the targets' range check (after the collective: where ranks disagree on the 
 refused on all of them).
 """
 
-from mindspeed_cez.kernels.rows import as_rows
+from mindspeed_cez.kernels import as_rows
 from mindspeed_cez.tensor_parallel import check_targets_on_host, gather_partials, gather_sequence, vocab_shard
 
 

@@ -38,7 +38,7 @@ import warnings
 import torch
 
 from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss
-from mindspeed_cez.kernels.logit_transform import IDENTITY
+from mindspeed_cez.kernels import IDENTITY
 from mindspeed_cez.linear_cross_entropy import (ForwardGradientError, LinearCrossEntropyOptions, TrainerInputs,
                                                WeightGradTarget, check_forward_gradients, linear_cross_entropy_zloss)
 from mindspeed_cez.patches import mean_embedding, megatron_state, model_context, reporting, runtime

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 import triton
 import triton.language as tl
 
-from mindspeed_cez.kernels import logit_transform
+from mindspeed_cez.kernels import KIND_NAMES, SCALE, SOFTCAP
 from mindspeed_cez.kernels import triton_cross_entropy as tce
 from mindspeed_cez.kernels import triton_linear_cross_entropy as tlce
 from mindspeed_cez.kernels import triton_matmul_accumulate as tma
 
 # The logit transforms compiled besides none, by name: the kernels' TRANSFORM constexpr.
-TRANSFORMS = {logit_transform.KIND_NAMES[k]: k for k in (logit_transform.SCALE, logit_transform.SOFTCAP)}
+TRANSFORMS = {KIND_NAMES[k]: k for k in (SCALE, SOFTCAP)}
 
 # The type rule of the kernels' runtime parameters, by name. Pointers: to the inputs' dtype (logits,
 # hidden, weight, their gradient), or to a fixed one; the loss's constants and the partials' width

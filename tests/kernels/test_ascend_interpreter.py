@@ -25,7 +25,7 @@ from support import cross_entropy_zloss_float64, loss_and_grad_float64, relative
 
 from mindspeed_cez import kernels  # noqa: E402
 from mindspeed_cez.kernels import triton_cross_entropy as tce  # noqa: E402
-from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard  # noqa: E402
+from mindspeed_cez.kernels import LossSpec, VocabShard  # noqa: E402
 from mindspeed_cez.kernels import triton_linear_cross_entropy as tlce  # noqa: E402
 from mindspeed_cez.kernels import triton_matmul_accumulate as tma  # noqa: E402
 from kernel_variants import linear_variants, variants  # noqa: E402

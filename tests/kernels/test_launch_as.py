@@ -10,7 +10,7 @@ import torch
 from mindspeed_cez import kernels
 from mindspeed_cez.kernels import torch_reference
 from mindspeed_cez.kernels.device_cores import launch_type
-from mindspeed_cez.kernels.loss_spec import LossSpec
+from mindspeed_cez.kernels import LossSpec
 
 tce = pytest.importorskip("mindspeed_cez.kernels.triton_cross_entropy")
 

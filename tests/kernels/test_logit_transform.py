@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from mindspeed_cez.kernels import triton_loss_steps
-from mindspeed_cez.kernels.logit_transform import IDENTITY, SCALE, SOFTCAP, TANH_SERIES_BELOW, LogitTransform
+from mindspeed_cez.kernels import IDENTITY, SCALE, SOFTCAP, TANH_SERIES_BELOW, LogitTransform
 from mindspeed_cez.patches.model_context import LogitTransformError, TransformedLogits
 
 
