@@ -4,9 +4,7 @@ In reading order: the loss (:class:`LogitTransform`, :class:`LossSpec`, :class:`
 partials layout (what one rank's vocab slice contributes to a row's loss), the row layout every kernel
 takes (:func:`as_rows`), and the backends (:func:`backend_for`, :func:`linear_backend_for`,
 :func:`whole_loss_backend`). This module imports without Triton; the backends import it and are
-loaded by name on first use. Nothing in ``kernels/`` reads the environment. ``launch_as("npu")``
-(``device_cores``): within the block, the Triton kernels on CPU tensors (the interpreter) launch with the
-NPU's settings; the Ascend leg's execution test uses it.
+loaded by name on first use. Nothing in ``kernels/`` reads the environment.
 """
 
 import dataclasses
@@ -19,8 +17,6 @@ from types import MappingProxyType
 from typing import Mapping, NamedTuple, Optional
 
 import torch
-
-from .device_cores import launch_as  # noqa: F401 - public: kernels.launch_as("npu")
 
 # =========================================================================== the loss
 

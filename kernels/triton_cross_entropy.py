@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .. import kernels  # this package's interface: the loss and the partials layout
 from . import torch_reference
-from .device_cores import launch_type
+from . import device_cores
 from .triton_loss_steps import (SOFTCAP, grad_coefficients, grad_tile, load_grad_row_inputs, load_partials,
                                 load_width, lse_of, softmax_lse, softmax_slots, softmax_tile, store_loss,
                                 store_partials, store_width, target_term, transform_logits, transform_logits_with_slope)
@@ -253,7 +253,7 @@ def _forward(logits, target, out, spec, shard, finish):
             torch_reference.write_width(out, 0, n_cols)
         return out
     grid, rows_per_program, constexprs, options = _plan(logits.device, n_rows, n_cols, "fwd",
-                                                        launch_type(logits.device))
+                                                        device_cores.launch_type(logits.device))
     width_hi, width_lo = kernels.width_words(n_cols)
     args = _launch_forward.bind(
         spec.kernel_args(shard.global_vocab), **constexprs, logits_ptr=logits, row_stride=logits.stride(0),
@@ -283,7 +283,7 @@ def loss_from_partials(gathered, target, spec, out=None):
     if out is None:
         out = torch.empty(3, n_rows, dtype=torch.float32, device=gathered.device)
     if n_rows or ranks > 1:  # no tokens: the widths are still checked
-        check = ranks > 1 and launch_type(gathered.device) == "cuda"
+        check = ranks > 1 and device_cores.launch_type(gathered.device) == "cuda"
         args = _launch_loss_from_partials.bind(
             spec.kernel_args(), partials_ptr=gathered,
             rank_stride=gathered.stride(0), n_ranks=ranks, target_ptr=target, out_ptr=out, out_stride=out.stride(0),
@@ -298,7 +298,7 @@ def write_grad(logits, grad, target, lse, grad_loss, spec, shard):
     if n_rows == 0:
         return grad
     grid, rows_per_program, constexprs, options = _plan(logits.device, n_rows, n_cols, "bwd",
-                                                        launch_type(logits.device))
+                                                        device_cores.launch_type(logits.device))
     args = _launch_grad.bind(
         spec.kernel_args(shard.global_vocab), **constexprs, logits_ptr=logits, logits_row_stride=logits.stride(0),
         grad_ptr=grad, grad_row_stride=grad.stride(0), target_ptr=target, lse_ptr=lse, grad_loss_ptr=grad_loss,

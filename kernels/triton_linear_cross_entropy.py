@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .device_cores import launch_type, num_programs
+from . import device_cores
+from .device_cores import num_programs
 from .. import kernels  # this package's interface: the loss, the partials layout, as_rows
 from . import torch_reference
 from .triton_launcher import Launcher
@@ -237,7 +238,7 @@ def linear_partials(rows, weight, target, spec, shard):
     if n_rows == 0:
         torch_reference.write_width(out, 0, n_cols)
         return out
-    kind = launch_type(rows.device)
+    kind = device_cores.launch_type(rows.device)
     grid, constexprs, options = _plan(rows.device, n_rows, n_cols, rows.dtype, "partials", kind)
     n_groups = groups(n_cols, kind)
     per_group = torch.empty(n_groups, kernels.PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
@@ -261,7 +262,8 @@ def linear_grad(rows, weight, grad, target, lse, grad_loss, spec, shard):
     n_cols = weight.shape[0]
     if n_rows == 0:
         return grad
-    grid, constexprs, options = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad", launch_type(rows.device))
+    grid, constexprs, options = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad",
+                                      device_cores.launch_type(rows.device))
     args = _launch_grad.bind(
         spec.kernel_args(shard.global_vocab), **constexprs, x_ptr=rows, x_row_stride=rows.stride(0), w_ptr=weight,
         w_row_stride=weight.stride(0), grad_ptr=grad, grad_row_stride=grad.stride(0), target_ptr=target, lse_ptr=lse,

@@ -16,13 +16,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = ("mindspeed_cez", "kernels", "patches")
 
 # The module-level state the package keeps, each name with its # Global: line: the adaptor's one runtime slot
-# (patches/runtime.py: Megatron's patched functions read it without a handle), and the ops' and kernels'
-# per-process state that works without the adaptor (the fused layer's forward-gradient ledger, the
-# accumulation and launch settings a test forces). A new name fails; caches keyed by immutable values
-# (functools.lru_cache, each kernel's Launcher) are not state.
+# (patches/runtime.py: Megatron's patched functions read it without a handle), and the ops' per-process
+# state that works without the adaptor (the fused layer's forward-gradient ledger, the accumulation a test
+# forces). A new name fails; caches keyed by immutable values (functools.lru_cache, each kernel's Launcher)
+# are not state.
 KNOWN_STATE = {"patches/runtime.py:RUNTIME", "mindspeed_cez/linear_forward_grads.py:_LEDGER",
-               "mindspeed_cez/fp32_accumulation.py:_FORCED", "kernels/device_cores.py:_LAUNCH_AS"}
-MAX_GLOBALS = 4  # len(KNOWN_STATE)
+               "mindspeed_cez/fp32_accumulation.py:_FORCED"}
+MAX_GLOBALS = 3  # len(KNOWN_STATE)
 
 MUTABLE_CALLS = {"list", "dict", "set", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "defaultdict",
                  "deque", "OrderedDict", "Counter", "ContextVar"}
