@@ -24,7 +24,7 @@ import torch
 NO_TRANSFORM, SCALE, SOFTCAP = 0, 1, 2
 KIND_NAMES = {NO_TRANSFORM: "none", SCALE: "scale", SOFTCAP: "softcap"}
 # tanh(u) for |u| < TANH_SERIES_BELOW: u + u**3 (c3 + u**2 (c5 + u**2 (c7 + u**2 c9))), Taylor's coefficients
-# (the kernels' ``triton_loss_steps.tanh_and_slope`` has the same numbers).
+# (the kernels' ``triton_cross_entropy.tanh_and_slope`` has the same numbers).
 TANH_SERIES_BELOW = 0.25
 TANH_SERIES = (-1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0, 62.0 / 2835.0)
 
@@ -47,7 +47,7 @@ class LogitTransform:
     :class:`LossSpec`; the Triton kernels get its two fp32 numbers and the ``TRANSFORM`` constexpr :attr:`kind`
     from ``LossSpec.kernel_args``, the torch reference calls :meth:`apply` / :meth:`apply_with_slope`. A new
     transform touches this class, the kernels' ``transform_logits`` / ``transform_logits_with_slope``
-    (``triton_loss_steps``), ``tests/kernels/kernel_variants.py``'s compiled list and the tests
+    (``triton_cross_entropy``), ``tests/kernels/kernel_variants.py``'s compiled list and the tests
     (``tests/ops/test_op.py``'s transforms, ``tests/kernels/test_logit_transform.py``).
 
     Args:

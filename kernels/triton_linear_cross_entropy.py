@@ -6,7 +6,7 @@ Ascend). Neither kernel writes logits: each computes ``[BLOCK_M, BLOCK_N]`` tile
 turns them into what the op needs; with a logit scale or soft cap (``TRANSFORM``, as in
 ``triton_cross_entropy``) each tile is transformed in registers first, and the gradient tile is
 multiplied by the transform's slope. The transform, the online softmax, the partials' stores and
-the gradient of a tile are :mod:`.triton_loss_steps`' helpers, as in ``triton_cross_entropy``.
+the gradient of a tile are ``triton_cross_entropy``'s shared jit steps, as its kernels use them.
 
 ``partials``: the forward. A task is a block of ``BLOCK_M`` token rows and a group of
 ``GROUP_N`` consecutive vocab tiles; it keeps the online softmax (row max, sum-exp) and the
@@ -19,7 +19,7 @@ the logits are recomputed and replaced by their gradient
 ``g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)``, written in the inputs' dtype into the
 chunk's ``[n, chunk]`` buffer, which two GEMMs then turn into ``dhidden`` and ``dweight``.
 
-Both launch a persistent grid (``device_cores.num_programs``); program ``p`` takes tasks
+Both launch a persistent grid (``triton_cross_entropy.num_programs``); program ``p`` takes tasks
 ``p, p + programs, ...`` in an order that keeps ``SWIZZLE_M`` row blocks on the same vocab
 columns, so concurrently running tasks share their ``hidden`` and ``weight`` tiles in cache.
 Offsets are int64; nothing reads tensor values on the host (CUDA-graph capturable).
@@ -32,14 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import device_cores
-from .device_cores import num_programs
 from .. import kernels  # this package's interface: the loss, the partials layout, as_rows
-from . import torch_reference
-from .triton_launcher import Launcher
-from .triton_loss_steps import (PARTIAL_ROWS, grad_coefficients, grad_tile, load_grad_row_inputs, load_partials, lse_of,
-                                softmax_lse, softmax_tile, store_partials, store_width, target_term, transform_logits,
-                                transform_logits_with_slope)
+from . import torch_reference, triton_cross_entropy
+from .triton_cross_entropy import (PARTIAL_ROWS, Launcher, grad_coefficients, grad_tile, load_grad_row_inputs,
+                                   load_partials, lse_of, num_programs, softmax_lse, softmax_tile, store_partials,
+                                   store_width, target_term, transform_logits, transform_logits_with_slope)
 
 # Tiles per device type: BLOCK_M token rows x BLOCK_N vocab columns, BLOCK_K of h per dot (16-bit
 # inputs; fp32 takes a quarter so the pipeline's buffers fit in shared memory), a forward task of
@@ -238,7 +235,7 @@ def linear_partials(rows, weight, target, spec, shard):
     if n_rows == 0:
         torch_reference.write_width(out, 0, n_cols)
         return out
-    kind = device_cores.launch_type(rows.device)
+    kind = triton_cross_entropy.launch_type(rows.device)
     grid, constexprs, options = _plan(rows.device, n_rows, n_cols, rows.dtype, "partials", kind)
     n_groups = groups(n_cols, kind)
     per_group = torch.empty(n_groups, kernels.PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
@@ -263,7 +260,7 @@ def linear_grad(rows, weight, grad, target, lse, grad_loss, spec, shard):
     if n_rows == 0:
         return grad
     grid, constexprs, options = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad",
-                                      device_cores.launch_type(rows.device))
+                                      triton_cross_entropy.launch_type(rows.device))
     args = _launch_grad.bind(
         spec.kernel_args(shard.global_vocab), **constexprs, x_ptr=rows, x_row_stride=rows.stride(0), w_ptr=weight,
         w_row_stride=weight.stride(0), grad_ptr=grad, grad_row_stride=grad.stride(0), target_ptr=target, lse_ptr=lse,

@@ -6,7 +6,7 @@ constants under one ``LAUNCH_CONFIG`` setting, logits dtype and vocab width. Use
 ``tests/kernels/ascend_lowering.py`` (Ascend, through triton-ascend's front end and adapter).
 
 A variant's argument types come from the kernel's own parameter list (what
-``triton_launcher.Launcher.params`` holds): its constexprs are the parameters annotated
+``triton_cross_entropy.Launcher.params`` holds): its constexprs are the parameters annotated
 ``tl.constexpr`` (plus any runtime parameter a variant pins to a value), every other parameter
 gets its type from its name (:func:`param_type`), so a new kernel parameter is typed here or
 refused by name.

@@ -1,5 +1,5 @@
 """Another device type's launch settings on CPU tensors (Triton's interpreter): how the tests execute the
-NPU's launch without an NPU. Every Triton kernel asks ``device_cores.launch_type`` (through that
+NPU's launch without an NPU. Every Triton kernel asks ``triton_cross_entropy.launch_type`` (through that
 module) which device type's settings it launches with; :func:`launched_as` replaces that function."""
 
 LAUNCH_TYPES = ("npu", "cpu")  # what may be forced (CUDA's settings compile its target assert)
@@ -11,7 +11,7 @@ def launched_as(monkeypatch, device_type):
     are refused (a RuntimeError at launch)."""
     if device_type not in LAUNCH_TYPES:
         raise ValueError(f"launched_as: device_type must be one of {LAUNCH_TYPES}, got {device_type!r}")
-    from mindspeed_cez.kernels import device_cores
+    from mindspeed_cez.kernels import triton_cross_entropy
 
     def launch_type(device):
         if device.type == device_type:
@@ -21,4 +21,4 @@ def launched_as(monkeypatch, device_type):
                                f"interpreter) only; these tensors are on {device}")
         return device_type
 
-    monkeypatch.setattr(device_cores, "launch_type", launch_type)
+    monkeypatch.setattr(triton_cross_entropy, "launch_type", launch_type)
