@@ -292,9 +292,8 @@ def run_tp(args, device):
     device), host time (enqueueing it) and device time (profiler kernel sums)."""
     from mindspeed_cez import kernels as cez_kernels
     from mindspeed_cez import vocab_parallel_cross_entropy_zloss as op
-    from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
-    from mindspeed_cez.kernels.partials import partials_numel
     from mindspeed_cez.cross_entropy_zloss import all_gather
+    from mindspeed_cez.kernels import LossSpec, VocabShard, partials_numel
 
     t_begin = time.time()
     rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD

@@ -2,15 +2,15 @@
 checks every backend against its kind).
 
 Tensors: logits ``[n, v_local]`` with a contiguous last dim, target ``[n]`` int64 global ids, results
-fp32. ``spec``: the :class:`.loss_spec.LossSpec`; ``shard``: the :class:`.loss_spec.VocabShard` the
-columns are of. Partials: the flat layout of :mod:`.partials`.
+fp32. ``spec``: the :class:`.LossSpec`; ``shard``: the :class:`.VocabShard` the columns are of. Partials: the
+flat layout that ``kernels/__init__.py`` describes.
 """
 
 from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
-from .loss_spec import LossSpec, VocabShard
+from . import LossSpec, VocabShard
 
 
 @runtime_checkable

@@ -9,8 +9,7 @@ chunk of logits.
 
 import torch
 
-from . import torch_reference
-from .partials import LOCAL_LSE, TARGET_TERM, row, rows_of
+from . import LOCAL_LSE, TARGET_TERM, row, rows_of, torch_reference
 
 CHUNK_LOGITS = 1 << 26  # logits per vocab chunk at most (128 MiB in bf16)
 # The fused output layer's bound on the logits it holds at once, at any token count: its default

@@ -7,8 +7,8 @@ the interface. Rows are processed in chunks so the fp32 working copy stays small
 
 import torch
 
-from .loss_spec import VocabShard
-from .partials import LOCAL_LSE, TARGET_TERM, UNEQUAL_WIDTHS, WIDTH, partials_numel, row, rows_of, width_words
+from . import (LOCAL_LSE, TARGET_TERM, UNEQUAL_WIDTHS, WIDTH, VocabShard, partials_numel, row, rows_of,
+               width_words)
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 elements per working chunk (16 MiB)
 
@@ -48,8 +48,9 @@ def write_width(partials, n_rows, width):
 
 
 def shard_partials(logits, target, spec, shard):
-    """fp32 ``[partials_numel(n)]``, the layout of :mod:`.partials`, of ``spec.logit_transform.apply(logits)``
-    (``spec``: a :class:`.loss_spec.LossSpec`; ``shard``: the logits' :class:`.loss_spec.VocabShard`)."""
+    """fp32 ``[partials_numel(n)]`` (the partials layout, ``kernels/__init__.py``) of
+    ``spec.logit_transform.apply(logits)`` (``spec``: a :class:`.LossSpec`; ``shard``: the logits'
+    :class:`.VocabShard`)."""
     n_rows, n_cols = logits.shape
     a = spec.label_smoothing
     partials = torch.empty(partials_numel(n_rows), dtype=torch.float32, device=logits.device)

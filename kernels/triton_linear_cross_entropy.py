@@ -6,20 +6,20 @@ Ascend). Neither kernel writes logits: each computes ``[BLOCK_M, BLOCK_N]`` tile
 turns them into what the op needs; with a logit scale or soft cap (``TRANSFORM``, as in
 ``triton_cross_entropy``) each tile is transformed in registers first, and the gradient tile is
 multiplied by the transform's slope. The transform, the online softmax, the partials' stores and
-the gradient of a tile are :mod:`.triton_loss_steps`' helpers, as in ``triton_cross_entropy``.
+the gradient of a tile are ``triton_cross_entropy``'s shared jit steps, as its kernels use them.
 
 ``partials``: the forward. A task is a block of ``BLOCK_M`` token rows and a group of
 ``GROUP_N`` consecutive vocab tiles; it keeps the online softmax (row max, sum-exp) and the
 target term over its tiles and writes the group's lse and target term into an fp32
 ``[groups, 2, n]`` tensor, which ``merge`` folds into the partials of the vocab slice (the layout
-of :mod:`.partials`, as ``triton_cross_entropy.shard_partials`` writes it).
+in ``kernels/__init__.py``, as ``triton_cross_entropy.shard_partials`` writes it).
 
 ``grad``: the backward, one vocab chunk at a time. A task is one ``[BLOCK_M, BLOCK_N]`` tile:
 the logits are recomputed and replaced by their gradient
 ``g * (softmax * (1 + 2c*lse) - (1-a)*onehot - a/V)``, written in the inputs' dtype into the
 chunk's ``[n, chunk]`` buffer, which two GEMMs then turn into ``dhidden`` and ``dweight``.
 
-Both launch a persistent grid (``device_cores.num_programs``); program ``p`` takes tasks
+Both launch a persistent grid (``triton_cross_entropy.num_programs``); program ``p`` takes tasks
 ``p, p + programs, ...`` in an order that keeps ``SWIZZLE_M`` row blocks on the same vocab
 columns, so concurrently running tasks share their ``hidden`` and ``weight`` tiles in cache.
 Offsets are int64; nothing reads tensor values on the host (CUDA-graph capturable).
@@ -32,13 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .device_cores import launch_type, num_programs
-from .rows import as_rows
-from . import partials, torch_reference
-from .triton_launcher import Launcher
-from .triton_loss_steps import (PARTIAL_ROWS, grad_coefficients, grad_tile, load_grad_row_inputs, load_partials, lse_of,
-                                softmax_lse, softmax_tile, store_partials, store_width, target_term, transform_logits,
-                                transform_logits_with_slope)
+from .. import kernels  # this package's interface: the loss, the partials layout, as_rows
+from . import torch_reference, triton_cross_entropy
+from .triton_cross_entropy import (PARTIAL_ROWS, Launcher, grad_coefficients, grad_tile, load_grad_row_inputs,
+                                   load_partials, lse_of, num_programs, softmax_lse, softmax_tile, store_partials,
+                                   store_width, target_term, transform_logits, transform_logits_with_slope)
 
 # Tiles per device type: BLOCK_M token rows x BLOCK_N vocab columns, BLOCK_K of h per dot (16-bit
 # inputs; fp32 takes a quarter so the pipeline's buffers fit in shared memory), a forward task of
@@ -228,25 +226,25 @@ def groups(n_cols, device_type):
 
 
 def linear_partials(rows, weight, target, spec, shard):
-    """fp32 partials (the layout of :mod:`.partials`) of ``rows @ weight.T``, the vocab slice
+    """fp32 partials (the layout in ``kernels/__init__.py``) of ``rows @ weight.T``, the vocab slice
     ``shard``, no logits."""
-    rows, weight = as_rows(rows), as_rows(weight)
+    rows, weight = kernels.as_rows(rows), kernels.as_rows(weight)
     n_rows, h = rows.shape
     n_cols = weight.shape[0]
-    out = torch.empty(partials.partials_numel(n_rows), dtype=torch.float32, device=rows.device)
+    out = torch.empty(kernels.partials_numel(n_rows), dtype=torch.float32, device=rows.device)
     if n_rows == 0:
         torch_reference.write_width(out, 0, n_cols)
         return out
-    kind = launch_type(rows.device)
+    kind = triton_cross_entropy.launch_type(rows.device)
     grid, constexprs, options = _plan(rows.device, n_rows, n_cols, rows.dtype, "partials", kind)
     n_groups = groups(n_cols, kind)
-    per_group = torch.empty(n_groups, partials.PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
+    per_group = torch.empty(n_groups, kernels.PARTIAL_ROWS, n_rows, dtype=torch.float32, device=rows.device)
     args = _launch_partials.bind(
         spec.kernel_args(shard.global_vocab), **constexprs, x_ptr=rows, x_row_stride=rows.stride(0), w_ptr=weight,
         w_row_stride=weight.stride(0), target_ptr=target, out_ptr=per_group, n_rows=n_rows, n_cols=n_cols, h=h,
         vocab_start=shard.vocab_start)
     _launch_partials(grid, args, options)
-    width_hi, width_lo = partials.width_words(n_cols)
+    width_hi, width_lo = kernels.width_words(n_cols)
     _launch_merge((triton.cdiv(n_rows, MERGE_BLOCK),),
                   _launch_merge.bind(groups_ptr=per_group, out_ptr=out, n_rows=n_rows, n_groups=n_groups,
                                      width_hi=width_hi, width_lo=width_lo, BLOCK=MERGE_BLOCK), ())
@@ -256,12 +254,13 @@ def linear_partials(rows, weight, target, spec, shard):
 def linear_grad(rows, weight, grad, target, lse, grad_loss, spec, shard):
     """Writes the gradient of ``rows @ weight.T``'s loss (the vocab slice ``shard``) into ``grad``
     ``[n, weight rows]``."""
-    rows, weight = as_rows(rows), as_rows(weight)
+    rows, weight = kernels.as_rows(rows), kernels.as_rows(weight)
     n_rows, h = rows.shape
     n_cols = weight.shape[0]
     if n_rows == 0:
         return grad
-    grid, constexprs, options = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad", launch_type(rows.device))
+    grid, constexprs, options = _plan(rows.device, n_rows, n_cols, rows.dtype, "grad",
+                                      triton_cross_entropy.launch_type(rows.device))
     args = _launch_grad.bind(
         spec.kernel_args(shard.global_vocab), **constexprs, x_ptr=rows, x_row_stride=rows.stride(0), w_ptr=weight,
         w_row_stride=weight.stride(0), grad_ptr=grad, grad_row_stride=grad.stride(0), target_ptr=target, lse_ptr=lse,

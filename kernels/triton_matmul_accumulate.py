@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .device_cores import launch_type, num_programs
-from .triton_launcher import Launcher
+from . import triton_cross_entropy
+from .triton_cross_entropy import Launcher, num_programs
 
 # Tiles per device type: BLOCK_M x BLOCK_N of c, BLOCK_K of the reduction per dot, GROUP_M row
 # blocks per column sweep, warps, pipeline stages (CUDA), programs per core, and whether a task reads
@@ -99,8 +99,7 @@ def launch_settings(device_type):
 
 @functools.lru_cache(maxsize=256)
 def _plan(device, m, n, k, dtype, kind):
-    """(grid, constexprs by parameter name, options) with ``kind``'s settings (``launch_type``: the device's, or on the
-    CPU the one ``launch_as`` names)."""
+    """(grid, constexprs by parameter name, options) with ``kind``'s settings (``triton_cross_entropy.launch_type``)."""
     c = launch_settings(kind)
     tasks = triton.cdiv(m, c["block_m"]) * triton.cdiv(n, c["block_n"])
     grid = (num_programs(device, tasks, c["per_core"]),)
@@ -133,7 +132,7 @@ def matmul_accumulate(c, a, b):
     n = b.shape[1]
     if m == 0 or n == 0 or k == 0:
         return c
-    grid, constexprs, options = _plan(c.device, m, n, k, a.dtype, launch_type(c.device))
+    grid, constexprs, options = _plan(c.device, m, n, k, a.dtype, triton_cross_entropy.launch_type(c.device))
     args = _launch.bind(constexprs, a_ptr=a, a_stride_m=a.stride(0), a_stride_k=a.stride(1), b_ptr=b,
                         b_stride_k=b.stride(0), b_stride_n=b.stride(1), c_ptr=c, c_stride_m=c.stride(0), m=m, n=n, k=k)
     _launch(grid, args, options)

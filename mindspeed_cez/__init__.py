@@ -26,7 +26,7 @@ from mindspeed_cez._requirements import check_torch as _check_torch  # noqa: E40
 _check_torch()
 
 from mindspeed_cez.cross_entropy_zloss import vocab_parallel_cross_entropy_zloss  # noqa: E402
-from mindspeed_cez.kernels.logit_transform import LogitTransform  # noqa: E402
+from mindspeed_cez.kernels import LogitTransform  # noqa: E402
 from mindspeed_cez.linear_cross_entropy import (ForwardGradientLedger, GradientPath,  # noqa: E402
                                                LinearCrossEntropyOptions, TrainerInputs, WeightGradTarget,
                                                linear_cross_entropy_zloss)

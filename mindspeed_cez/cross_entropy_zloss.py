@@ -29,11 +29,8 @@ import torch.distributed as dist
 
 from mindspeed_cez import kernels
 from mindspeed_cez.first_order import first_order_input, first_order_only
-from mindspeed_cez.kernels import partials as layout
+from mindspeed_cez.kernels import IDENTITY, LossSpec, VocabShard, as_rows, loss_spec
 from mindspeed_cez.kernels.backends import CrossEntropyBackend
-from mindspeed_cez.kernels.logit_transform import IDENTITY
-from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard, loss_spec
-from mindspeed_cez.kernels.rows import as_rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -71,7 +68,7 @@ def check_targets_on_host(target, shard, ignore_index):
 def check_equal_widths(gathered, shard_name):
     """On the CPU (host memory: no sync): every rank's slice has the same width, else the same
     ``ValueError`` on every rank, naming ``shard_name``, the tensor whose last dim is the slice."""
-    widths = layout.widths(gathered)
+    widths = kernels.widths(gathered)
     if min(widths) != max(widths):
         raise ValueError(
             f"{shard_name}: tensor-parallel ranks hold vocab shards of unequal width (from {min(widths)} to "
@@ -225,8 +222,8 @@ def refusing_removed(replacements, positional_hint=None):
 
 
 REMOVED = {
-    "logit_scale": "logit_transform=LogitTransform(scale=..., cap=...) (mindspeed_cez.kernels.logit_transform)",
-    "logit_softcap": "logit_transform=LogitTransform(scale=..., cap=...) (mindspeed_cez.kernels.logit_transform)",
+    "logit_scale": "logit_transform=LogitTransform(scale=..., cap=...) (mindspeed_cez.kernels)",
+    "logit_softcap": "logit_transform=LogitTransform(scale=..., cap=...) (mindspeed_cez.kernels)",
     "loss": "its fields as z_loss_coeff=, label_smoothing=, ignore_index= and logit_transform=",
 }
 
@@ -308,12 +305,12 @@ def vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=0.0, label_s
         ignore_index: target value whose tokens get loss 0 and gradient 0.
         tp_group: the tensor-parallel process group; ``None``: a single rank (no collective). Under
             the adaptor, the patch layer passes Megatron's.
-        logit_transform: a :class:`~mindspeed_cez.kernels.logit_transform.LogitTransform` ``(scale, cap)``:
+        logit_transform: a :class:`~mindspeed_cez.kernels.LogitTransform` ``(scale, cap)``:
             the loss is of ``cap * tanh(scale * logits / cap)`` (``scale * logits`` for cap 0; MindSpeed-LLM's
             ``output_multiplier_scale`` and soft cap), made per tile inside the kernels, gradients through it
             exactly. ``IDENTITY`` (default): the loss of the logits themselves. With ``z_loss_coeff``,
             ``label_smoothing`` and ``ignore_index`` it makes the loss's
-            :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` (checked once per set of values).
+            :class:`~mindspeed_cez.kernels.LossSpec` (checked once per set of values).
         backend: ``"triton"`` or ``"torch"`` (the pure-torch reference); ``None`` (default): Triton on
             accelerators where it imports, else torch (``mindspeed_cez.kernels.backend_for``);
             ``"cann"``: torch_npu's ``npu_cross_entropy_loss`` on Ascend, tensor-parallel size 1, no
@@ -339,7 +336,7 @@ def vocab_parallel_cross_entropy_zloss(logits, target, z_loss_coeff=0.0, label_s
     whole = kernels.whole_loss_backend(backend)
     if whole is not None:  # a vendor's op (torch_npu), TP = 1: its own autograd
         whole.check_applies(group_rank_and_size(tp_group)[1], spec.logit_transform)
-        VocabParallel(None, logits.shape[-1], spec, kernels.torch_reference).check_targets(target.reshape(-1))
+        VocabParallel(None, logits.shape[-1], spec, kernels.get_backend("torch")).check_targets(target.reshape(-1))
         total, z_loss, lse = whole.cross_entropy_zloss(
             first_order_input(logits, "vocab_parallel_cross_entropy_zloss"), target, spec)
     else:

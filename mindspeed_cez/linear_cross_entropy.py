@@ -35,8 +35,7 @@ import torch
 
 from mindspeed_cez import kernels
 from mindspeed_cez.cross_entropy_zloss import check_target, refusing_removed
-from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
-from mindspeed_cez.kernels.loss_spec import loss_spec
+from mindspeed_cez.kernels import IDENTITY, LogitTransform, loss_spec
 from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
 from mindspeed_cez.cross_entropy_zloss import group_rank_and_size
 from mindspeed_cez.linear_forward_grads import (LEAN_BLOCK_FRACTION, ForwardGradsOptions,
@@ -203,7 +202,7 @@ class LinearCrossEntropyOptions:
 
     Args:
         logit_transform: the loss is of ``cap * tanh(scale * logits / cap)`` (a
-            :class:`~mindspeed_cez.kernels.logit_transform.LogitTransform`), as
+            :class:`~mindspeed_cez.kernels.LogitTransform`), as
             :func:`vocab_parallel_cross_entropy_zloss`'s ``logit_transform``, made inside the projection's
             tiles / chunks, gradients through it. ``IDENTITY`` (default): no transform.
         path: the :class:`GradientPath` (default: ``grads="forward"``, which a call without token weights
@@ -233,7 +232,7 @@ class LinearCrossEntropyOptions:
 
     def __post_init__(self):
         if not isinstance(self.logit_transform, LogitTransform):
-            raise TypeError(f"logit_transform must be a mindspeed_cez.kernels.logit_transform.LogitTransform, got "
+            raise TypeError(f"logit_transform must be a mindspeed_cez.kernels.LogitTransform, got "
                             f"{type(self.logit_transform).__name__}")
         if not isinstance(self.path, GradientPath):
             raise TypeError(f"path must be a mindspeed_cez.linear_cross_entropy.GradientPath, got "

@@ -20,7 +20,7 @@ def ce_backends(device, world_size, chosen=None):
     """[(name, what a run uses)] for ``vocab_parallel_cross_entropy_zloss`` here: the automatic pick, or
     ``chosen["backend"]`` (MINDSPEED_CEZ_BACKEND) where set."""
     auto = (chosen or {}).get("backend") or (
-        "torch" if kernels.backend_for(device) is kernels.torch_reference else "triton")
+        "torch" if kernels.backend_for(device) is kernels.get_backend("torch") else "triton")
     names = ["triton"] if _triton_runs_on(device) else []
     names.append("torch")
     if device.type == "npu" and world_size == 1 and cann.available():

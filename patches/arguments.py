@@ -53,7 +53,7 @@ import argparse
 import os
 from typing import NamedTuple, Optional
 
-from mindspeed_cez.kernels.logit_transform import LogitTransform
+from mindspeed_cez.kernels import LogitTransform
 from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
 from mindspeed_cez.linear_cross_entropy import GRADS
 from mindspeed_cez.patches import launch_checks

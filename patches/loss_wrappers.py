@@ -40,7 +40,7 @@ import warnings
 import torch
 
 from mindspeed_cez.cross_entropy_zloss import group_rank_and_size, vocab_parallel_cross_entropy_zloss
-from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
+from mindspeed_cez.kernels import IDENTITY, LogitTransform
 from mindspeed_cez.linear_cross_entropy import (ForwardGradientError, LinearCrossEntropyOptions, TrainerInputs,
                                                WeightGradTarget, linear_cross_entropy_zloss)
 from mindspeed_cez.patches import mean_embedding, megatron_state, model_context

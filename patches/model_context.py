@@ -32,7 +32,7 @@ import numbers
 
 import torch
 
-from mindspeed_cez.kernels.logit_transform import LogitTransform
+from mindspeed_cez.kernels import LogitTransform
 from mindspeed_cez.patches import mean_embedding, megatron_state
 from mindspeed_cez.patches.runtime import while_active
 

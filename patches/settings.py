@@ -15,8 +15,7 @@ from mindspeed_cez import environment, kernels
 from mindspeed_cez.environment import BACKEND_ENV, LINEAR_BACKEND_ENV  # noqa: F401 (public names)
 from mindspeed_cez.kernels import cann
 from mindspeed_cez.kernels.chunked_linear import LOGITS_BUDGET_BYTES
-from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
-from mindspeed_cez.kernels.loss_spec import LossSpec
+from mindspeed_cez.kernels import IDENTITY, LogitTransform, LossSpec
 from mindspeed_cez.linear_cross_entropy import GradientPath
 
 # The metrics the settings choose (reported by .reporting).
@@ -52,7 +51,7 @@ class Settings:
         op's default, 4 GiB.
     block_fraction: the same dial as the op's ``block_fraction``, the share of the tokens (and of the
         logits' memory) one block takes, 0.125 the lean setting (``--lm-fused-output-layer-block-fraction``).
-    logit_transform: the :class:`~mindspeed_cez.kernels.logit_transform.LogitTransform` the model
+    logit_transform: the :class:`~mindspeed_cez.kernels.LogitTransform` the model
         applies to the main head's logits with torch ops before the loss (MindSpeed-LLM's
         ``--output-multiplier-scale`` / ``--output-logit-softcapping``), or None (no transform).
         Those ops are recorded, checked against it and computed in the kernels instead.
@@ -71,7 +70,7 @@ class Settings:
         by default the fields' own.
 
     What it holds (read-only):
-    loss: the :class:`~mindspeed_cez.kernels.loss_spec.LossSpec` of the main head: the coefficient,
+    loss: the :class:`~mindspeed_cez.kernels.LossSpec` of the main head: the coefficient,
         label smoothing (0 for None) and logit transform; the patched loss derives each call's with
         :meth:`LossSpec.replace`.
     gradient_path: the :class:`~mindspeed_cez.linear_cross_entropy.GradientPath` of ``grads`` and

@@ -1,5 +1,5 @@
 """Every Triton kernel variant the package launches runs under triton-ascend's interpreter with the
-NPU launch settings (``kernels.launch_as("npu")``: Ascend's tiles, one slot per forward tile,
+NPU launch settings (``support.npu_launch.launched_as(monkeypatch, "npu")``: Ascend's tiles, one slot per forward tile,
 block sizes, warps, eviction, the 16-bit dot without the interpreter's fp32 widening) on CPU
 tensors, and matches float64: loss, z-loss, lse and the logits' gradient, for the streaming kernels
 (one rank: the finishing forward; two vocab shards: partials, loss from partials) and
@@ -22,10 +22,11 @@ import torch
 pytest.importorskip("triton.backends.ascend", reason="needs triton-ascend (CI: .ci/leg_ascend.sh)")
 
 from support import cross_entropy_zloss_float64, loss_and_grad_float64, relative_error  # noqa: E402
+from support.npu_launch import launched_as  # noqa: E402
 
 from mindspeed_cez import kernels  # noqa: E402
 from mindspeed_cez.kernels import triton_cross_entropy as tce  # noqa: E402
-from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard  # noqa: E402
+from mindspeed_cez.kernels import LossSpec, VocabShard  # noqa: E402
 from mindspeed_cez.kernels import triton_linear_cross_entropy as tlce  # noqa: E402
 from mindspeed_cez.kernels import triton_matmul_accumulate as tma  # noqa: E402
 from support.kernel_variants import linear_variants, variants  # noqa: E402
@@ -94,11 +95,12 @@ def _check(name, got_loss, got_grad, logits, target, upstream, tol, **kw):
 
 
 @pytest.mark.parametrize("dtype, smoothing, scale, cap", STREAMING)
-def test_streaming_kernels_one_rank_and_two_shards(dtype, smoothing, scale, cap):
+def test_streaming_kernels_one_rank_and_two_shards(dtype, smoothing, scale, cap, monkeypatch):
     logits, target, upstream = _inputs(DTYPES[dtype], seed=zlib.crc32(repr((dtype, smoothing, scale, cap)).encode()))
     spec = _spec(smoothing, scale, cap)
     kw = dict(label_smoothing=smoothing, logit_scale=scale, logit_softcap=cap)
-    with kernels.launch_as("npu"):
+    with monkeypatch.context() as patch:
+        launched_as(patch, "npu")
         # one rank: the finishing forward, then the gradient
         out = tce.fused_loss(logits, target, spec)
         grad = torch.empty_like(logits)
@@ -118,7 +120,7 @@ def test_streaming_kernels_one_rank_and_two_shards(dtype, smoothing, scale, cap)
 
 
 @pytest.mark.parametrize("dtype, smoothing, scale, cap", LINEAR)
-def test_fused_output_projection_kernels(dtype, smoothing, scale, cap):
+def test_fused_output_projection_kernels(dtype, smoothing, scale, cap, monkeypatch):
     gen = torch.Generator().manual_seed(7 + len(dtype) + int(10 * smoothing + scale + cap))
     n_cols = 300  # three of the NPU's 128-column tiles, ragged; two row blocks of 64, ragged
     hidden = (torch.randn(N_ROWS + 66, HIDDEN, generator=gen) * 0.5).to(LINEAR_DTYPES[dtype])
@@ -127,7 +129,8 @@ def test_fused_output_projection_kernels(dtype, smoothing, scale, cap):
     target[::7] = IGNORE
     upstream = torch.rand(hidden.shape[0], generator=gen) + 0.5
     spec, shard = _spec(smoothing, scale, cap), VocabShard.whole(n_cols)
-    with kernels.launch_as("npu"):
+    with monkeypatch.context() as patch:
+        launched_as(patch, "npu")
         partials = tlce.linear_partials(hidden, weight, target, spec, shard)
         out = tce.loss_from_partials(partials[None], target, spec)
         grad = torch.empty(hidden.shape[0], n_cols, dtype=hidden.dtype)
@@ -139,34 +142,33 @@ def test_fused_output_projection_kernels(dtype, smoothing, scale, cap):
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("k", [128, 100])  # a multiple of the NPU's 64-wide k step, and a k tail
-def test_fp32_accumulation_kernel(dtype, k):
+def test_fp32_accumulation_kernel(dtype, k, monkeypatch):
     """``main_grad += dlogits.T @ hidden`` as the fused layer calls it: ``a`` a transposed view."""
     gen = torch.Generator().manual_seed(11 + k + len(dtype))
     dlogits = torch.randn(k, 200, generator=gen).to(LINEAR_DTYPES[dtype])  # [tokens, vocab rows]
     hidden = torch.randn(k, 72, generator=gen).to(LINEAR_DTYPES[dtype])  # [tokens, h]
     main_grad = torch.randn(200, 72, generator=gen)
     expected = main_grad.double() + dlogits.double().t() @ hidden.double()
-    with kernels.launch_as("npu"):
+    with monkeypatch.context() as patch:
+        launched_as(patch, "npu")
         tma.matmul_accumulate(main_grad, dlogits.t(), hidden)
     assert relative_error(main_grad, expected) < 1e-6
 
 
-def test_launch_as_is_scoped_and_refused_on_accelerator_tensors():
+def test_launched_as_is_scoped_and_refused_on_accelerator_tensors(monkeypatch):
     logits, target, _ = _inputs(torch.float32, seed=3, n_rows=4)
-    with kernels.launch_as("npu"):
+    with monkeypatch.context() as patch:
+        launched_as(patch, "npu")
         tce.fused_loss(logits, target, _spec(0.0))
     tce.fused_loss(logits, target, _spec(0.0))  # after the block: the CPU setting again
     npu, cpu = LAUNCHED[-2][1], LAUNCHED[-1][1]
     assert npu["SLOTS"] == 1 and npu["SLOT_WIDTH"] == 4096, "NPU: one slot per 4096-column tile"
     assert cpu["SLOT_WIDTH"] == 8, "CPU (the interpreter's own setting): 8-wide slots"
     with pytest.raises(ValueError, match="device_type must be one of"):
-        with kernels.launch_as("tpu"):
-            pass
-    from mindspeed_cez.kernels.device_cores import launch_type
-
-    with kernels.launch_as("npu"):
-        with pytest.raises(RuntimeError, match="CPU tensors"):
-            launch_type(torch.device("cuda", 0))
+        launched_as(monkeypatch, "tpu")
+    launched_as(monkeypatch, "npu")
+    with pytest.raises(RuntimeError, match="CPU tensors"):
+        tce.launch_type(torch.device("cuda", 0))
 
 
 def _matches(variant, launches):

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mindspeed_cez.kernels import triton_loss_steps
-from mindspeed_cez.kernels.logit_transform import IDENTITY, SCALE, SOFTCAP, TANH_SERIES_BELOW, LogitTransform
+from mindspeed_cez.kernels import triton_cross_entropy
+from mindspeed_cez.kernels import IDENTITY, SCALE, SOFTCAP, TANH_SERIES_BELOW, LogitTransform
 from mindspeed_cez.patches.model_context import LogitTransformError, TransformedLogits
 
 
@@ -100,7 +100,7 @@ SOFTCAP_KIND = tl.constexpr(SOFTCAP)  # a Triton kernel reads only constexpr glo
 def _soft_cap_kernel(x_ptr, z_ptr, slope_ptr, n, scale, cap, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offsets, mask=offsets < n)
-    z, slope = triton_loss_steps.transform_logits_with_slope(x, scale, cap, SOFTCAP_KIND, PRECISE)
+    z, slope = triton_cross_entropy.transform_logits_with_slope(x, scale, cap, SOFTCAP_KIND, PRECISE)
     tl.store(z_ptr + offsets, z, mask=offsets < n)
     tl.store(slope_ptr + offsets, slope, mask=offsets < n)
 

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 
 from mindspeed_cez import linear_cross_entropy_zloss, vocab_parallel_cross_entropy_zloss
 from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, TrainerInputs
-from mindspeed_cez.kernels.logit_transform import SOFTCAP, LogitTransform
-from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard, loss_spec
+from mindspeed_cez.kernels import SOFTCAP, LogitTransform, LossSpec, VocabShard, loss_spec
 from mindspeed_cez.patches import arguments
 from mindspeed_cez.patches.settings import Settings
 from mindspeed_cez.cross_entropy_zloss import vocab_shard

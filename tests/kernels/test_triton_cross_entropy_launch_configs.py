@@ -80,7 +80,7 @@ def test_loss_and_grad(launch_settings, n, vocab, dtype, z_loss_coeff, label_smo
 def test_partials_of_shards_combine_to_the_full_vocab(launch_settings, world_size):
     """The multi-rank path's two kernels (partials, loss), the all-gather done by hand (a stack)."""
     from mindspeed_cez.kernels import triton_cross_entropy as tce
-    from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
+    from mindspeed_cez.kernels import LossSpec, VocabShard
 
     n, v_local, coeff, alpha = 45, 1500, 1e-3, 0.1
     spec = LossSpec(-100, coeff, alpha)

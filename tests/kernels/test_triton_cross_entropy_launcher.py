@@ -1,4 +1,4 @@
-"""``kernels.triton_launcher.Launcher`` reuses a compiled kernel only where Triton would compile the same one.
+"""``kernels.triton_cross_entropy.Launcher`` reuses a compiled kernel only where Triton would compile the same one.
 
 The launcher keys compiled kernels by its own cheap tuple instead of Triton's per-call
 specialization. For every kernel of the package and many random argument sets (tensors at
@@ -87,7 +87,7 @@ def test_equal_launcher_keys_mean_equal_triton_specializations(seed, tmp_path):
 
 def test_bind_orders_arguments_by_parameter_name():
     from mindspeed_cez.kernels import triton_cross_entropy as tce
-    from mindspeed_cez.kernels.triton_launcher import Launcher
+    from mindspeed_cez.kernels.triton_cross_entropy import Launcher
 
     launcher = Launcher(tce._grad_kernel)
     shared = {p: f"shared {p}" for p in launcher.params} | {"not_a_parameter": 0}

@@ -67,8 +67,7 @@ def test_kernels_turn_an_out_of_range_target_into_nan(backend):
     """Accelerators have no Python range check on the hot path: the partials poison the loss."""
     from support.backends import triton_runs_on_cpu
     from mindspeed_cez import kernels
-    from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
-    from mindspeed_cez.kernels.partials import TARGET_TERM, row
+    from mindspeed_cez.kernels import TARGET_TERM, LossSpec, VocabShard, row
 
     if backend == "triton" and not triton_runs_on_cpu():
         pytest.skip("the Triton kernels take CPU tensors only under TRITON_INTERPRET=1")

@@ -16,7 +16,7 @@ from mindspeed_cez import kernels, linear_cross_entropy_zloss, vocab_parallel_cr
 from mindspeed_cez import GradientPath, LinearCrossEntropyOptions, LogitTransform, TrainerInputs
 from mindspeed_cez.linear_cross_entropy import DEFAULT_OPTIONS, RECOMPUTE
 from mindspeed_cez.kernels import chunked_linear
-from mindspeed_cez.kernels.loss_spec import LossSpec, VocabShard
+from mindspeed_cez.kernels import LossSpec, VocabShard
 from mindspeed_cez.patches.loss_wrappers import main_grad_target  # the adaptor's weight-gradient target
 from mindspeed_cez import ForwardGradientLedger  # noqa: E402
 

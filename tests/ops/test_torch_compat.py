@@ -64,7 +64,7 @@ def test_older_torch_gets_an_error_naming_the_version_needed():
 
 
 def test_the_direct_kernel_launcher_names_the_triton_versions_it_follows():
-    launch = pytest.importorskip("mindspeed_cez.kernels.triton_launcher")
+    launch = pytest.importorskip("mindspeed_cez.kernels.triton_cross_entropy")
     assert not launch.direct_launch_supported("3.3.1") and not launch.direct_launch_supported("3.2.0")
     assert not launch.direct_launch_supported("3.7.0")
     with pytest.warns(UserWarning, match=r"Triton 3\.3\.1 is outside 3\.4-3\.6"):

@@ -8,8 +8,7 @@
   share live in tests/support/.
 * Every ``tests/...`` path the project names (docs, CI, scripts, sources, the tests' own docstrings) exists.
 
-The module list is read from the files on disk, so the test holds while modules merge: :data:`MERGING` names
-the modules issue 67 merges into another, whose tests carry the name of the module they join.
+The module list is read from the files on disk.
 """
 
 import os
@@ -56,21 +55,6 @@ NO_OWN_TESTS = {
     "examples/zloss_claims.py": "the study's claims: tests/package/test_doc_figures.py",
 }
 
-# Issue 67's merges: module -> the module it joins (gone once merged; its tests already carry the new name).
-MERGING = {
-    "kernels/loss_spec.py": "kernels/__init__.py",
-    "kernels/logit_transform.py": "kernels/__init__.py",
-    "kernels/partials.py": "kernels/__init__.py",
-    "kernels/rows.py": "kernels/__init__.py",
-    "kernels/triton_launcher.py": "kernels/triton_cross_entropy.py",
-    "kernels/triton_cross_entropy_plan.py": "kernels/triton_cross_entropy.py",
-    "kernels/device_cores.py": "kernels/triton_cross_entropy.py",
-    "kernels/triton_loss_steps.py": "kernels/triton_cross_entropy.py",
-    "mindspeed_cez/tensor_parallel.py": "mindspeed_cez/cross_entropy_zloss.py",
-    "mindspeed_cez/vocab_parallel.py": "mindspeed_cez/cross_entropy_zloss.py",
-    "mindspeed_cez/fp32_accumulation.py": "mindspeed_cez/linear_forward_grads.py",
-}
-
 # What a test folder may hold besides test files.
 TEST_FILE = re.compile(r"(test_\w+\.py|conftest\.py|__init__\.py)$")
 ROOT_FILES = {"conftest.py", "run_gpu_checks.sh"}  # tests/ itself: the shared configuration, the GPU machine's entry
@@ -101,22 +85,19 @@ def test_each_module_has_tests_named_after_it():
     for module in _modules():
         if module in NO_OWN_TESTS:
             continue
-        owner = MERGING.get(module, module)
-        if not _own_tests(owner):
-            missing.append(module if owner == module else f"{module} (joining {owner})")
+        if not _own_tests(module):
+            missing.append(module)
     assert not missing, (f"no tests/<mirror>/test_<module>*.py for: {missing}; name the test file after the module "
                          "(see this file's docstring), or list the module in NO_OWN_TESTS with the tests that cover it")
 
 
 def test_the_lists_are_honest():
     """An entry of NO_OWN_TESTS names a module that exists and has no test file of its own, and the tests
-    it names exist; an entry of MERGING names a module that joins one that exists."""
+    it names exist."""
     stale = [m for m in NO_OWN_TESTS if not os.path.isfile(os.path.join(ROOT, m)) or _own_tests(m)]
     assert not stale, f"NO_OWN_TESTS entries that are gone or now have tests of their own: {stale}"
     named = [p for reason in NO_OWN_TESTS.values() for p in re.findall(r"tests/[\w/]+(?:\.py|/)", reason)]
     assert named and not [p for p in named if not os.path.exists(os.path.join(ROOT, p))]
-    assert not set(MERGING) & set(NO_OWN_TESTS)
-    assert all(os.path.isfile(os.path.join(ROOT, target)) for target in MERGING.values())
 
 
 def test_test_folders_hold_test_files_only():

@@ -15,7 +15,7 @@ import inspect
 import pytest
 import torch
 
-from mindspeed_cez.kernels.logit_transform import LogitTransform
+from mindspeed_cez.kernels import LogitTransform
 from mindspeed_cez.patches import arguments, model_context
 from mindspeed_cez.patches import runtime
 from mindspeed_cez.patches import settings as _settings

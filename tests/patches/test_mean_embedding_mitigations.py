@@ -89,7 +89,7 @@ def test_a_soft_cap_other_than_mindspeed_llms_own_is_refused():
 
 
 def test_the_main_heads_transform_adds_the_cap_where_the_model_applies_none():
-    from mindspeed_cez.kernels.logit_transform import IDENTITY, LogitTransform
+    from mindspeed_cez.kernels import IDENTITY, LogitTransform
     from mindspeed_cez.patches.loss_wrappers import main_head_transform
 
     cap = Settings(logit_softcap=30.0).logit_softcap

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from mindspeed_cez.kernels.logit_transform import LogitTransform
+from mindspeed_cez.kernels import LogitTransform
 
 pytest.importorskip("megatron.core")
 

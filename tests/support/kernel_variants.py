@@ -6,7 +6,7 @@ constants under one ``LAUNCH_CONFIG`` setting, logits dtype and vocab width. Use
 ``tests/support/ascend_lowering.py`` (Ascend, through triton-ascend's front end and adapter).
 
 A variant's argument types come from the kernel's own parameter list (what
-``triton_launcher.Launcher.params`` holds): its constexprs are the parameters annotated
+``triton_cross_entropy.Launcher.params`` holds): its constexprs are the parameters annotated
 ``tl.constexpr`` (plus any runtime parameter a variant pins to a value), every other parameter
 gets its type from its name (:func:`param_type`), so a new kernel parameter is typed here or
 refused by name.
@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 import triton
 import triton.language as tl
 
-from mindspeed_cez.kernels import logit_transform
+from mindspeed_cez.kernels import KIND_NAMES, SCALE, SOFTCAP
 from mindspeed_cez.kernels import triton_cross_entropy as tce
 from mindspeed_cez.kernels import triton_linear_cross_entropy as tlce
 from mindspeed_cez.kernels import triton_matmul_accumulate as tma
 
 # The logit transforms compiled besides none, by name: the kernels' TRANSFORM constexpr.
-TRANSFORMS = {logit_transform.KIND_NAMES[k]: k for k in (logit_transform.SCALE, logit_transform.SOFTCAP)}
+TRANSFORMS = {KIND_NAMES[k]: k for k in (SCALE, SOFTCAP)}
 
 # The type rule of the kernels' runtime parameters, by name. Pointers: to the inputs' dtype (logits,
 # hidden, weight, their gradient), or to a fixed one; the loss's constants and the partials' width
