@@ -47,8 +47,8 @@ class LogitTransform:
     :class:`LossSpec`; the Triton kernels get its two fp32 numbers and the ``TRANSFORM`` constexpr :attr:`kind`
     from ``LossSpec.kernel_args``, the torch reference calls :meth:`apply` / :meth:`apply_with_slope`. A new
     transform touches this class, the kernels' ``transform_logits`` / ``transform_logits_with_slope``
-    (``triton_cross_entropy``), ``tests/kernels/kernel_variants.py``'s compiled list and the tests
-    (``tests/ops/test_op.py``'s transforms, ``tests/kernels/test_logit_transform.py``).
+    (``triton_cross_entropy``), ``tests/support/kernel_variants.py``'s compiled list and the tests
+    (``tests/ops/test_cross_entropy_zloss.py``'s transforms, ``tests/kernels/test_kernels_logit_transform.py``).
 
     Args:
         scale: ``s > 0``, finite: the logit scale (MindSpeed-LLM's ``output_multiplier_scale``).

@@ -178,7 +178,7 @@ ROWS = [
     # docs/architecture.md: the limits the package tests enforce
     ("docs/architecture.md", "at most {n} imports deep", "tests/package/test_layering.py",
      _constant("MAX_PATCHES_DEPTH")),
-    ("docs/architecture.md", "or on more than {n} such names", "tests/package/test_module_state.py",
+    ("docs/architecture.md", "module-level mutable names (at most {n}:", "tests/package/test_module_state.py",
      _constant("MAX_GLOBALS")),
 
     # examples/README.md: the Megatron-LM launch (its default length, its log line on GPUs), the corpus
