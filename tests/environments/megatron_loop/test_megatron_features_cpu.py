@@ -196,7 +196,8 @@ def test_fused_layer_leaves_megatron_fsdp_main_grad_alone(fsdp):
     """A weight Megatron-FSDP manages (``__fsdp_param__``) keeps last iteration's ``main_grad`` view in forward;
     the fused layer hands its gradient back through autograd (Megatron-FSDP's hook puts it into the bucket), the
     gradient of a plain weight; a DDP weight's gradient goes into ``main_grad`` (the control)."""
-    from mindspeed_cez.patches import loss_wrappers
+    from mindspeed_cez import ForwardGradientLedger
+    from mindspeed_cez.patches import loss_wrappers, runtime
     from mindspeed_cez.patches.settings import Settings
 
     torch.manual_seed(0)
@@ -205,13 +206,15 @@ def test_fused_layer_leaves_megatron_fsdp_main_grad_alone(fsdp):
     target = torch.randint(0, v, (s, b))
     mask = (torch.rand(b, s) > 0.3).float()
     settings = Settings(z_loss_coeff=1e-2, fused_output_layer=True, grads="recompute")
+    on = runtime.Runtime(None, None, ForwardGradientLedger())  # what the patched loss gets: settings, ledger
+    on.settings = settings
     config = SimpleNamespace(grad_scale_func=None, calculate_per_token_loss=False)
     layer = SimpleNamespace(sequence_parallel=False, gradient_accumulation_fusion=False)
 
     def weight_grad(weight):
         x = hidden.clone().requires_grad_()
         deferred = loss_wrappers.DeferredLogits(x, weight, layer)
-        loss, _, _ = loss_wrappers.linear_loss(deferred, target, settings.loss, None, settings, mask, config)
+        loss, _, _ = loss_wrappers.linear_loss(deferred, target, settings.loss, None, on, mask, config)
         (loss.transpose(0, 1) * mask).sum().backward()
         return weight
 
