@@ -199,11 +199,13 @@ def test_a_non_finite_grad_scale_tensor_is_a_device_assert():
     """A CUDA ``grad_scale`` tensor holding NaN: a device-side assert naming grad_scale (no host sync in the op)."""
     output = _output_of_a_failing_script(
         _FORWARD_PATH
-        + "from mindspeed_cez.linear_cross_entropy import WeightGradTarget\n"
+        + "from mindspeed_cez import ForwardGradientLedger\n"
+          "from mindspeed_cez.linear_cross_entropy import WeightGradTarget\n"
           "w.main_grad = torch.zeros(100, 32, device='cuda')\n"
           "s = torch.tensor(float('nan'), device='cuda')\n"
           "loss, _ = linear_cross_entropy_zloss(h, w, t, trainer=TrainerInputs(token_weights=m, grad_scale=s,\n"
-          "                                     weight_grad=WeightGradTarget(w.main_grad), ledger=LEDGER))\n"
+          "                                     weight_grad=WeightGradTarget(w.main_grad),\n"
+          "                                     ledger=ForwardGradientLedger()))\n"
           "torch.cuda.synchronize()\n")
     assert "grad_scale must be finite" in output, output[-3000:]
 
