@@ -1,4 +1,4 @@
-"""The suite's layout, so a newcomer finds a module's tests by its name (issue 67).
+"""The suite's layout, so a newcomer finds a module's tests by its name.
 
 * Each folder of tests/ mirrors one folder of the tree: a module ``kernels/x.py``, ``mindspeed_cez/x.py``,
   ``patches/x.py`` or ``examples/x.py`` has its tests in ``tests/<mirror>/test_x.py`` or ``test_x_*.py``; a
