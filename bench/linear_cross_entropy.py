@@ -4,7 +4,6 @@ float64: tests/); ``--accumulations``, ``--tune-accumulate``, ``--tp``, ``--prof
 Per ``N x h x V``: bf16 hidden [N, h], weight [V, h], 10 % ignored targets, loss = sum, c = 1e-4."""
 
 import argparse
-import contextlib
 import functools
 import os
 import statistics

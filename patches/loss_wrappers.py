@@ -145,8 +145,6 @@ def check_loss_input(module, logits, is_main, context):
         raise FusedOutputLayerError(f"{FLAG}: an MTP head's loss got the main head's deferred output layer call")
 
 
-
-
 def unwrap(logits, is_main, expected):
     """``(logits, transform)`` of what a language-model loss got: the tensor (or deferred output layer
     call) inside :class:`.model_context.TransformedLogits` and the transform the model applied to it, checked against
